@@ -1,0 +1,32 @@
+# The two set-up commands of the README:  `make demo`  and  `make test`.
+# Both build the virtual environment first (torch's CPU build first, pinned, then the rest).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/pelt demo
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install
+	$(VENV)/bin/ruff check .
+	PELT_TEST_DATABASE_URL="$${PELT_TEST_DATABASE_URL:-$$(bash deploy/local-postgres.sh)}" \
+		$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,23 @@
+"""MAM adapter, "mix-and-match" (He et al., ICLR 2022).
+
+Paper defaults: prefix tuning with a small prefix (l = 30) at the attention heads plus a scaled parallel
+adapter (r = 512, s = 4) at the FFN. The paper's finding: modify the FFN with the larger budget, the
+attention with the smaller one.
+"""
+
+from pelt_core.spec import MethodSpec, ModuleSpec
+
+MAM = MethodSpec(
+    name="mam",
+    modules={
+        "prefix": ModuleSpec(form="prefix", representation="attn.heads", insertion="parallel", composition="gated",
+                             size=30, reparam_hidden=512, init_std=1.0),
+        "adapter": ModuleSpec(form="bottleneck", representation="ffn", insertion="parallel", composition="scaled",
+                              scale=4.0, size=512, nonlinearity="relu", init="lora"),
+    },
+    description="prefix (l=30) at attention + scaled parallel adapter (r=512, s=4) at the FFN",
+    reference="He et al. Towards a Unified View of Parameter-Efficient Transfer Learning. ICLR 2022",
+    defaults={"learning_rate": 1e-3},
+)
+
+PRESETS = [MAM]

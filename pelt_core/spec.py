@@ -1,0 +1,297 @@
+"""One modification spec for every PELT method.
+
+He et al. ("Towards a Unified View of Parameter-Efficient Transfer Learning", ICLR 2022) describe
+every method as a learned modification Δh of some hidden representation h, along four design
+dimensions. A `ModuleSpec` is one such modification; a `MethodSpec` is a named set of them plus the
+two extras the dimensions do not cover (BitFit's bias deltas and trainable LayerNorms).
+
+    functional form     `form` + `nonlinearity` + `size` (+ `proj_bias`):
+                          "bottleneck":  Δh = f(x W_down) W_up        (adapters, LoRA: f = identity)
+                          "prefix":      Δh = softmax(x W_q P_kᵀ) P_v  (prefix tuning, l = size)
+    modified repr.      `representation`: a sub-layer output ("attn", "ffn"), a weight matrix's output
+                          ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.in", "ffn.out") or the
+                          attention heads' keys/values ("attn.heads", prefix only)
+    insertion form      `insertion`: "sequential" (Δh computed from h itself) or "parallel"
+                          (computed from the input x of the modified sub-layer or matrix)
+    composition         `composition`: "add" (h + Δh), "scaled" (h + s·Δh, s fixed or learned),
+                          "gated" ((1-λ)h + λΔh: prefix tuning's attention-weighted mixture)
+
+`gate=True` adds UniPELT's learned gate G = σ(W_g x + b_g) on top of a module's own composition.
+
+A user-defined method is just `MethodSpec.from_dict(json)`; nothing else needs to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMS = ("bottleneck", "prefix")
+SUBLAYER_REPRESENTATIONS = ("attn", "ffn")
+WEIGHT_REPRESENTATIONS = ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.in", "ffn.out")
+REPRESENTATIONS = (*SUBLAYER_REPRESENTATIONS, *WEIGHT_REPRESENTATIONS, "attn.heads")
+INSERTIONS = ("sequential", "parallel")
+COMPOSITIONS = ("add", "scaled", "gated")
+NONLINEARITIES = ("relu", "gelu", "tanh", "silu", "identity")
+INITS = ("near_identity", "lora", "zero_up")
+
+
+class SpecError(ValueError):
+    """A method spec or an override names something that does not exist or is out of range."""
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One learned modification Δh (see the module docstring for the four dimensions)."""
+
+    form: str
+    representation: str
+    insertion: str = "sequential"
+    composition: str = "add"
+    size: int = 64
+    nonlinearity: str = "relu"
+    proj_bias: bool = True
+    scale: float = 1.0
+    alpha: float | None = None
+    learned_scale: bool = False
+    gate: bool = False
+    init: str = "near_identity"
+    init_std: float = 1e-2
+    dropout: float = 0.0
+    layers: tuple[int, ...] | None = None
+    reparam_hidden: int | None = None
+
+    @property
+    def effective_scale(self) -> float:
+        """s in h + s·Δh: α/r when `alpha` is given (LoRA's convention), else `scale`."""
+        return self.alpha / self.size if self.alpha is not None else self.scale
+
+    def validate(self, where: str = "module") -> None:
+        def bad(name: str, message: str) -> SpecError:
+            return SpecError(f"{where}.{name}: {message}")
+
+        if self.form not in FORMS:
+            raise bad("form", f"{self.form!r} is not one of {', '.join(FORMS)}")
+        if self.representation not in REPRESENTATIONS:
+            raise bad("representation", f"{self.representation!r} is not one of {', '.join(REPRESENTATIONS)}")
+        if self.insertion not in INSERTIONS:
+            raise bad("insertion", f"{self.insertion!r} is not one of {', '.join(INSERTIONS)}")
+        if self.composition not in COMPOSITIONS:
+            raise bad("composition", f"{self.composition!r} is not one of {', '.join(COMPOSITIONS)}")
+        if self.nonlinearity not in NONLINEARITIES:
+            raise bad("nonlinearity", f"{self.nonlinearity!r} is not one of {', '.join(NONLINEARITIES)}")
+        if self.init not in INITS:
+            raise bad("init", f"{self.init!r} is not one of {', '.join(INITS)}")
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise bad("size", f"must be a whole number >= 1, got {self.size!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise bad("dropout", f"must be in [0, 1), got {self.dropout!r}")
+        if self.init_std <= 0:
+            raise bad("init_std", f"must be > 0, got {self.init_std!r}")
+        if self.alpha is not None and self.alpha <= 0:
+            raise bad("alpha", f"must be > 0, got {self.alpha!r}")
+        if self.layers is not None and any((not isinstance(i, int)) or i < 0 for i in self.layers):
+            raise bad("layers", f"must be a list of layer indices >= 0, got {self.layers!r}")
+        if self.reparam_hidden is not None and self.reparam_hidden < 1:
+            raise bad("reparam_hidden", f"must be >= 1 or null, got {self.reparam_hidden!r}")
+        if self.form == "prefix":
+            if self.representation != "attn.heads":
+                raise bad("representation", "a prefix modifies the attention heads: use 'attn.heads'")
+            if self.composition != "gated":
+                raise bad("composition", "prefix tuning composes by attention gating: use 'gated'")
+            if self.insertion != "parallel":
+                raise bad("insertion", "prefix tuning is a parallel modification: use 'parallel'")
+        else:
+            if self.representation == "attn.heads":
+                raise bad("representation", "'attn.heads' is only for form 'prefix'")
+            if self.composition == "gated":
+                raise bad(
+                    "composition",
+                    "'gated' is prefix tuning's attention gating; use 'add' or 'scaled' (and gate=true for UniPELT's gate)",
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["layers"] = list(self.layers) if self.layers is not None else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "module") -> ModuleSpec:
+        if not isinstance(data, dict):
+            raise SpecError(f"{where}: expected an object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        for required in ("form", "representation"):
+            if required not in data:
+                raise SpecError(f"{where}.{required}: missing")
+        values = dict(data)
+        if values.get("layers") is not None:
+            values["layers"] = tuple(values["layers"])
+        for name in ("scale", "init_std", "dropout"):
+            if name in values and isinstance(values[name], int) and not isinstance(values[name], bool):
+                values[name] = float(values[name])
+        spec = cls(**values)
+        spec.validate(where)
+        return spec
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A named PELT method: modification modules plus BitFit bias deltas and trainable LayerNorms."""
+
+    name: str
+    modules: dict[str, ModuleSpec] = field(default_factory=dict)
+    bias: bool = False
+    layer_norm: bool = False
+    description: str = ""
+    reference: str = ""
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise SpecError("name: a method needs a non-empty name")
+        if not self.modules and not self.bias and not self.layer_norm:
+            raise SpecError(f"{self.name}: a method must train something (modules, bias or layer_norm)")
+        for role, module in self.modules.items():
+            if not role.isidentifier():
+                raise SpecError(f"{self.name}.modules: role {role!r} must be an identifier (letters, digits, _)")
+            module.validate(f"{self.name}.modules.{role}")
+        prefixes = [r for r, m in self.modules.items() if m.form == "prefix"]
+        if len(prefixes) > 1:
+            raise SpecError(f"{self.name}.modules: at most one prefix module, got {', '.join(prefixes)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "modules": {role: m.to_dict() for role, m in self.modules.items()},
+            "bias": self.bias,
+            "layer_norm": self.layer_norm,
+            "description": self.description,
+            "reference": self.reference,
+            "defaults": dict(self.defaults),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MethodSpec:
+        if not isinstance(data, dict):
+            raise SpecError(f"method: expected an object, got {type(data).__name__}")
+        known = {"name", "modules", "bias", "layer_norm", "description", "reference", "defaults"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"method: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        name = data.get("name", "")
+        modules_data = data.get("modules", {})
+        if not isinstance(modules_data, dict):
+            raise SpecError(f"{name}.modules: expected an object of role -> module spec")
+        spec = cls(
+            name=name,
+            modules={
+                role: ModuleSpec.from_dict(m, f"{name}.modules.{role}") for role, m in modules_data.items()
+            },
+            bias=bool(data.get("bias", False)),
+            layer_norm=bool(data.get("layer_norm", False)),
+            description=data.get("description", ""),
+            reference=data.get("reference", ""),
+            defaults=dict(data.get("defaults", {})),
+        )
+        spec.validate()
+        return spec
+
+    def with_overrides(self, overrides: dict[str, Any]) -> MethodSpec:
+        """Return a copy with spec fields changed.
+
+        Keys are `role.field` (one module), a bare module `field` (every module that has it, e.g. `size`),
+        `bias` or `layer_norm`. Handy aliases: `r`/`rank` and `bottleneck`/`prefix_length` mean `size`
+        of the LoRA-like, adapter-like or prefix modules respectively.
+        """
+        modules = dict(self.modules)
+        bias, layer_norm = self.bias, self.layer_norm
+        module_fields = {f.name for f in dataclasses.fields(ModuleSpec)}
+        for key, value in overrides.items():
+            if key == "bias":
+                bias = _as_bool(value, key)
+                continue
+            if key == "layer_norm":
+                layer_norm = _as_bool(value, key)
+                continue
+            if "." in key:
+                role, field_name = key.split(".", 1)
+                if role not in modules:
+                    raise SpecError(f"{key}: method {self.name!r} has no module {role!r} (has: {', '.join(modules) or 'none'})")
+                targets = [role]
+            else:
+                field_name, targets = _alias_targets(key, modules)
+                if not targets:
+                    raise SpecError(
+                        f"{key}: not a field of any module of {self.name!r}; use role.field with roles "
+                        f"{', '.join(modules) or 'none'} and fields {', '.join(sorted(module_fields))}"
+                    )
+            if field_name not in module_fields:
+                raise SpecError(f"{key}: unknown module field {field_name!r}; known: {', '.join(sorted(module_fields))}")
+            for role in targets:
+                current = modules[role].to_dict()
+                current[field_name] = _coerce_like(current.get(field_name), value, key, field_name)
+                modules[role] = ModuleSpec.from_dict(current, f"{self.name}.modules.{role}")
+        spec = dataclasses.replace(self, modules=modules, bias=bias, layer_norm=layer_norm)
+        spec.validate()
+        return spec
+
+
+def _alias_targets(key: str, modules: dict[str, ModuleSpec]) -> tuple[str, list[str]]:
+    if key in ("r", "rank"):
+        return "size", [r for r, m in modules.items() if m.form == "bottleneck" and m.nonlinearity == "identity"]
+    if key == "bottleneck":
+        return "size", [r for r, m in modules.items() if m.form == "bottleneck" and m.nonlinearity != "identity"]
+    if key in ("prefix_length", "l"):
+        return "size", [r for r, m in modules.items() if m.form == "prefix"]
+    names = {f.name for f in dataclasses.fields(ModuleSpec)}
+    if key in names:
+        return key, list(modules)
+    return key, []
+
+
+def _as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+        return False
+    raise SpecError(f"{key}: expected true or false, got {value!r}")
+
+
+def _coerce_like(current: Any, value: Any, key: str, field_name: str) -> Any:
+    """Turn a command-line string into the type of the field it overrides."""
+    if not isinstance(value, str):
+        return value
+    if field_name == "layers":
+        if value.lower() in ("", "all", "none", "null"):
+            return None
+        try:
+            return [int(part) for part in value.split(",")]
+        except ValueError as exc:
+            raise SpecError(f"{key}: expected comma-separated layer indices, got {value!r}") from exc
+    if field_name in ("size", "reparam_hidden"):
+        if value.lower() in ("none", "null") and field_name == "reparam_hidden":
+            return None
+        try:
+            return int(value)
+        except ValueError as exc:
+            raise SpecError(f"{key}: expected a whole number, got {value!r}") from exc
+    if field_name in ("scale", "alpha", "init_std", "dropout"):
+        if field_name == "alpha" and value.lower() in ("none", "null"):
+            return None
+        try:
+            return float(value)
+        except ValueError as exc:
+            raise SpecError(f"{key}: expected a number, got {value!r}") from exc
+    if field_name in ("proj_bias", "learned_scale", "gate"):
+        return _as_bool(value, key)
+    return value

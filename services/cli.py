@@ -1,0 +1,36 @@
+"""The `pelt` command line: the single-job commands of pelt_core plus the service's commands."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="pelt")
+def main() -> None:
+    """pelt: parameter-efficient tuning of one shared backbone for many tasks."""
+
+
+def _register_local_commands() -> None:
+    from pelt_core.cli import LOCAL_COMMANDS
+
+    for command in LOCAL_COMMANDS:
+        main.add_command(command)
+
+
+def _register_service_commands() -> None:
+    try:
+        from services.registry.cli import db
+    except ImportError:  # the registry package is optional while it is being built
+        return
+    main.add_command(db)
+
+
+_register_local_commands()
+_register_service_commands()
