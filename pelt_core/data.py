@@ -1,0 +1,254 @@
+"""User datasets: JSON Lines, CSV, Parquet or a `datasets` folder; field detection; K-shot sampling;
+tokenisation once, then dynamic padding over length-grouped batches."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# GLUE-style names, most specific first: (text fields, ...)
+TEXT_FIELD_CANDIDATES = (
+    ("sentence1", "sentence2"),
+    ("question1", "question2"),
+    ("premise", "hypothesis"),
+    ("question", "sentence"),
+    ("text_a", "text_b"),
+    ("sentence",),
+    ("text",),
+    ("review",),
+    ("content",),
+)
+LABEL_FIELD_CANDIDATES = ("label", "labels", "score", "target", "category", "class")
+
+
+class DataError(ValueError):
+    """A dataset file cannot be read or lacks a field the task needs; the message names it."""
+
+
+def load_table(path: str | Path, split: str | None = None):
+    """Read a JSON Lines, JSON, CSV or Parquet file, or a `datasets` folder (save_to_disk), as a Dataset."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"{path}: no such file or folder")
+    try:
+        if p.is_dir():
+            loaded = datasets.load_from_disk(str(p))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split is None:
+                    raise DataError(f"{path}: a DatasetDict with splits {', '.join(loaded)}; name one (e.g. {path}:train)")
+                if split not in loaded:
+                    raise DataError(f"{path}: no split {split!r}; it has {', '.join(loaded)}")
+                return loaded[split]
+            return loaded
+        suffix = "".join(p.suffixes[-2:]) if p.suffix == ".gz" else p.suffix
+        if suffix in (".jsonl", ".json", ".jsonl.gz", ".json.gz"):
+            return datasets.Dataset.from_json(str(p))
+        if suffix in (".csv", ".csv.gz"):
+            return datasets.Dataset.from_csv(str(p))
+        if suffix in (".tsv",):
+            return datasets.Dataset.from_csv(str(p), sep="\t")
+        if suffix == ".parquet":
+            return datasets.Dataset.from_parquet(str(p))
+    except DataError:
+        raise
+    except Exception as exc:  # the readers raise many types; the user needs the file and the reason
+        raise DataError(f"{path}: cannot read it as {p.suffix or 'a datasets folder'}: {exc}") from exc
+    raise DataError(f"{path}: unsupported file type {p.suffix!r}; use .jsonl, .json, .csv, .tsv, .parquet "
+                    "or a datasets folder")
+
+
+def load_split(spec: str | Path):
+    """`path` or `path:split` (for a DatasetDict folder)."""
+    text = str(spec)
+    if ":" in text and not Path(text).exists():
+        path, split = text.rsplit(":", 1)
+        return load_table(path, split)
+    return load_table(text)
+
+
+@dataclass
+class TaskFields:
+    """Which columns hold the text and the label, and what the label means."""
+
+    text_fields: tuple[str, ...]
+    label_field: str
+    problem_type: str = "single_label_classification"
+    label_names: list[str] = field(default_factory=list)
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.problem_type == "regression" else len(self.label_names)
+
+
+def detect_fields(columns: list[str], text_fields: tuple[str, ...] | list[str] | None = None,
+                  label_field: str | None = None) -> tuple[tuple[str, ...], str]:
+    """Pick text and label columns from GLUE-style names unless given; errors name the missing field."""
+    if text_fields:
+        for name in text_fields:
+            if name not in columns:
+                raise DataError(f"text field {name!r} is not in the data (columns: {', '.join(columns)})")
+        texts = tuple(text_fields)
+    else:
+        found = next((c for c in TEXT_FIELD_CANDIDATES if all(name in columns for name in c)), None)
+        if found is None:
+            raise DataError(f"cannot tell which column holds the text (columns: {', '.join(columns)}); "
+                            "name it with --text-field")
+        texts = found
+    if len(texts) not in (1, 2):
+        raise DataError(f"one or two text fields are supported, got {len(texts)}")
+    if label_field:
+        if label_field not in columns:
+            raise DataError(f"label field {label_field!r} is not in the data (columns: {', '.join(columns)})")
+        label = label_field
+    else:
+        label = next((c for c in LABEL_FIELD_CANDIDATES if c in columns), None)
+        if label is None:
+            raise DataError(f"cannot tell which column holds the label (columns: {', '.join(columns)}); "
+                            "name it with --label-field")
+    return texts, label
+
+
+def infer_task_fields(dataset, text_fields=None, label_field=None, problem_type: str | None = None,
+                      label_names: list[str] | None = None) -> TaskFields:
+    """Detect fields and the label space from the training data."""
+    texts, label = detect_fields(list(dataset.column_names), text_fields, label_field)
+    values = dataset[label]
+    first = next((v for v in values if v is not None), None)
+    if problem_type is None:
+        if isinstance(first, list):
+            problem_type = "multi_label_classification"
+        elif isinstance(first, float) and not float(first).is_integer():
+            problem_type = "regression"
+        else:
+            problem_type = "single_label_classification"
+    if problem_type == "regression":
+        return TaskFields(texts, label, problem_type, [])
+    if label_names:
+        names = [str(n) for n in label_names]
+    else:
+        flat = [x for v in values for x in (v if isinstance(v, list) else [v]) if x is not None]
+        if all(isinstance(x, (int, np.integer)) or (isinstance(x, float) and x.is_integer()) for x in flat):
+            top = int(max(flat)) if flat else 0
+            names = [str(i) for i in range(top + 1)]
+        else:
+            names = sorted({str(x) for x in flat})
+    return TaskFields(texts, label, problem_type, names)
+
+
+def sample_k_shot(dataset, k: int | None, seed: int):
+    """UniPELT's low-resource setting: K training examples drawn at random by seed (all when k is None)."""
+    if k is None:
+        return dataset
+    if k > len(dataset):
+        raise DataError(f"k_shot: K={k} is larger than the training set ({len(dataset)} examples)")
+    indices = random.Random(seed).sample(range(len(dataset)), k)
+    return dataset.select(sorted(indices))
+
+
+@dataclass
+class Encoded:
+    """A tokenised split: variable-length token ids and labels, padded only when batched."""
+
+    input_ids: list[list[int]]
+    token_type_ids: list[list[int]] | None
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.input_ids]
+
+
+def encode_labels(values: list[Any], task: TaskFields, where: str) -> np.ndarray:
+    if task.problem_type == "regression":
+        try:
+            return np.asarray(values, dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"{where}: label field {task.label_field!r} must hold numbers for regression") from exc
+    index = {name: i for i, name in enumerate(task.label_names)}
+
+    def one(value: Any) -> int:
+        if isinstance(value, (int, np.integer)) or (isinstance(value, float) and value.is_integer()):
+            position = int(value)
+            if not 0 <= position < len(task.label_names):
+                raise DataError(f"{where}: label {value!r} in field {task.label_field!r} is outside 0.."
+                                f"{len(task.label_names) - 1}")
+            return position
+        if str(value) in index:
+            return index[str(value)]
+        raise DataError(f"{where}: label {value!r} in field {task.label_field!r} is not one of "
+                        f"{', '.join(task.label_names)}")
+
+    if task.problem_type == "multi_label_classification":
+        hot = np.zeros((len(values), len(task.label_names)), dtype=np.float32)
+        for row, value in enumerate(values):
+            for item in value or []:
+                hot[row, one(item)] = 1.0
+        return hot
+    return np.asarray([one(v) for v in values], dtype=np.int64)
+
+
+def encode(dataset, tokenizer, task: TaskFields, max_length: int, where: str = "data") -> Encoded:
+    """Tokenise once (truncated to max_length, no padding) and map labels to indices."""
+    for name in (*task.text_fields, task.label_field):
+        if name not in dataset.column_names:
+            raise DataError(f"{where}: field {name!r} is missing (columns: {', '.join(dataset.column_names)})")
+    columns = [["" if t is None else str(t) for t in dataset[name]] for name in task.text_fields]
+    tokens = tokenizer(*columns, truncation=True, max_length=max_length)
+    token_types = tokens.get("token_type_ids")
+    return Encoded(tokens["input_ids"], token_types, encode_labels(dataset[task.label_field], task, where))
+
+
+def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, shuffle: bool = True) -> list[list[int]]:
+    """Batches of similar lengths (little padding) in random order.
+
+    Indices are shuffled, cut into mega-batches of 50 batches, sorted by length inside each, then cut into
+    batches whose order is shuffled again. Without shuffle: sorted by length (for evaluation).
+    """
+    if not shuffle:
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    mega = batch_size * 50
+    batches = []
+    for start in range(0, len(order), mega):
+        chunk = sorted(order[start:start + mega], key=lambda i: lengths[i], reverse=True)
+        batches.extend(chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size))
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(data: Encoded, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad the selected examples to the longest of them."""
+    width = max(len(data.input_ids[i]) for i in indices)
+    ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(indices), width), dtype=torch.long)
+    types = torch.zeros((len(indices), width), dtype=torch.long) if data.token_type_ids is not None else None
+    for row, i in enumerate(indices):
+        n = len(data.input_ids[i])
+        ids[row, :n] = torch.tensor(data.input_ids[i])
+        mask[row, :n] = 1
+        if types is not None:
+            types[row, :n] = torch.tensor(data.token_type_ids[i])
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.from_numpy(data.labels[indices])}
+    if types is not None:
+        batch["token_type_ids"] = types
+    return batch
+
+
+def iterate(data: Encoded, batches: list[list[int]], pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
+    for indices in batches:
+        yield collate(data, indices, pad_id)

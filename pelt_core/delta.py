@@ -1,0 +1,185 @@
+"""Deltas: only what a job trained, as safetensors, plus a JSON manifest that makes them self-describing.
+
+A delta folder holds `delta.safetensors` (never pickle) and `manifest.json`: the method spec, the
+backbone's name and content hash, head (problem type, labels, pooling), parameter counts and the pelt
+version. A delta loads only onto the backbone whose content hash it names.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pelt_core.backbones import Backbone
+from pelt_core.model import JobDelta
+from pelt_core.spec import MethodSpec
+
+DELTA_FILE = "delta.safetensors"
+MANIFEST_FILE = "manifest.json"
+FORMAT = "pelt-delta"
+FORMAT_VERSION = 1
+
+
+class DeltaError(ValueError):
+    """A delta folder is incomplete, corrupted, or meant for another backbone."""
+
+
+@dataclass
+class SavedDelta:
+    path: Path
+    sha256: str  # of delta.safetensors
+    manifest: dict[str, Any]
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def build_manifest(delta: JobDelta, backbone: Backbone, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    from pelt_core import __version__
+
+    counts = delta.parameter_counts()
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "pelt_version": __version__,
+        "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "method": delta.method.to_dict(),
+        "backbone": {
+            "name": backbone.name,
+            "content_hash": backbone.content_hash,
+            "model_type": backbone.config.model_type,
+            "num_layers": backbone.num_layers,
+            "hidden_size": backbone.hidden_size,
+            "num_parameters": backbone.num_parameters,
+        },
+        "head": {
+            "problem_type": delta.problem_type,
+            "num_labels": delta.head.classifier.out_features,
+            "label_names": delta.label_names,
+            "pooling": delta.head.pooling,
+        },
+        "parameters": {
+            "pelt": counts["pelt"],
+            "head": counts["head"],
+            "pelt_percent_of_backbone": 100.0 * counts["pelt"] / backbone.num_parameters,
+        },
+        "extra": extra or {},
+    }
+
+
+def save_delta(delta: JobDelta, backbone: Backbone, out_dir: str | Path,
+               extra: dict[str, Any] | None = None) -> SavedDelta:
+    """Write the delta (after dropping any training-only reparameterisation) and its manifest."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    delta.drop_reparameterization()
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in delta.state_dict().items()}
+    manifest = build_manifest(delta, backbone, extra)
+    save_file(tensors, str(out / DELTA_FILE), metadata={"format": FORMAT, "backbone_hash": backbone.content_hash})
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return SavedDelta(out, sha256_file(out / DELTA_FILE), manifest)
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    folder = Path(path)
+    manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.exists() or not (folder / DELTA_FILE).exists():
+        raise DeltaError(f"{folder} is not a pelt delta: it needs {DELTA_FILE} and {MANIFEST_FILE}")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise DeltaError(f"{manifest_path}: format {manifest.get('format')!r} is not {FORMAT!r}")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise DeltaError(f"{manifest_path}: format version {manifest['format_version']} is newer than this pelt "
+                         f"understands ({FORMAT_VERSION}); upgrade pelt")
+    return manifest
+
+
+def load_delta(path: str | Path, backbone: Backbone, expected_sha256: str | None = None) -> JobDelta:
+    """Load a saved delta onto `backbone`; refuses a different backbone or a file whose sha256 differs."""
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    if expected_sha256 is not None:
+        actual = sha256_file(folder / DELTA_FILE)
+        if actual != expected_sha256:
+            raise DeltaError(f"{folder / DELTA_FILE}: sha256 {actual} does not match the recorded {expected_sha256}")
+    wanted = manifest["backbone"]
+    if wanted["content_hash"] != backbone.content_hash:
+        raise DeltaError(
+            f"this delta was trained on backbone {wanted['name']!r} (content hash {wanted['content_hash'][:12]}…), "
+            f"not on {backbone.name!r} (content hash {backbone.content_hash[:12]}…); load that backbone instead"
+        )
+    head = manifest["head"]
+    delta = JobDelta(
+        MethodSpec.from_dict(manifest["method"]), backbone, num_labels=head["num_labels"],
+        problem_type=head["problem_type"], pooling=head["pooling"], label_names=head["label_names"],
+        reparameterize_prefix=False,
+    )
+    state = load_file(str(folder / DELTA_FILE))
+    missing, unexpected = delta.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise DeltaError(f"{folder}: tensors do not match the manifest's method "
+                         f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})")
+    delta.manifest = manifest
+    return delta.eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# HF PEFT interoperability (LoRA)
+# --------------------------------------------------------------------------------------------------
+def export_peft_lora(delta: JobDelta, backbone: Backbone, out_dir: str | Path) -> Path:
+    """Write a LoRA delta as PEFT's adapter_config.json + adapter_model.safetensors (over the base AutoModel).
+
+    `peft.PeftModel.from_pretrained(AutoModel..., out_dir)` then gives the same hidden states as pelt; the
+    task head is saved beside it as head.safetensors.
+    """
+    modules = delta.method.modules
+    if delta.method.bias or delta.method.layer_norm or delta.prefix_layers or not modules:
+        raise DeltaError("only pure LoRA deltas export to PEFT (no adapters, prefixes, bias or norm deltas)")
+    first = next(iter(modules.values()))
+    for role, spec in modules.items():
+        if not (spec.form == "bottleneck" and spec.nonlinearity == "identity" and not spec.proj_bias
+                and spec.insertion == "parallel" and not spec.gate and not spec.learned_scale
+                and spec.representation.count(".") == 1):
+            raise DeltaError(f"module {role!r} is not a plain LoRA on a weight matrix; PEFT cannot load it")
+        if (spec.size, spec.effective_scale, spec.layers) != (first.size, first.effective_scale, first.layers):
+            raise DeltaError("PEFT export needs one rank, scale and layer set shared by all LoRA modules")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors, targets = {}, set()
+    for (layer, concrete), ops in delta.linear_ops.items():
+        path = backbone.linear_path(layer, concrete)
+        targets.add(backbone.arch.linear_paths[concrete].split(".")[-1])
+        for module in ops.parallel_x:
+            tensors[f"base_model.model.{path}.lora_A.weight"] = module.down.weight.detach().float().contiguous()
+            tensors[f"base_model.model.{path}.lora_B.weight"] = module.up.weight.detach().float().contiguous()
+    config = {
+        "peft_type": "LORA",
+        "task_type": None,
+        "r": first.size,
+        "lora_alpha": first.effective_scale * first.size,
+        "lora_dropout": first.dropout,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_to_transform": list(first.layers) if first.layers is not None else None,
+        "base_model_name_or_path": backbone.source,
+    }
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.detach().float().contiguous() for k, v in delta.head.state_dict().items()},
+              str(out / "head.safetensors"))
+    return out

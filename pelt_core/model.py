@@ -1,0 +1,582 @@
+"""A job's PELT modules on a shared frozen backbone, and the hooks that apply them to row slices of a batch.
+
+- `JobDelta` holds everything one job trains: the modules its method spec asks for, gates, BitFit bias
+  deltas, LayerNorm deltas and the task head. Nothing else is trainable.
+- `Runtime` is attached once per backbone. It puts one forward hook on each linear map and norm of every
+  layer and wraps the attention function; while a `PeltModel` forward runs, it knows which rows of the
+  batch belong to which job ("routes") and applies each job's modules to its own rows only. That is what
+  lets one backbone forward serve several jobs or tasks at once (multi-task inference now, fused
+  multi-job training later), and it never writes a backbone tensor.
+- `PeltModel` = backbone + one or more named `JobDelta`s: `model(input_ids, attention_mask)` for one job,
+  `routes=[("sst2", 8), ("rte", 8)]` for a mixed batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pelt_core.backbones import Backbone
+from pelt_core.layers import Bottleneck, Gate, NormDelta, PrefixEncoder, PrefixParams
+from pelt_core.spec import WEIGHT_REPRESENTATIONS, MethodSpec
+
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+
+
+# --------------------------------------------------------------------------------------------------
+# The task head
+# --------------------------------------------------------------------------------------------------
+class Head(nn.Module):
+    """Pool the sequence (cls / mean / last token), then dropout and a linear classifier or regressor."""
+
+    def __init__(self, hidden_size: int, num_labels: int, pooling: str, dropout: float = 0.1):
+        super().__init__()
+        if pooling not in ("cls", "mean", "last"):
+            raise ValueError(f"pooling must be cls, mean or last, got {pooling!r}")
+        self.pooling = pooling
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(hidden_size, num_labels)
+        nn.init.normal_(self.classifier.weight, std=0.02)
+        nn.init.zeros_(self.classifier.bias)
+
+    def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.to(self.classifier.weight.dtype)
+        if self.pooling == "cls":
+            return hidden[:, 0]
+        mask = attention_mask.to(hidden.dtype)
+        if self.pooling == "mean":
+            return (hidden * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True).clamp(min=1.0)
+        last = attention_mask.long().sum(1).clamp(min=1) - 1  # right padding: last real token
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.dropout(self.pool(hidden, attention_mask)))
+
+
+class BiasDelta(nn.Module):
+    """BitFit: the job's own bias vector, added to a frozen linear map's output."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+
+class PrefixLayer(nn.Module):
+    """One attention layer's prefix: stored key/values (None while a reparameterisation produces them) and gate."""
+
+    def __init__(self, length: int, kv_dim: int, hidden_size: int, gate: bool, params: bool, init_std: float):
+        super().__init__()
+        self.length = length
+        self.params = PrefixParams(length, kv_dim, init_std) if params else None
+        self.gate = Gate(hidden_size) if gate else None
+
+
+@dataclass
+class LinearOps:
+    """What one job does at one linear map's output."""
+
+    bias: BiasDelta | None
+    parallel_x: list[Bottleneck]  # Δh from the linear map's own input (LoRA)
+    parallel_sub: list[Bottleneck]  # Δh from the sub-layer's input (parallel adapters)
+    sequential: list[Bottleneck]  # Δh from h itself (Houlsby/Pfeiffer adapters)
+
+
+# --------------------------------------------------------------------------------------------------
+# Everything one job trains
+# --------------------------------------------------------------------------------------------------
+class JobDelta(nn.Module):
+    """The trainable part of one job: PELT modules per layer and site, plus the head.
+
+    State-dict keys read like `layers.3.attn_q.lora.down.weight`: layer, site, role, tensor.
+    """
+
+    def __init__(
+        self,
+        method: MethodSpec,
+        backbone: Backbone,
+        num_labels: int,
+        problem_type: str = "single_label_classification",
+        pooling: str = "mean",
+        head_dropout: float = 0.1,
+        label_names: list[str] | None = None,
+        reparameterize_prefix: bool = True,
+    ):
+        super().__init__()
+        if problem_type not in PROBLEM_TYPES:
+            raise ValueError(f"problem_type must be one of {', '.join(PROBLEM_TYPES)}, got {problem_type!r}")
+        method.validate()
+        self.method = method
+        self.problem_type = problem_type
+        self.label_names = list(label_names) if label_names else None
+        self.num_layers = backbone.num_layers
+        self.kv_dim = backbone.num_kv_heads * backbone.head_dim
+        self.layers = nn.ModuleDict()
+        self.prefix_encoders = nn.ModuleDict()
+        self.head = Head(backbone.hidden_size, num_labels, pooling, head_dropout)
+        self._build(method, backbone, reparameterize_prefix)
+        self._index()
+        self._prefix_cache: torch.Tensor | None = None
+
+    # -- construction --------------------------------------------------------------------------------
+    def _site(self, layer: int, key: str) -> nn.ModuleDict:
+        if str(layer) not in self.layers:
+            self.layers[str(layer)] = nn.ModuleDict()
+        layer_dict = self.layers[str(layer)]
+        if key not in layer_dict:
+            layer_dict[key] = nn.ModuleDict()
+        return layer_dict[key]
+
+    def _build(self, method: MethodSpec, backbone: Backbone, reparameterize_prefix: bool) -> None:
+        arch, d = backbone.arch, backbone.hidden_size
+        all_layers = range(backbone.num_layers)
+        for role, spec in method.modules.items():
+            layers = [i for i in (spec.layers if spec.layers is not None else all_layers)]
+            for i in layers:
+                if i >= backbone.num_layers:
+                    raise ValueError(f"{method.name}.modules.{role}.layers: layer {i} does not exist "
+                                     f"(backbone has {backbone.num_layers})")
+            if spec.form == "prefix":
+                use_encoder = reparameterize_prefix and spec.reparam_hidden is not None
+                for i in layers:
+                    self._site(i, "attn_heads")[role] = PrefixLayer(
+                        spec.size, self.kv_dim, d, spec.gate, params=not use_encoder, init_std=spec.init_std)
+                if use_encoder:
+                    self.prefix_encoders[role] = PrefixEncoder(spec.size, d, spec.reparam_hidden, len(layers),
+                                                               self.kv_dim)
+                continue
+            if spec.representation in WEIGHT_REPRESENTATIONS:
+                concretes = arch.weight_sites[spec.representation]
+            else:
+                concretes = (arch.sublayer_output(spec.representation),)
+            for i in layers:
+                for concrete in concretes:
+                    linear = backbone.linear(i, concrete)
+                    if spec.representation in WEIGHT_REPRESENTATIONS and spec.insertion == "parallel":
+                        d_in = linear.in_features
+                    elif spec.insertion == "parallel":  # sub-layer input -> sub-layer output
+                        d_in = backbone.linear(i, arch.sublayer_input(spec.representation)).in_features
+                    else:
+                        d_in = linear.out_features
+                    key = concrete.replace(".", "_") if spec.representation in WEIGHT_REPRESENTATIONS \
+                        else spec.representation
+                    self._site(i, key)[role] = Bottleneck(spec, d_in, linear.out_features)
+        if method.bias:
+            for i in all_layers:
+                for concrete in arch.linear_paths:
+                    self._site(i, concrete.replace(".", "_"))["bitfit"] = BiasDelta(
+                        backbone.linear(i, concrete).out_features)
+        if method.bias or method.layer_norm:
+            for i in all_layers:
+                for sublayer in arch.layer_norm_paths:
+                    self._site(i, f"norm_{sublayer}")["norm"] = NormDelta(
+                        d, scale=method.layer_norm, shift=method.bias or method.layer_norm)
+        self._arch = arch
+
+    def _index(self) -> None:
+        """Plan, per (layer, concrete linear), which modules act there and how (used by the hooks)."""
+        arch = self._arch
+        self.linear_ops: dict[tuple[int, str], LinearOps] = {}
+        self.norm_ops: dict[tuple[int, str], NormDelta] = {}
+        self.prefix_layers: dict[int, tuple[str, PrefixLayer]] = {}
+        for layer_key, sites in self.layers.items():
+            i = int(layer_key)
+            for site_key, modules in sites.items():
+                if site_key == "attn_heads":
+                    for role, module in modules.items():
+                        self.prefix_layers[i] = (role, module)
+                    continue
+                if site_key.startswith("norm_"):
+                    self.norm_ops[(i, site_key[5:])] = modules["norm"]
+                    continue
+                for module in modules.values():
+                    if isinstance(module, BiasDelta):
+                        self._ops(i, site_key.replace("_", ".")).bias = module
+                        continue
+                    spec = module.spec
+                    if spec.representation in WEIGHT_REPRESENTATIONS:
+                        concrete = site_key.replace("_", ".")
+                        ops = self._ops(i, concrete)
+                        (ops.parallel_x if spec.insertion == "parallel" else ops.sequential).append(module)
+                    else:
+                        ops = self._ops(i, arch.sublayer_output(spec.representation))
+                        (ops.parallel_sub if spec.insertion == "parallel" else ops.sequential).append(module)
+        self._prefix_layer_order = {
+            role: sorted(i for i, (r, _) in self.prefix_layers.items() if r == role) for role in self.prefix_encoders
+        }
+
+    def _ops(self, layer: int, concrete: str) -> LinearOps:
+        if (layer, concrete) not in self.linear_ops:
+            self.linear_ops[(layer, concrete)] = LinearOps(None, [], [], [])
+        return self.linear_ops[(layer, concrete)]
+
+    # -- used by the runtime hooks ------------------------------------------------------------------------
+    def apply_linear(self, ops: LinearOps, x: torch.Tensor, h: torch.Tensor,
+                     sub_x: torch.Tensor | None) -> torch.Tensor:
+        out = h
+        if ops.bias is not None:
+            out = out + ops.bias.bias.to(out.dtype)
+        for module in ops.parallel_x:
+            out = out + module(x)
+        for module in ops.parallel_sub:
+            out = out + module(sub_x)
+        for module in ops.sequential:
+            out = out + module(out)
+        return out
+
+    def begin_forward(self) -> None:
+        """Run the prefix reparameterisation once per forward (not once per layer)."""
+        self._prefix_cache = {role: encoder() for role, encoder in self.prefix_encoders.items()} or None
+
+    def end_forward(self) -> None:
+        self._prefix_cache = None
+
+    def prefix_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, PrefixLayer] | None:
+        """This layer's prefix keys and values, each (length, kv_dim), or None if it has none."""
+        entry = self.prefix_layers.get(layer)
+        if entry is None:
+            return None
+        role, prefix = entry
+        if prefix.params is not None:
+            return prefix.params.key, prefix.params.value, prefix
+        if self._prefix_cache is None:
+            self.begin_forward()
+        kv = self._prefix_cache[role][self._prefix_layer_order[role].index(layer)]
+        return kv[0], kv[1], prefix
+
+    # -- after training ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def drop_reparameterization(self) -> None:
+        """Replace the prefix MLP by the prefixes it produces (what the paper keeps after training)."""
+        for role, encoder in list(self.prefix_encoders.items()):
+            values = encoder()
+            for index, layer in enumerate(self._prefix_layer_order[role]):
+                prefix = self.prefix_layers[layer][1]
+                params = PrefixParams(prefix.length, self.kv_dim)
+                params.key.copy_(values[index, 0])
+                params.value.copy_(values[index, 1])
+                prefix.params = params.to(encoder.embedding.device)
+            del self.prefix_encoders[role]
+        self._prefix_layer_order = {}
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameter counts: `pelt` = what a saved delta keeps (modules, gates, prefixes, bias and norm deltas),
+        `head`, `reparam` = training-only prefix MLP, `trainable` = what the optimizer sees now."""
+        reparam = sum(p.numel() for p in self.prefix_encoders.parameters())
+        head = sum(p.numel() for p in self.head.parameters())
+        pelt = sum(p.numel() for p in self.layers.parameters())
+        # prefixes still produced by the reparameterisation count as what they will become: 2·l·kv_dim
+        pelt += sum(2 * prefix.length * self.kv_dim for _, prefix in self.prefix_layers.values() if prefix.params is None)
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        return {"pelt": pelt, "head": head, "reparam": reparam, "trainable": trainable}
+
+    def gate_values(self) -> dict[str, float]:
+        """Mean UniPELT gate value per module role in the last forward, over layers (empty without gates)."""
+        values: dict[str, list[float]] = {}
+        for sites in self.layers.values():
+            for modules in sites.values():
+                for role, module in modules.items():
+                    gate = getattr(module, "gate", None)
+                    if isinstance(gate, Gate) and gate.last_mean is not None:
+                        values.setdefault(role, []).append(float(gate.last_mean))
+        return {role: sum(v) / len(v) for role, v in values.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Hooks on the shared backbone
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Route:
+    delta: JobDelta
+    rows: slice
+    full: bool
+
+
+class Runtime:
+    """Installed once per backbone: forward hooks on every linear map and norm, and a prefix-aware attention."""
+
+    def __init__(self, backbone: Backbone):
+        self.backbone = backbone
+        self.routes: list[Route] | None = None
+        self.padding_mask: torch.Tensor | None = None
+        self.stash: dict[tuple[int, str], torch.Tensor] = {}
+        arch = backbone.arch
+        sub_inputs = {arch.sublayer_input("attn"): "attn", arch.sublayer_input("ffn"): "ffn"}
+        self.handles = []
+        for i in range(backbone.num_layers):
+            for concrete in arch.linear_paths:
+                hook = self._linear_hook(i, concrete, sub_inputs.get(concrete))
+                self.handles.append(backbone.linear(i, concrete).register_forward_hook(hook))
+            for sublayer in arch.layer_norm_paths:
+                norm = backbone.layer_norm(i, sublayer)
+                self.handles.append(norm.register_forward_hook(self._norm_hook(i, sublayer)))
+            _ATTENTION_OWNERS[backbone.attention(i)] = (self, i)
+        _install_attention(backbone.model)
+
+    def _map_routes(self, output: torch.Tensor, fn) -> torch.Tensor | None:
+        """Apply fn(route, rows_of_output) per route; None when no route changed anything."""
+        routes = self.routes
+        if len(routes) == 1 and routes[0].full:
+            return fn(routes[0], output, slice(None))
+        pieces, changed = [], False
+        for route in routes:
+            piece = fn(route, output[route.rows], route.rows)
+            if piece is None:
+                piece = output[route.rows]
+            else:
+                changed = True
+            pieces.append(piece)
+        return torch.cat(pieces, dim=0) if changed else None
+
+    def _linear_hook(self, layer: int, concrete: str, stash_as: str | None):
+        key = (layer, concrete)
+        sublayer = "attn" if concrete in ("attn.o",) else ("ffn" if concrete == "ffn.out" else None)
+
+        def hook(module, args, output):
+            if self.routes is None:
+                return None
+            x = args[0]
+            if stash_as is not None:
+                self.stash[(layer, stash_as)] = x
+            sub_x = self.stash.get((layer, sublayer)) if sublayer else None
+
+            def apply(route: Route, h: torch.Tensor, rows: slice):
+                ops = route.delta.linear_ops.get(key)
+                if ops is None:
+                    return None
+                return route.delta.apply_linear(ops, x[rows], h, None if sub_x is None else sub_x[rows])
+
+            return self._map_routes(output, apply)
+
+        return hook
+
+    def _norm_hook(self, layer: int, sublayer: str):
+        key = (layer, sublayer)
+
+        def hook(module, args, output):
+            if self.routes is None:
+                return None
+            x = args[0]
+
+            def apply(route: Route, y: torch.Tensor, rows: slice):
+                delta = route.delta.norm_ops.get(key)
+                return None if delta is None else delta(module, x[rows], y)
+
+            return self._map_routes(output, apply)
+
+        return hook
+
+    def extend_with_prefix(self, module, query, key, value, attention_mask, is_eager: bool):
+        """Prepend each row's job prefix to keys/values and extend the mask; rows without one see none."""
+        layer = _ATTENTION_OWNERS[module][1]
+        entries = []
+        for route in self.routes:
+            found = route.delta.prefix_kv(layer)
+            entries.append(found)
+        if all(e is None for e in entries):
+            return key, value, attention_mask
+        batch, kv_heads, q_len, head_dim = query.shape[0], key.shape[1], query.shape[2], key.shape[3]
+        length = max(e[0].shape[0] for e in entries if e is not None)
+        prefix_k = key.new_zeros(batch, kv_heads, length, head_dim)
+        prefix_v = value.new_zeros(batch, kv_heads, length, head_dim)
+        valid = torch.zeros(batch, length, dtype=torch.bool, device=key.device)
+        x = self.stash.get((layer, "attn"))
+        for route, entry in zip(self.routes, entries, strict=True):
+            if entry is None:
+                continue
+            pk, pv, prefix = entry
+            n = pk.shape[0]
+            rows = route.rows if not route.full else slice(0, batch)
+            count = rows.stop - rows.start if rows.stop is not None else batch
+            k = pk.view(n, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)  # (1, kvh, n, hd)
+            v = pv.view(n, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+            if prefix.gate is not None:
+                gate = prefix.gate(x[rows]).squeeze(-1)  # (rows, T)
+                mask = self.padding_mask[rows].to(gate.dtype) if self.padding_mask is not None else None
+                g = (gate * mask).sum(1) / mask.sum(1).clamp(min=1) if mask is not None else gate.mean(1)
+                prefix.gate.last_mean = g.detach().mean()
+                g = g.view(-1, 1, 1, 1)
+                k, v = k * g, v * g
+            prefix_k[rows, :, :n] = k.expand(count, -1, -1, -1).to(key.dtype)
+            prefix_v[rows, :, :n] = v.expand(count, -1, -1, -1).to(value.dtype)
+            valid[rows, :n] = True
+        key = torch.cat([prefix_k, key], dim=2)
+        value = torch.cat([prefix_v, value], dim=2)
+        prefix_mask = valid[:, None, None, :].expand(batch, 1, q_len, length)
+        if attention_mask is None:
+            seq_len = key.shape[2] - length
+            if getattr(module, "is_causal", False) and q_len > 1:
+                seq_mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=key.device).tril(seq_len - q_len)
+            else:
+                seq_mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=key.device)
+            seq_mask = seq_mask[None, None].expand(batch, 1, q_len, seq_len)
+            full = torch.cat([prefix_mask, seq_mask], dim=-1)
+            if is_eager:
+                full = torch.zeros(full.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    ~full, torch.finfo(query.dtype).min)
+            return key, value, full
+        attention_mask = attention_mask.expand(batch, -1, q_len, -1)
+        if attention_mask.dtype == torch.bool:
+            return key, value, torch.cat([prefix_mask, attention_mask], dim=-1)
+        additive = torch.zeros(prefix_mask.shape, dtype=attention_mask.dtype, device=attention_mask.device)
+        additive = additive.masked_fill(~prefix_mask, torch.finfo(attention_mask.dtype).min)
+        return key, value, torch.cat([additive, attention_mask], dim=-1)
+
+
+def get_runtime(backbone: Backbone) -> Runtime:
+    if backbone.runtime is None:
+        backbone.runtime = Runtime(backbone)
+    return backbone.runtime
+
+
+_REGISTERED = False
+_ATTENTION_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> (runtime, layer)
+
+
+def _runtime_of(module: nn.Module) -> Runtime | None:
+    owner = _ATTENTION_OWNERS.get(module)
+    return owner[0] if owner is not None else None
+
+
+def _install_attention(model: nn.Module) -> None:
+    """Route the model's attention through a prefix-aware wrapper of its sdpa or eager implementation."""
+    global _REGISTERED
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if not _REGISTERED:
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+        def pelt_sdpa(module, query, key, value, attention_mask, **kwargs):
+            runtime = _runtime_of(module)
+            if runtime is not None and runtime.routes is not None:
+                key, value, attention_mask = runtime.extend_with_prefix(module, query, key, value, attention_mask,
+                                                                        is_eager=False)
+            return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+        def pelt_eager(module, query, key, value, attention_mask, **kwargs):
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            runtime = _runtime_of(module)
+            if runtime is not None and runtime.routes is not None:
+                key, value, attention_mask = runtime.extend_with_prefix(module, query, key, value, attention_mask,
+                                                                        is_eager=True)
+            return eager(module, query, key, value, attention_mask, **kwargs)
+
+        ALL_ATTENTION_FUNCTIONS.register("pelt_sdpa", pelt_sdpa)
+        ALL_ATTENTION_FUNCTIONS.register("pelt_eager", pelt_eager)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("pelt_sdpa", sdpa_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("pelt_eager", eager_mask)
+        _REGISTERED = True
+    current = model.config._attn_implementation
+    if current in ("pelt_sdpa", "pelt_eager"):
+        return
+    if current not in ("sdpa", "eager"):
+        raise ValueError(f"attention implementation {current!r} is not supported; use sdpa or eager")
+    model.config._attn_implementation = f"pelt_{current}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The model a job trains and serves
+# --------------------------------------------------------------------------------------------------
+class PeltModel(nn.Module):
+    """A shared frozen backbone plus named job deltas; only the deltas are parameters of this module."""
+
+    def __init__(self, backbone: Backbone, deltas: dict[str, JobDelta] | JobDelta):
+        super().__init__()
+        if isinstance(deltas, JobDelta):
+            deltas = {"job": deltas}
+        self.deltas = nn.ModuleDict(deltas)
+        self.backbone = backbone  # a plain attribute: not part of parameters() or state_dict()
+        self.runtime = get_runtime(backbone)
+
+    def __setattr__(self, name, value):
+        if name == "backbone":  # keep the shared backbone out of this module's tree
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def train(self, mode: bool = True) -> PeltModel:
+        super().train(mode)
+        self.backbone.model.train(mode)
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        routes: list[tuple[str, int]] | None = None,
+        return_hidden: bool = False,
+    ):
+        """Logits for one job (a tensor), or a list of per-route logits when `routes` splits the batch.
+
+        routes: (job name, number of rows) in batch order; omitted with a single delta = all rows.
+        """
+        if routes is None:
+            if len(self.deltas) != 1:
+                raise ValueError(f"this model holds {len(self.deltas)} deltas; pass routes=[(name, rows), ...]")
+            name = next(iter(self.deltas))
+            routes = [(name, input_ids.shape[0])]
+        resolved, start = [], 0
+        for name, count in routes:
+            if name not in self.deltas:
+                raise KeyError(f"no delta named {name!r}; this model holds {', '.join(self.deltas)}")
+            resolved.append(Route(self.deltas[name], slice(start, start + count), full=False))
+            start += count
+        if start != input_ids.shape[0]:
+            raise ValueError(f"routes cover {start} rows but the batch has {input_ids.shape[0]}")
+        if len(resolved) == 1:
+            resolved[0].full = True
+        runtime = self.runtime
+        if runtime.routes is not None:
+            raise RuntimeError("this backbone is already running a PELT forward (one forward at a time per backbone)")
+        runtime.routes, runtime.padding_mask = resolved, attention_mask
+        for route in resolved:
+            route.delta.begin_forward()
+        try:
+            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+            if token_type_ids is not None:
+                kwargs["token_type_ids"] = token_type_ids
+            hidden = self.backbone.model(**kwargs).last_hidden_state
+        finally:
+            runtime.routes, runtime.padding_mask = None, None
+            runtime.stash.clear()
+            for route in resolved:
+                route.delta.end_forward()
+        if return_hidden:
+            return hidden
+        outputs = [route.delta.head(hidden[route.rows], attention_mask[route.rows]) for route in resolved]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def merged_backbone(self, name: str | None = None) -> nn.Module:
+        """A standalone copy of the backbone with this job's LoRA ΔW folded into its weights.
+
+        The shared backbone is untouched ("unmerge" is exact: drop the copy). Only linear, ungated,
+        bias-free bottlenecks on weight matrices (LoRA) fold; any other module is refused.
+        """
+        if name is None:
+            if len(self.deltas) != 1:
+                raise ValueError("name the delta to fold")
+            name = next(iter(self.deltas))
+        delta = self.deltas[name]
+        if delta.prefix_layers or delta.norm_ops:
+            raise ValueError("only LoRA-style deltas fold into dense weights (this one has prefixes or norm deltas)")
+        merged = copy.deepcopy(self.backbone.model)
+        merged.config._attn_implementation = self.backbone.model.config._attn_implementation.replace("pelt_", "")
+        for (layer, concrete), ops in delta.linear_ops.items():
+            if ops.parallel_sub or ops.sequential:
+                raise ValueError("adapters do not fold into dense weights; only LoRA-style deltas do")
+            linear = merged.get_submodule(self.backbone.linear_path(layer, concrete))
+            for module in ops.parallel_x:
+                linear.weight.data = linear.weight.data + module.delta_weight().to(linear.weight.dtype)
+            if ops.bias is not None:
+                if linear.bias is None:
+                    linear.bias = nn.Parameter(torch.zeros(linear.out_features, dtype=linear.weight.dtype))
+                linear.bias.data = linear.bias.data + ops.bias.bias.to(linear.weight.dtype)
+        for module in merged.modules():
+            module._forward_hooks.clear()
+        return merged

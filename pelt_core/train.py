@@ -1,0 +1,215 @@
+"""Train one PELT job: one readable function, no framework.
+
+AdamW over the job's own parameters only, linear warmup then linear decay, length-grouped batches with
+dynamic padding, bf16 autocast where the hardware has fast bf16, evaluation after every epoch.
+A progress callback sees (step, total, loss, tokens/s); a stop flag is checked between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from pelt_core.backbones import Backbone
+from pelt_core.config import TrainConfig
+from pelt_core.data import (
+    Encoded,
+    TaskFields,
+    encode,
+    infer_task_fields,
+    iterate,
+    length_grouped_batches,
+    sample_k_shot,
+)
+from pelt_core.metrics import compute_metrics
+from pelt_core.model import JobDelta, PeltModel
+from pelt_core.spec import MethodSpec
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss became NaN or infinite)."""
+
+
+class TrainingCancelled(RuntimeError):
+    """The stop flag was raised; no delta should be kept."""
+
+
+@dataclass
+class Progress:
+    step: int
+    total_steps: int
+    epoch: float
+    loss: float
+    tokens_per_second: float
+    learning_rate: float
+
+
+@dataclass
+class TrainResult:
+    delta: JobDelta
+    task: TaskFields
+    metrics: dict[str, float]  # final evaluation (empty without evaluation data)
+    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per epoch
+    steps: int = 0
+    train_seconds: float = 0.0
+    train_tokens: int = 0
+    tokens_per_second: float = 0.0
+    peak_memory_bytes: int = 0
+    parameter_counts: dict[str, int] = field(default_factory=dict)
+    trainable_percent: float = 0.0
+    gate_values: dict[str, float] = field(default_factory=dict)
+    bf16: bool = False
+
+
+def bf16_available(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()) or bool(
+        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def autocast_context(device: torch.device, enabled: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def loss_fn(problem_type: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    if problem_type == "single_label_classification":
+        return F.cross_entropy(logits, labels)
+    if problem_type == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits, labels.float())
+    return F.mse_loss(logits.squeeze(-1), labels.float())
+
+
+@torch.no_grad()
+def evaluate(model: PeltModel, data: Encoded, task: TaskFields, batch_size: int, use_bf16: bool) -> dict[str, float]:
+    """Metrics (and mean loss) over a whole split, in sorted-length batches."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    pad_id = model.backbone.tokenizer.pad_token_id
+    logits_all, labels_all, loss_sum = [], [], 0.0
+    for batch in iterate(data, length_grouped_batches(data.lengths, batch_size, 0, shuffle=False), pad_id):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        with autocast_context(device, use_bf16):
+            logits = model(**batch)
+        loss_sum += float(loss_fn(task.problem_type, logits, labels)) * len(labels)
+        logits_all.append(logits.float().cpu().numpy())
+        labels_all.append(labels.cpu().numpy())
+    model.train(was_training)
+    metrics = compute_metrics(task.problem_type, np.concatenate(logits_all), np.concatenate(labels_all))
+    metrics["loss"] = loss_sum / max(len(data), 1)
+    return metrics
+
+
+def train(
+    backbone: Backbone,
+    method: MethodSpec,
+    train_data,
+    eval_data=None,
+    config: TrainConfig | None = None,
+    task: TaskFields | None = None,
+    progress: Callable[[Progress], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    on_epoch_end: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainResult:
+    """Train `method` on `train_data` (a datasets.Dataset) over the frozen `backbone`; returns the delta.
+
+    Raises TrainingError on a NaN/inf loss and TrainingCancelled when `should_stop()` turns true.
+    """
+    config = config or TrainConfig()
+    config.validate()
+    task = task or infer_task_fields(train_data)
+    train_data = sample_k_shot(train_data, config.k_shot, config.seed)
+    device = next(backbone.model.parameters()).device
+    use_bf16 = config.bf16 == "true" or (config.bf16 == "auto" and bf16_available(device))
+    pooling = config.pooling if config.pooling != "auto" else ("last" if backbone.arch.is_decoder else "mean")
+
+    # -- the job's own modules on the shared backbone --------------------------------------------------
+    torch.manual_seed(config.seed)
+    delta = JobDelta(method, backbone, task.num_labels, task.problem_type, pooling, config.head_dropout,
+                     task.label_names).to(device)
+    model = PeltModel(backbone, delta)
+    parameters = [p for p in delta.parameters() if p.requires_grad]
+
+    # -- data: tokenised once, padded per batch ----------------------------------------------------------
+    tokenizer = backbone.tokenizer
+    train_set = encode(train_data, tokenizer, task, config.max_length, where="training data")
+    eval_set = encode(eval_data, tokenizer, task, config.max_length, where="evaluation data") \
+        if eval_data is not None else None
+    steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
+    total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
+    warmup_steps = int(config.warmup_ratio * total_steps)
+
+    # -- optimiser and schedule ---------------------------------------------------------------------------
+    learning_rate = config.resolved_learning_rate(method.defaults)
+    optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=config.weight_decay)
+
+    def lr_at(step: int) -> float:
+        if step < warmup_steps:
+            return learning_rate * (step + 1) / warmup_steps
+        return learning_rate * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    history: list[dict[str, Any]] = []
+    step, tokens, started = 0, 0, time.perf_counter()
+    model.train()
+    epoch = 0
+    while step < total_steps:
+        batches = length_grouped_batches(train_set.lengths, config.batch_size, seed=config.seed * 1000 + epoch)
+        for batch in iterate(train_set, batches, tokenizer.pad_token_id):
+            if should_stop is not None and should_stop():
+                raise TrainingCancelled(f"stopped at step {step} of {total_steps}")
+            batch = {k: v.to(device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
+            with autocast_context(device, use_bf16):
+                logits = model(**batch)
+            loss = loss_fn(task.problem_type, logits, labels)
+            if not torch.isfinite(loss):
+                raise TrainingError(f"loss became {float(loss)} at step {step} (epoch {epoch}); "
+                                    f"try a lower learning rate than {learning_rate:g}")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens += int(batch["attention_mask"].sum())
+            if progress is not None:
+                elapsed = time.perf_counter() - started
+                progress(Progress(step, total_steps, step / steps_per_epoch, float(loss), tokens / max(elapsed, 1e-9),
+                                  lr_at(step - 1)))
+            if step >= total_steps:
+                break
+        epoch += 1
+        if eval_set is not None and (config.eval_every_epoch or step >= total_steps):
+            record = {"epoch": epoch, "step": step, **evaluate(model, eval_set, task, config.eval_batch_size, use_bf16)}
+            history.append(record)
+            if on_epoch_end is not None:
+                on_epoch_end(record)
+    train_seconds = time.perf_counter() - started
+
+    model.eval()
+    metrics = {k: v for k, v in history[-1].items() if k not in ("epoch", "step")} if history else {}
+    counts = delta.parameter_counts()
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return TrainResult(
+        delta=delta, task=task, metrics=metrics, history=history, steps=step, train_seconds=train_seconds,
+        train_tokens=tokens, tokens_per_second=tokens / max(train_seconds, 1e-9), peak_memory_bytes=peak,
+        parameter_counts=counts, trainable_percent=100.0 * counts["pelt"] / backbone.num_parameters,
+        gate_values=delta.gate_values(), bf16=use_bf16,
+    )
