@@ -241,7 +241,9 @@ class Backbone:
         """Load a packaged model by alias, a local model directory or a .gguf file, offline."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoConfig, AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         canonical, path, gguf = resolve_backbone(name)
         kwargs = {"gguf_file": gguf} if gguf else {}
         config = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)

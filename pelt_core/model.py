@@ -580,3 +580,37 @@ class PeltModel(nn.Module):
         for module in merged.modules():
             module._forward_hooks.clear()
         return merged
+
+
+@torch.no_grad()
+def predict(model: PeltModel, texts: list[str] | list[tuple[str, str]], name: str | None = None,
+            batch_size: int = 32, max_length: int = 128) -> list[dict]:
+    """Classify (or score) texts with one job of `model`: [{"label", "score"}] or [{"value"}] for regression."""
+    delta = model.deltas[name] if name else next(iter(model.deltas.values()))
+    routes_name = name or next(iter(model.deltas))
+    tokenizer = model.backbone.tokenizer
+    was_training = model.training
+    model.eval()
+    results: list[dict] = []
+    for start in range(0, len(texts), batch_size):
+        chunk = texts[start:start + batch_size]
+        columns = list(zip(*chunk, strict=True)) if isinstance(chunk[0], tuple) else [list(chunk)]
+        batch = tokenizer(*[list(c) for c in columns], padding=True, truncation=True, max_length=max_length,
+                          return_tensors="pt")
+        device = next(delta.parameters()).device
+        kwargs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        logits = model(**kwargs, routes=[(routes_name, len(chunk))]).float()
+        if delta.problem_type == "regression":
+            results.extend({"value": float(v)} for v in logits.squeeze(-1))
+        elif delta.problem_type == "multi_label_classification":
+            names = delta.label_names or [str(i) for i in range(logits.shape[-1])]
+            for row in torch.sigmoid(logits):
+                results.append({"labels": [names[i] for i, p in enumerate(row) if p > 0.5],
+                                "scores": {names[i]: float(p) for i, p in enumerate(row)}})
+        else:
+            names = delta.label_names or [str(i) for i in range(logits.shape[-1])]
+            for row in torch.softmax(logits, -1):
+                best = int(row.argmax())
+                results.append({"label": names[best], "score": float(row[best])})
+    model.train(was_training)
+    return results

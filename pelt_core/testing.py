@@ -11,14 +11,11 @@ VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range
 ]
 
 
-def tiny_tokenizer(tmp_dir: str):
-    """A BERT WordPiece tokenizer over a small fixed vocabulary, written to tmp_dir."""
+def tiny_tokenizer(tmp_dir: str | None = None):
+    """A BERT WordPiece tokenizer over a small fixed vocabulary (tmp_dir is unused, kept for call symmetry)."""
     from transformers import BertTokenizerFast
 
-    path = f"{tmp_dir}/vocab.txt"
-    with open(path, "w") as handle:
-        handle.write("\n".join(VOCAB) + "\n")
-    return BertTokenizerFast(vocab_file=path, do_lower_case=True)
+    return BertTokenizerFast(vocab={word: i for i, word in enumerate(VOCAB)}, do_lower_case=True)
 
 
 def tiny_bert(tmp_dir: str, seed: int = 0, attn_implementation: str = "sdpa", **overrides) -> Backbone:

@@ -188,7 +188,7 @@ def train(
             tokens += int(batch["attention_mask"].sum())
             if progress is not None:
                 elapsed = time.perf_counter() - started
-                progress(Progress(step, total_steps, step / steps_per_epoch, float(loss), tokens / max(elapsed, 1e-9),
+                progress(Progress(step, total_steps, step / steps_per_epoch, loss.item(), tokens / max(elapsed, 1e-9),
                                   lr_at(step - 1)))
             if step >= total_steps:
                 break

@@ -1,0 +1,92 @@
+"""`pelt methods` and `pelt train`: a single local job from the command line, no service."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from services.cli import main
+
+from .test_train import rows
+
+
+@pytest.fixture
+def model_dir(tmp_path, make_backbone):
+    backbone = make_backbone("bert")
+    path = tmp_path / "tiny-model"
+    backbone.model.config._attn_implementation = "sdpa"
+    backbone.model.save_pretrained(path)
+    backbone.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def data_files(tmp_path):
+    train, validation = tmp_path / "train.jsonl", tmp_path / "validation.csv"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows(32)))
+    validation.write_text("sentence,label\n" + "".join(f"{r['sentence']},{r['label']}\n" for r in rows(12)))
+    return train, validation
+
+
+def test_methods_lists_every_preset_with_its_parameter_share(model_dir):
+    result = CliRunner().invoke(main, ["methods", "--backbone", str(model_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    listing = json.loads(result.output)
+    by_name = {row["method"]: row for row in listing["methods"]}
+    assert {"bitfit", "lora", "prefix", "unipelt", "mam"} <= set(by_name)
+    assert by_name["lora"]["parameters"] == 2 * 2 * (2 * 32 * 8)  # 2 layers × (q, v) × 2·d·r
+    assert 0 < by_name["lora"]["percent"] < 100
+
+
+def test_train_writes_the_delta_and_prints_metrics_json_last(model_dir, data_files, tmp_path):
+    train, validation = data_files
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, [
+        "train", "--backbone", str(model_dir), "--train", str(train), "--validation", str(validation),
+        "--method", "lora", "--set", "r=4", "--set", "epochs=2", "--set", "lr=1e-2", "--set", "bf16=false",
+        "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["method"] == "lora" and 0.0 <= summary["metrics"]["accuracy"] <= 1.0
+    assert summary["pelt_parameters"] == 2 * 2 * (2 * 32 * 4)
+    assert (out / "delta.safetensors").exists() and (out / "manifest.json").exists()
+    assert (out / "peft" / "adapter_config.json").exists()
+    assert json.loads((out / "manifest.json").read_text())["method"]["modules"]["q"]["size"] == 4
+
+
+def test_a_user_defined_method_from_a_json_file(model_dir, data_files, tmp_path):
+    spec = tmp_path / "my_method.json"
+    spec.write_text(json.dumps({"name": "ffn_lora_gated", "modules": {"m": {
+        "form": "bottleneck", "representation": "ffn.in", "insertion": "parallel", "composition": "scaled",
+        "size": 2, "alpha": 4, "nonlinearity": "identity", "proj_bias": False, "init": "lora", "gate": True}}}))
+    train, _ = data_files
+    result = CliRunner().invoke(main, ["train", "--backbone", str(model_dir), "--train", str(train), "--method",
+                                       str(spec), "--set", "epochs=1", "--out", str(tmp_path / "o"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["method"] == "ffn_lora_gated"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--method", "lorra"], "unknown method 'lorra'"),
+    (["--method", "lora", "--set", "lr=-1"], "learning_rate: must be > 0"),
+    (["--method", "lora", "--set", "r=0"], "size: must be a whole number >= 1"),
+    (["--method", "lora", "--label-field", "stars"], "label field 'stars' is not in the data"),
+    (["--method", "lora", "--set", "k_shot=1000"], "K=1000 is larger than the training set"),
+])
+def test_bad_input_fails_with_a_message_naming_what_is_wrong(args, message, model_dir, data_files, tmp_path):
+    train, _ = data_files
+    out = tmp_path / "never"
+    result = CliRunner().invoke(main, ["train", "--backbone", str(model_dir), "--train", str(train), *args,
+                                       "--out", str(out), "--quiet"])
+    assert result.exit_code != 0
+    assert message in result.output
+    assert not out.exists()
+
+
+def test_an_unknown_backbone_names_the_packaged_ones(data_files, tmp_path):
+    train, _ = data_files
+    result = CliRunner().invoke(main, ["train", "--backbone", "gpt-17", "--train", str(train), "--method", "lora",
+                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code != 0 and "all-minilm-l6-v2" in result.output

@@ -1,0 +1,152 @@
+"""The one-job trainer: reproducible, K-shot, progress and stop flag, clear errors; data in any common format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pelt_core import TrainConfig, get_method
+from pelt_core.data import DataError, infer_task_fields, load_table, sample_k_shot
+from pelt_core.train import TrainingCancelled, TrainingError, train
+
+POSITIVE = ["good movie", "great film", "a very good film", "fun movie", "great fun", "the film is good"]
+NEGATIVE = ["bad movie", "awful film", "a very bad film", "boring movie", "not fun", "the film is awful"]
+
+
+def rows(n: int = 48):
+    data = [{"sentence": t, "label": 1} for t in POSITIVE] + [{"sentence": t, "label": 0} for t in NEGATIVE]
+    return (data * (n // len(data) + 1))[:n]
+
+
+def write(path, records, fmt):
+    import pandas as pd
+
+    frame = pd.DataFrame(records)
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif fmt == "csv":
+        frame.to_csv(path, index=False)
+    elif fmt == "parquet":
+        frame.to_parquet(path)
+    elif fmt == "datasets":
+        import datasets
+
+        datasets.Dataset.from_list(records).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "datasets"])
+def test_every_supported_format_loads_the_same_rows(fmt, tmp_path):
+    path = write(tmp_path / f"train.{fmt}", rows(12), fmt)
+    table = load_table(path)
+    assert table.num_rows == 12 and set(table.column_names) == {"sentence", "label"}
+
+
+def test_unreadable_and_unknown_files_are_named_in_the_error(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_table(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"sentence": "ok", "label": 1}\n{not json\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl"):
+        load_table(bad)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    with pytest.raises(DataError, match=r"unsupported file type '\.txt'"):
+        load_table(notes)
+
+
+def test_fields_are_detected_from_glue_names_or_named_explicitly(tmp_path):
+    pair = load_table(write(tmp_path / "p.jsonl", [{"sentence1": "a", "sentence2": "b", "label": 1}] * 3, "jsonl"))
+    assert infer_task_fields(pair).text_fields == ("sentence1", "sentence2")
+    odd = load_table(write(tmp_path / "o.jsonl", [{"body": "a", "stars": "good"}] * 3, "jsonl"))
+    with pytest.raises(DataError, match="which column holds the text"):
+        infer_task_fields(odd)
+    with pytest.raises(DataError, match="label field 'rating'"):
+        infer_task_fields(odd, text_fields=["body"], label_field="rating")
+    task = infer_task_fields(odd, text_fields=["body"], label_field="stars")
+    assert task.label_names == ["good"] and task.problem_type == "single_label_classification"
+
+
+def test_k_shot_sampling_is_seeded_and_bounded(tmp_path):
+    table = load_table(write(tmp_path / "t.jsonl", rows(40), "jsonl"))
+    assert sample_k_shot(table, 8, seed=1)["sentence"] == sample_k_shot(table, 8, seed=1)["sentence"]
+    assert sample_k_shot(table, 8, seed=1)["sentence"] != sample_k_shot(table, 8, seed=2)["sentence"]
+    with pytest.raises(DataError, match="k_shot"):
+        sample_k_shot(table, 41, seed=0)
+
+
+def fit(backbone, method="lora", **config):
+    import datasets
+
+    data = datasets.Dataset.from_list(rows())
+    settings = {"epochs": 3, "batch_size": 8, "seed": 0, "bf16": "false", "learning_rate": 5e-3} | config
+    return train(backbone, get_method(method), data, data, TrainConfig(**settings))
+
+
+def test_training_is_reproducible_by_seed(make_backbone):
+    first = fit(make_backbone("bert"))
+    second = fit(make_backbone("bert"))
+    assert first.metrics == second.metrics
+    assert all(torch.equal(a, b) for a, b in zip(first.delta.state_dict().values(),
+                                                 second.delta.state_dict().values(), strict=True))
+    third = fit(make_backbone("bert"), seed=1)
+    assert third.metrics != first.metrics
+
+
+@pytest.mark.parametrize(("family", "method"), [("bert", m) for m in ("lora", "pfeiffer", "prefix", "unipelt", "bitfit")]
+                         + [("llama", "lora")])
+def test_a_few_epochs_learn_a_separable_toy_task(method, family, make_backbone):
+    result = fit(make_backbone(family), method, epochs=8, learning_rate=1e-2)
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
+    assert result.metrics["accuracy"] >= 0.75
+    assert len(result.history) == 8 and result.steps == 8 * 6
+
+
+def test_progress_reports_every_step_and_the_stop_flag_stops(make_backbone):
+    import datasets
+
+    seen = []
+    data = datasets.Dataset.from_list(rows())
+    config = TrainConfig(epochs=2, batch_size=8, bf16="false")
+    train(make_backbone("bert"), get_method("lora"), data, None, config, progress=seen.append)
+    assert [p.step for p in seen] == list(range(1, 13))
+    assert all(p.total_steps == 12 and p.tokens_per_second > 0 for p in seen)
+    with pytest.raises(TrainingCancelled, match="step 3"):
+        train(make_backbone("bert"), get_method("lora"), data, None, config, should_stop=lambda: len(seen) >= 15,
+              progress=seen.append)
+
+
+def test_a_nan_loss_ends_the_job_with_a_clear_error(make_backbone):
+    import datasets
+
+    data = datasets.Dataset.from_list([{"text": "good", "score": 0.5}, {"text": "bad", "score": float("nan")}])
+    with pytest.raises(TrainingError, match="loss became nan at step 0"):
+        train(make_backbone("bert"), get_method("lora"), data, None, TrainConfig(batch_size=2, bf16="false"))
+    with pytest.raises(Exception, match="learning_rate"):
+        fit(make_backbone("bert"), "lora", learning_rate=float("nan"))
+
+
+def test_regression_and_multi_label_heads_train(make_backbone):
+    import datasets
+
+    regression = datasets.Dataset.from_list([{"text": t, "score": float(i % 5) + 0.5} for i, t in
+                                             enumerate(POSITIVE + NEGATIVE)])
+    result = train(make_backbone("bert"), get_method("lora"), regression, regression,
+                   TrainConfig(epochs=1, batch_size=4, bf16="false"))
+    assert {"pearson", "spearman", "mse"} <= set(result.metrics)
+    multi = datasets.Dataset.from_list([{"text": t, "labels": ["pos", "fun"] if i % 2 else ["neg"]} for i, t in
+                                        enumerate(POSITIVE + NEGATIVE)])
+    result = train(make_backbone("bert"), get_method("lora"), multi, multi, TrainConfig(epochs=1, batch_size=4,
+                                                                                        bf16="false"))
+    assert result.task.problem_type == "multi_label_classification"
+    assert result.task.label_names == ["fun", "neg", "pos"] and "micro_f1" in result.metrics
+
+
+def test_bf16_backbone_trains_fp32_pelt_parameters(make_backbone):
+    backbone = make_backbone("bert")
+    backbone.model.to(torch.bfloat16)
+    result = fit(backbone, "lora", bf16="true", epochs=1)
+    assert all(p.dtype == torch.float32 for p in result.delta.parameters())
+    assert result.bf16
