@@ -1,7 +1,9 @@
 """LoRA (Hu et al., ICLR 2022) and He et al.'s FFN variant.
 
 Paper defaults (RoBERTa-base GLUE): W_q and W_v of every layer, rank r = 8, α = 8 (scale α/r),
-A random (Kaiming-uniform), B zero so training starts at the backbone's function, learning rate 5e-4.
+A random (Kaiming-uniform), B zero so training starts at the backbone's function, learning rate 5e-4 over
+30+ epochs of full GLUE data. pelt's default learning rate, 2e-3, suits short low-resource runs (K=500,
+3 epochs on SST-2 with all-MiniLM-L6-v2: 0.81 dev accuracy vs 0.61 at 5e-4, seed 0).
 Parameters per adapted d×d matrix: 2·d·r. Merging adds s·BA to a copy of W; unmerging drops the copy.
 
 `lora_ffn` (He et al., ICLR 2022, sec. 4): LoRA on the FFN's two matrices with scale s = 4.
@@ -20,7 +22,7 @@ LORA = MethodSpec(
     },
     description="low-rank updates of W_q and W_v",
     reference="Hu et al. LoRA. ICLR 2022",
-    defaults={"learning_rate": 5e-4},
+    defaults={"learning_rate": 2e-3},
 )
 
 LORA_FFN = MethodSpec(

@@ -20,6 +20,6 @@ def test_minilm_lora_on_sst2_k500_ends_clearly_above_chance():
     backbone = Backbone.load("all-minilm-l6-v2")
     result = train(backbone, get_method("lora"), load_table(GLUE / "sst2" / "train.jsonl"),
                    load_table(GLUE / "sst2" / "validation.jsonl"), TrainConfig(k_shot=500, epochs=3, seed=0))
-    # chance is 0.51 (444 of 872 dev sentences are positive); measured here: ~0.72
-    assert result.metrics["accuracy"] > 0.62, result.metrics
+    # chance is 0.51 (444 of 872 dev sentences are positive); measured here: 0.81 (seed 0), 0.79 (seed 1)
+    assert result.metrics["accuracy"] > 0.70, result.metrics
     assert result.trainable_percent < 1.0
