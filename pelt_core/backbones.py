@@ -177,8 +177,10 @@ class Backbone:
         for parameter in model.parameters():
             parameter.requires_grad_(False)
         self.content_hash = content_hash or state_dict_hash(model)
-        if tokenizer is not None and tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        if tokenizer is not None:
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+            tokenizer.padding_side = "right"  # pooling and the padding masks assume right padding
         self.runtime = None  # set by pelt_core.model when PELT modules are first attached
 
     # -- shape facts the PELT modules need ---------------------------------------------------------
