@@ -60,7 +60,8 @@ class TrainResult:
     metrics: dict[str, float]  # final evaluation (empty without evaluation data)
     history: list[dict[str, Any]] = field(default_factory=list)  # one entry per epoch
     steps: int = 0
-    train_seconds: float = 0.0
+    train_seconds: float = 0.0  # optimisation steps only (evaluation excluded)
+    eval_seconds: float = 0.0
     train_tokens: int = 0
     tokens_per_second: float = 0.0
     peak_memory_bytes: int = 0
@@ -162,7 +163,7 @@ def train(
 
     # -- the loop -----------------------------------------------------------------------------------------
     history: list[dict[str, Any]] = []
-    step, tokens, started = 0, 0, time.perf_counter()
+    step, tokens, eval_seconds, started = 0, 0, 0.0, time.perf_counter()
     model.train()
     epoch = 0
     while step < total_steps:
@@ -187,18 +188,20 @@ def train(
             step += 1
             tokens += int(batch["attention_mask"].sum())
             if progress is not None:
-                elapsed = time.perf_counter() - started
+                elapsed = time.perf_counter() - started - eval_seconds
                 progress(Progress(step, total_steps, step / steps_per_epoch, loss.item(), tokens / max(elapsed, 1e-9),
                                   lr_at(step - 1)))
             if step >= total_steps:
                 break
         epoch += 1
         if eval_set is not None and (config.eval_every_epoch or step >= total_steps):
+            eval_started = time.perf_counter()
             record = {"epoch": epoch, "step": step, **evaluate(model, eval_set, task, config.eval_batch_size, use_bf16)}
+            eval_seconds += time.perf_counter() - eval_started
             history.append(record)
             if on_epoch_end is not None:
                 on_epoch_end(record)
-    train_seconds = time.perf_counter() - started
+    train_seconds = time.perf_counter() - started - eval_seconds  # optimisation time only
 
     model.eval()
     metrics = {k: v for k, v in history[-1].items() if k not in ("epoch", "step")} if history else {}
@@ -209,6 +212,7 @@ def train(
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return TrainResult(
         delta=delta, task=task, metrics=metrics, history=history, steps=step, train_seconds=train_seconds,
+        eval_seconds=eval_seconds,
         train_tokens=tokens, tokens_per_second=tokens / max(train_seconds, 1e-9), peak_memory_bytes=peak,
         parameter_counts=counts, trainable_percent=100.0 * counts["pelt"] / backbone.num_parameters,
         gate_values=delta.gate_values(), bf16=use_bf16,
