@@ -46,7 +46,13 @@ different subspaces, so the mean of the A's times the mean of the B's means noth
 
 Backbones: a delta loaded with `load_delta` (or composed here) knows its backbone's content hash, and
 deltas from different backbones are refused; a freshly trained delta does not, so pass `backbone=` to
-check it and to record input hashes in the provenance.
+check it (shapes are always checked) and to record the backbone's hash in the provenance.
+
+Provenance (`delta.provenance`, written to the manifest by `save_composed`): the operation (e.g.
+"merge(ties)"), weights, λ, density / drop rate / seed, how LoRA was combined and to which rank, the
+backbone hash, and per input its name (mapping key, else "delta<i>"), method, LoRA ranks and
+`tensors_sha256(delta)` of its tensors. That hash is reproducible (a delta loaded
+back from disk has the same one); the sha256 of a delta *file* is not a function of its tensors alone.
 """
 
 from __future__ import annotations
@@ -60,11 +66,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from pelt_core.backbones import Backbone
-from pelt_core.delta import FORMAT, SavedDelta, save_delta
+from pelt_core.delta import SavedDelta, save_delta
 from pelt_core.layers import Bottleneck
 from pelt_core.model import JobDelta, PeltModel
 from pelt_core.spec import MethodSpec, ModuleSpec
@@ -90,7 +95,7 @@ def trim_to_density(tensor: torch.Tensor, density: float) -> torch.Tensor:
     n = tensor.numel()
     if n == 0:
         return tensor.clone()
-    k = min(n, max(1, math.ceil(density * n - 1e-9)))
+    k = min(n, max(1, math.ceil(density * n * (1 - 1e-12))))  # the guard absorbs float error in density·n
     if k == n:
         return tensor.clone()
     flat = tensor.reshape(-1)
@@ -130,6 +135,17 @@ def is_low_rank(spec: ModuleSpec) -> bool:
     return spec.form == "bottleneck" and spec.nonlinearity == "identity" and not spec.proj_bias and not spec.gate
 
 
+def tensors_sha256(delta: JobDelta) -> str:
+    """sha256 over a delta's state-dict tensors (sorted name, dtype, shape, bytes): its reproducible identity,
+    the same as `backbones.state_dict_hash` (which cannot hash 0-dim tensors such as a learned scale)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(delta.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
 def task_vector(delta: JobDelta) -> dict[str, torch.Tensor]:
     """A delta as TIES/DARE see it (float64, CPU, sorted keys): every state-dict tensor, except that each
     LoRA module is one dense ΔW = s·B·A under `<module path>.delta_weight`."""
@@ -151,7 +167,12 @@ def merge(
     lora_rank: int | None = None,
     backbone: Backbone | None = None,
 ) -> JobDelta:
-    """Merge deltas of one method and shape into a new delta (see the module docstring for the rules)."""
+    """Merge deltas of one method and shape into a new delta, in eval mode (rules: the module docstring).
+
+    weights: one per delta (default 1/n, or 1 for TIES); how: linear | ties | dare; density: the kept
+    fraction (TIES trim; DARE keep probability 1 − p); seed: DARE's drop masks; scale: λ; combine: DARE's
+    linear | ties; lora_rank: refactor LoRA modules to this rank by SVD; backbone: check hashes against it.
+    """
     if how not in MERGE_METHODS:
         raise CompositionError(f"how must be one of {', '.join(MERGE_METHODS)}, got {how!r}")
     if how == "linear" and density is not None:
@@ -165,6 +186,8 @@ def merge(
     uses_ties = how == "ties" or (how == "dare" and combine == "ties")
     w = _weights(weights, len(views), default=1.0 if uses_ties else 1.0 / len(views), positive=uses_ties)
     scale = _finite(scale, "scale")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise CompositionError(f"seed must be a whole number >= 0, got {seed!r}")
     if lora_rank is not None:
         _check_rank(lora_rank, "lora_rank")
     if how != "linear":
@@ -318,14 +341,14 @@ class MultiTaskModel(PeltModel):
 
 
 def multi_task(backbone: Backbone, deltas: Mapping[str, JobDelta]) -> MultiTaskModel:
-    """A model serving several task deltas on one backbone (the deltas are shared, not copied)."""
+    """A model serving several task deltas on one backbone, in eval mode (the deltas are shared, not copied)."""
     if not isinstance(deltas, Mapping) or not deltas:
         raise CompositionError("multi_task: give a non-empty {task name: JobDelta} mapping")
     for task, delta in deltas.items():
         if not isinstance(task, str) or not task or "." in task:
             raise CompositionError(f"multi_task: task name {task!r} must be a non-empty string without '.'")
         _check_on_backbone(task, delta, backbone, "multi_task")
-    return MultiTaskModel(backbone, dict(deltas))
+    return MultiTaskModel(backbone, dict(deltas)).eval()
 
 
 class FoldedModel(nn.Module):
@@ -416,7 +439,7 @@ def _view(name: str, delta: JobDelta) -> _View:
             if isinstance(module, Bottleneck) and is_low_rank(module.spec):
                 low_rank[path] = _Factors(
                     module.down.weight.detach().to("cpu", torch.float64),
-                    module.up.weight.detach().to("cpu", torch.float64) * float(module.scale))
+                    module.up.weight.detach().to("cpu", torch.float64) * float(module.scale.detach()))
         dense = {
             key: tensor.detach().to("cpu", torch.float64)
             for key, tensor in sorted(delta.state_dict().items())
@@ -478,14 +501,15 @@ def _compose(views: list[_View], spec: MethodSpec, dense: dict[str, torch.Tensor
              low_rank: dict[str, _Factors], provenance: dict[str, Any], backbone: Backbone | None) -> JobDelta:
     """A new delta shaped like the first input, with `spec` and the given tensors."""
     result = copy.deepcopy(views[0].delta)
-    for path, module in list(result.named_modules()):
-        if isinstance(module, Bottleneck) and is_low_rank(module.spec):  # fresh: new rank, initial scale
-            parent_path, role = path.rsplit(".", 1)
-            weight = module.down.weight
-            result.get_submodule(parent_path)[role] = Bottleneck(
-                spec.modules[role], module.down.in_features, module.up.out_features).to(weight.device, weight.dtype)
+    with torch.random.fork_rng(devices=[]):  # a module's init draws must not move the caller's random stream
+        for path, module in list(result.named_modules()):
+            if isinstance(module, Bottleneck) and is_low_rank(module.spec):  # fresh: new rank, initial scale
+                parent_path, role = path.rsplit(".", 1)
+                weight = module.down.weight
+                result.get_submodule(parent_path)[role] = Bottleneck(
+                    spec.modules[role], module.down.in_features, module.up.out_features).to(weight.device, weight.dtype)
     result.method = spec
-    result._index()  # rebuild the per-site plan over the new modules
+    result.reindex()  # rebuild the per-site plan over the new modules
     state = dict(dense)
     for path, factors in low_rank.items():
         module = result.get_submodule(path)
@@ -494,7 +518,7 @@ def _compose(views: list[_View], spec: MethodSpec, dense: dict[str, torch.Tensor
         if missing > 0:  # the matrix's rank is below the asked rank: pad with zero directions
             down = torch.cat([down, down.new_zeros(missing, down.shape[1])], 0)
             up_scaled = torch.cat([up_scaled, up_scaled.new_zeros(up_scaled.shape[0], missing)], 1)
-        s = float(module.scale)
+        s = float(module.scale.detach())
         state[f"{path}.down.weight"] = down
         state[f"{path}.up.weight"] = up_scaled / s
         if isinstance(module.scale, nn.Parameter):
@@ -518,14 +542,11 @@ def _provenance(views: list[_View], spec: MethodSpec, record: dict[str, Any],
 
     inputs = []
     for view in views:
-        entry = {"name": view.name, "method": view.delta.method.name, "sha256": None}
+        entry = {"name": view.name, "method": view.delta.method.name,
+                 "tensors_sha256": tensors_sha256(view.delta)}
         ranks = {role: m.size for role, m in view.delta.method.modules.items() if is_low_rank(m)}
         if ranks:
             entry["lora_ranks"] = ranks
-        if backbone_hash is not None:  # exactly the sha256 that save_delta records for this delta's file
-            tensors = {k: t.detach().to("cpu", torch.float32).contiguous() for k, t in view.delta.state_dict().items()}
-            data = safetensors_bytes(tensors, metadata={"format": FORMAT, "backbone_hash": backbone_hash})
-            entry["sha256"] = hashlib.sha256(data).hexdigest()
         inputs.append(entry)
     return {**record, "inputs": inputs, "method": spec.name, "backbone_hash": backbone_hash,
             "pelt_version": __version__}
@@ -701,6 +722,7 @@ __all__ = [
     "multi_task",
     "save_composed",
     "task_vector",
+    "tensors_sha256",
     "ties_combine",
     "trim_to_density",
 ]

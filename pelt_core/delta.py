@@ -87,7 +87,9 @@ def save_delta(delta: JobDelta, backbone: Backbone, out_dir: str | Path,
     delta.drop_reparameterization()
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in delta.state_dict().items()}
     manifest = build_manifest(delta, backbone, extra)
-    save_file(tensors, str(out / DELTA_FILE), metadata={"format": FORMAT, "backbone_hash": backbone.content_hash})
+    # one metadata key: safetensors writes several keys in random order, which would change the file's sha256
+    header = json.dumps({"format": FORMAT, "backbone_hash": backbone.content_hash}, sort_keys=True)
+    save_file(tensors, str(out / DELTA_FILE), metadata={"pelt": header})
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return SavedDelta(out, sha256_file(out / DELTA_FILE), manifest)
 

@@ -177,6 +177,10 @@ class JobDelta(nn.Module):
                         d, scale=method.layer_norm, shift=method.bias or method.layer_norm)
         self._arch = arch
 
+    def reindex(self) -> None:
+        """Rebuild the per-site plan after modules were replaced (e.g. by composition)."""
+        self._index()
+
     def _index(self) -> None:
         """Plan, per (layer, concrete linear), which modules act there and how (used by the hooks)."""
         arch = self._arch
@@ -492,6 +496,7 @@ class PeltModel(nn.Module):
         self.deltas = nn.ModuleDict(deltas)
         self.backbone = backbone  # a plain attribute: not part of parameters() or state_dict()
         self.runtime = get_runtime(backbone)
+        self.train(backbone.model.training)  # start in the backbone's mode (eval after Backbone.load)
 
     def __setattr__(self, name, value):
         if name == "backbone":  # keep the shared backbone out of this module's tree

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pelt_core import get_method
+from pelt_core.backbones import state_dict_hash
 from pelt_core.compose import (
     CompositionError,
     average,
@@ -278,7 +279,7 @@ def test_a_mixed_batch_gives_each_row_what_its_task_model_gives_alone(family, ma
 
     results = model.predict(items, batch_size=5)  # two forwards, each over mixed tasks
     for (task, text), result in zip(items, results, strict=True):
-        alone = predict(PeltModel(backbone, tasks[task]), [text])[0]
+        alone = predict(PeltModel(backbone, tasks[task]).eval(), [text])[0]  # eval: predict restores the mode
         assert result.pop("task") == task
         assert result.keys() == alone.keys()
         for key, value in result.items():
@@ -287,7 +288,7 @@ def test_a_mixed_batch_gives_each_row_what_its_task_model_gives_alone(family, ma
     texts = [text for _, text in items if isinstance(text, str)]
     names = [task for task, text in items if isinstance(text, str)]
     input_ids, mask = encode(backbone, texts)
-    rows = model.eval().forward_tasks(input_ids, mask, names)
+    rows = model.forward_tasks(input_ids, mask, names)
     for row, task, ids, m in zip(rows, names, input_ids, mask, strict=True):
         alone = PeltModel(backbone, tasks[task]).eval()(ids[None], m[None])[0]
         torch.testing.assert_close(row, alone, atol=1e-5, rtol=1e-5)
@@ -309,7 +310,7 @@ def test_a_folded_lora_gives_the_logits_of_the_unfolded_one(family, make_backbon
     torch.testing.assert_close(folded(input_ids, mask), expected, atol=1e-5, rtol=1e-5)
     assert not any(hook for m in folded.model.modules() for hook in m._forward_hooks.values())
     assert [r["label"] for r in folded.predict(sentences)] == [
-        r["label"] for r in predict(PeltModel(backbone, delta), sentences)]
+        r["label"] for r in predict(PeltModel(backbone, delta).eval(), sentences)]
     assert all(torch.equal(before[k], v) for k, v in backbone.model.state_dict().items())
     # a merged LoRA folds too
     merged = merge([delta, make(backbone, ("lora", {"r": 2}), 2, num_labels=3)])
@@ -320,6 +321,8 @@ def test_a_folded_lora_gives_the_logits_of_the_unfolded_one(family, make_backbon
 def test_only_lora_folds(make_backbone):
     backbone = make_backbone("bert")
     with pytest.raises(CompositionError, match="fold_lora: adapters do not fold"):
+        fold_lora(backbone, make(backbone, ("parallel_adapter", {"size": 4}), 1))
+    with pytest.raises(CompositionError, match=r"fold_lora: .*norm deltas"):
         fold_lora(backbone, make(backbone, ("houlsby", {"size": 4}), 1))
 
 
@@ -331,8 +334,9 @@ def test_a_composed_delta_saves_loads_to_identical_logits_and_records_its_proven
     backbone = make_backbone("bert")
     inputs = []
     for seed in (1, 2):
-        saved = save_delta(make(backbone, ("lora", {"r": 2}), seed), backbone, tmp_path / f"in{seed}")
-        inputs.append((saved.sha256, load_delta(saved.path, backbone, expected_sha256=saved.sha256)))
+        trained = make(backbone, ("lora", {"r": 2}), seed)
+        saved = save_delta(trained, backbone, tmp_path / f"in{seed}")
+        inputs.append((state_dict_hash(trained), load_delta(saved.path, backbone, expected_sha256=saved.sha256)))
     composed = merge({"sst2": inputs[0][1], "imdb": inputs[1][1]}, [0.5, 0.5], how="ties", density=0.3,
                      lora_rank=4)
     input_ids, mask = encode(backbone, sentences)
@@ -349,12 +353,15 @@ def test_a_composed_delta_saves_loads_to_identical_logits_and_records_its_proven
     assert provenance["op"] == "merge(ties)"
     assert (provenance["density"], provenance["weights"], provenance["lora_rank"]) == (0.3, [0.5, 0.5], 4)
     assert provenance["backbone_hash"] == backbone.content_hash
-    assert [(i["name"], i["sha256"]) for i in provenance["inputs"]] == [("sst2", inputs[0][0]), ("imdb", inputs[1][0])]
+    assert inputs[0][0] != inputs[1][0]
+    assert [(i["name"], i["tensors_sha256"]) for i in provenance["inputs"]] == [
+        ("sst2", inputs[0][0]), ("imdb", inputs[1][0])]  # the hashes of the trained deltas, before saving
     assert loaded.manifest["extra"]["composition"] == provenance
 
-    # a composed delta composes again, and its own saved sha256 is what the next provenance records
+    # a composed delta composes again; the next provenance names it by the hash it had before saving
     again = merge([loaded, loaded], how="linear")
-    assert again.provenance["inputs"][0]["sha256"] == saved.sha256
+    assert again.provenance["inputs"][0]["tensors_sha256"] == state_dict_hash(composed)
+    assert again.provenance["backbone_hash"] == backbone.content_hash
     with pytest.raises(CompositionError, match="no provenance"):
         save_composed(inputs[0][1], backbone, tmp_path / "plain")
 
@@ -382,6 +389,7 @@ def test_deltas_that_do_not_compose_are_refused_with_the_reason(make_backbone, t
         (lambda: merge(lora, how="average"), "how must be one of linear, ties, dare"),
         (lambda: merge(lora, how="dare", combine="mean"), "combine must be one of"),
         (lambda: merge(lora, lora_rank=0), "lora_rank must be a whole number >= 1"),
+        (lambda: merge(lora, how="dare", seed=-1), "seed must be a whole number"),
         (lambda: merge_lora_svd([make(backbone, "bitfit", 1)], None, 2), "has no LoRA module"),
         (lambda: multi_task(backbone, {}), "non-empty"),
         (lambda: multi_task(backbone, {"a.b": lora[0]}), "without '.'"),
