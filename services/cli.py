@@ -26,10 +26,8 @@ def _register_local_commands() -> None:
 
 
 def _register_service_commands() -> None:
-    try:
-        from services.registry.cli import db
-    except ImportError:  # the registry package is optional while it is being built
-        return
+    from services.registry.cli import db
+
     main.add_command(db)
 
 

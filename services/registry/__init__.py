@@ -1,0 +1,70 @@
+"""The registry: the service's memory and its durable job queue (SQLAlchemy; SQLite or PostgreSQL).
+
+    from services.registry import Registry
+    registry = Registry()                      # PELT_DATABASE_URL, or SQLite under PELT_DATA_DIR
+    registry.register_task("sst2", "data/sst2/train.jsonl", text_fields=["sentence"])
+    registry.submit_sweep("sst2", ["lora", "bitfit"], seeds=[0, 1, 2], k_values=[16, None], backbone="minilm")
+    job = registry.claim_job("worker-1")
+
+Only this package speaks SQL; everything else calls `Registry`.
+"""
+
+from services.registry.db import check_schema_current, downgrade, head_revision, make_engine, upgrade
+from services.registry.errors import (
+    AlreadyExistsError,
+    IdempotencyConflictError,
+    JobStateError,
+    LeaseLostError,
+    NotFoundError,
+    RegistryError,
+    RegistryValidationError,
+    SchemaOutOfDateError,
+    UnknownBackboneError,
+    UnknownJobError,
+    UnknownMethodError,
+    UnknownSweepError,
+    UnknownTaskError,
+)
+from services.registry.leaderboard import LeaderboardRow
+from services.registry.models import JobStatus
+from services.registry.records import (
+    BackboneRecord,
+    JobEventRecord,
+    JobRecord,
+    MethodRecord,
+    ResultRecord,
+    SweepRecord,
+    TaskRecord,
+)
+from services.registry.service import Registry
+
+__all__ = [
+    "AlreadyExistsError",
+    "BackboneRecord",
+    "IdempotencyConflictError",
+    "JobEventRecord",
+    "JobRecord",
+    "JobStateError",
+    "JobStatus",
+    "LeaderboardRow",
+    "LeaseLostError",
+    "MethodRecord",
+    "NotFoundError",
+    "Registry",
+    "RegistryError",
+    "RegistryValidationError",
+    "ResultRecord",
+    "SchemaOutOfDateError",
+    "SweepRecord",
+    "TaskRecord",
+    "UnknownBackboneError",
+    "UnknownJobError",
+    "UnknownMethodError",
+    "UnknownSweepError",
+    "UnknownTaskError",
+    "check_schema_current",
+    "downgrade",
+    "head_revision",
+    "make_engine",
+    "upgrade",
+]

@@ -1,0 +1,112 @@
+"""Errors of the registry: bad input names its field; a missing thing lists what exists."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class RegistryError(Exception):
+    """Base class of every error the registry raises on purpose."""
+
+
+class RegistryValidationError(RegistryError, ValueError):
+    """Bad input; nothing was written. `field` names the offending field (as the caller spelled it)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        text = message if message.startswith(f"{field}:") else f"{field}: {message}"
+        super().__init__(text)
+
+
+class NotFoundError(RegistryValidationError, LookupError):
+    """A named task, method, backbone, job or sweep does not exist; the message lists what does."""
+
+    kind = "object"
+
+    def __init__(
+        self, field: str, name: object, existing: Iterable[object] = (), *, listing: bool = True
+    ) -> None:
+        self.name = name
+        self.existing = [str(item) for item in existing]
+        message = f"unknown {self.kind} {name!r}"
+        if listing:
+            message += f"; known {self.kind}s: {_short_list(self.existing)}"
+        super().__init__(field, message)
+
+
+class UnknownTaskError(NotFoundError):
+    kind = "task"
+
+
+class UnknownMethodError(NotFoundError):
+    kind = "method"
+
+
+class UnknownBackboneError(NotFoundError):
+    kind = "backbone"
+
+
+class UnknownJobError(NotFoundError):
+    kind = "job"
+
+    def __init__(self, job_id: object) -> None:
+        super().__init__("job_id", job_id, listing=False)
+
+
+class UnknownSweepError(NotFoundError):
+    kind = "sweep"
+
+    def __init__(self, sweep_id: object) -> None:
+        super().__init__("sweep_id", sweep_id, listing=False)
+
+
+class AlreadyExistsError(RegistryValidationError):
+    """A different definition is already registered under this name."""
+
+
+class IdempotencyConflictError(RegistryValidationError):
+    """An idempotency key was reused for a different request."""
+
+    def __init__(self, key: str, what: str) -> None:
+        self.key = key
+        super().__init__("idempotency_key", f"{key!r} was already used for a different {what}")
+
+
+class JobStateError(RegistryError):
+    """The job is not in a state that allows this operation (e.g. completing a cancelled job)."""
+
+    def __init__(self, job_id: int, message: str) -> None:
+        self.job_id = job_id
+        super().__init__(f"job {job_id}: {message}")
+
+
+class LeaseLostError(JobStateError):
+    """The caller no longer holds the job's lease (it expired and was taken back, or the job ended)."""
+
+
+class SchemaOutOfDateError(RegistryError, RuntimeError):
+    """The database's schema revision is not the one this code needs."""
+
+
+def _short_list(names: list[str], limit: int = 25) -> str:
+    if not names:
+        return "(none)"
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, … and {len(names) - limit} more"
+
+
+__all__ = [
+    "AlreadyExistsError",
+    "IdempotencyConflictError",
+    "JobStateError",
+    "LeaseLostError",
+    "NotFoundError",
+    "RegistryError",
+    "RegistryValidationError",
+    "SchemaOutOfDateError",
+    "UnknownBackboneError",
+    "UnknownJobError",
+    "UnknownMethodError",
+    "UnknownSweepError",
+    "UnknownTaskError",
+]

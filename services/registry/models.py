@@ -1,0 +1,272 @@
+"""ORM models of the registry (SQLAlchemy 2, typed). The migrations in `migrations/` create this schema.
+
+Portable across SQLite and PostgreSQL: JSON columns, timestamps stored as UTC (timezone-aware in
+Python, `timestamptz` on PostgreSQL, ISO text on SQLite), constraint names from a naming convention.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class JobStatus(enum.StrEnum):
+    """A job's state. queued → running → succeeded | failed | cancelled (running → queued on retry)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+DIRECTIONS = ("max", "min")
+SOURCE_KINDS = ("files", "datasets")
+
+
+def _in(column: str, values: tuple[str, ...] | list[str]) -> str:
+    return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC timestamp on every backend (naive values are refused)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: registry timestamps must be timezone-aware")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {  # noqa: RUF012 - SQLAlchemy reads this class attribute
+        datetime: UTCDateTime(),
+        dict[str, Any]: JSON(),
+        list[Any]: JSON(),
+    }
+
+
+class Task(Base):
+    """A dataset plus what to predict and how to score it."""
+
+    __tablename__ = "tasks"
+    __table_args__ = (
+        CheckConstraint(_in("problem_type", PROBLEM_TYPES), name="problem_type"),
+        CheckConstraint(_in("metric_direction", DIRECTIONS), name="metric_direction"),
+        CheckConstraint(_in("source_kind", SOURCE_KINDS), name="source_kind"),
+        CheckConstraint("max_length >= 1", name="max_length"),
+        CheckConstraint("train_size >= 1", name="train_size"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    source_kind: Mapped[str] = mapped_column(String(16))
+    source: Mapped[dict[str, Any]]  # files: {split: path}; datasets: {"path": folder}
+    split_sizes: Mapped[dict[str, Any]]  # {split: rows}
+    train_size: Mapped[int] = mapped_column(Integer)
+    text_fields: Mapped[list[Any]]
+    label_field: Mapped[str] = mapped_column(String(200))
+    problem_type: Mapped[str] = mapped_column(String(40))
+    metric: Mapped[str] = mapped_column(String(100))
+    metric_direction: Mapped[str] = mapped_column(String(3))
+    label_names: Mapped[list[Any] | None]
+    max_length: Mapped[int] = mapped_column(Integer)
+    description: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime]
+
+
+class Method(Base):
+    """A PELT method preset: its spec JSON (built-ins are seeded by a migration)."""
+
+    __tablename__ = "methods"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    spec: Mapped[dict[str, Any]]
+    builtin: Mapped[bool] = mapped_column(Boolean, default=False)
+    description: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime]
+
+
+class Backbone(Base):
+    """A frozen pretrained model every job's delta is trained on top of."""
+
+    __tablename__ = "backbones"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    source: Mapped[str] = mapped_column(Text)
+    content_hash: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime]
+
+
+class Sweep(Base):
+    """One submit of methods × seeds × K values for one task and backbone."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"), index=True)
+    backbone_id: Mapped[int] = mapped_column(ForeignKey("backbones.id"))
+    methods: Mapped[list[Any]]
+    seeds: Mapped[list[Any]]
+    k_values: Mapped[list[Any]]  # null entries mean the full training set
+    hyperparameters: Mapped[dict[str, Any]]
+    method_hyperparameters: Mapped[dict[str, Any]]
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    created_at: Mapped[datetime]
+
+    task: Mapped[Task] = relationship()
+    backbone: Mapped[Backbone] = relationship()
+
+
+class Job(Base):
+    """One training run: the durable queue entry, its lease and its state."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint(_in("status", list(JobStatus)), name="status"),
+        CheckConstraint("attempts >= 0", name="attempts"),
+        CheckConstraint("max_attempts >= 1", name="max_attempts"),
+        CheckConstraint("progress IS NULL OR (progress >= 0 AND progress <= 1)", name="progress"),
+        Index("ix_jobs_queue", "status", "priority", "created_at"),
+        Index("ix_jobs_lease", "status", "lease_expires_at"),
+        Index("ix_jobs_task_k", "task_id", "k_shot"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"))
+    method_id: Mapped[int] = mapped_column(ForeignKey("methods.id"))
+    backbone_id: Mapped[int] = mapped_column(ForeignKey("backbones.id"))
+    sweep_id: Mapped[int | None] = mapped_column(ForeignKey("sweeps.id"), index=True)
+    hyperparameters: Mapped[dict[str, Any]]  # as submitted (training names canonical)
+    train_config: Mapped[dict[str, Any]]  # the resolved pelt_core.TrainConfig
+    method_spec: Mapped[dict[str, Any]]  # the resolved method spec, overrides applied
+    seed: Mapped[int] = mapped_column(Integer)
+    k_shot: Mapped[int | None] = mapped_column(Integer)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    max_attempts: Mapped[int] = mapped_column(Integer)
+    not_before: Mapped[datetime | None]
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_expires_at: Mapped[datetime | None]
+    heartbeat_at: Mapped[datetime | None]
+    progress: Mapped[float | None] = mapped_column(Float)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+    task: Mapped[Task] = relationship()
+    method: Mapped[Method] = relationship()
+    backbone: Mapped[Backbone] = relationship()
+    result: Mapped[Result | None] = relationship(back_populates="job", uselist=False)
+
+
+class Result(Base):
+    """What a succeeded job produced (at most one per job)."""
+
+    __tablename__ = "results"
+    __table_args__ = (CheckConstraint("trainable_params >= 0", name="trainable_params"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
+    metrics: Mapped[dict[str, Any]]
+    primary_metric: Mapped[float] = mapped_column(Float)
+    trainable_params: Mapped[int] = mapped_column(BigInteger)
+    total_params: Mapped[int | None] = mapped_column(BigInteger)
+    trainable_percent: Mapped[float] = mapped_column(Float)
+    train_seconds: Mapped[float] = mapped_column(Float)
+    peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    delta_uri: Mapped[str | None] = mapped_column(Text)
+    delta_sha256: Mapped[str | None] = mapped_column(String(64))
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(100))
+    mlflow_model_version: Mapped[str | None] = mapped_column(String(100))
+    worker_id: Mapped[str | None] = mapped_column(String(200))
+    attempt: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+
+    job: Mapped[Job] = relationship(back_populates="result")
+
+
+class JobEvent(Base):
+    """One status change of a job (or a cancel request), with its time and reason."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime]
+    from_status: Mapped[str | None] = mapped_column(String(16))
+    to_status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    worker_id: Mapped[str | None] = mapped_column(String(200))
+
+
+__all__ = [
+    "DIRECTIONS",
+    "PROBLEM_TYPES",
+    "SOURCE_KINDS",
+    "TERMINAL_STATUSES",
+    "Backbone",
+    "Base",
+    "Job",
+    "JobEvent",
+    "JobStatus",
+    "Method",
+    "Result",
+    "Sweep",
+    "Task",
+    "UTCDateTime",
+    "utcnow",
+]

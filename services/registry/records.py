@@ -1,0 +1,255 @@
+"""What the registry hands out: plain frozen dataclasses, detached from any database session."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from services.registry import models
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """A registered task. `label_names` are the class names in index order (None for regression):
+    given at registration, else a `datasets` ClassLabel's names, else the distinct label values as
+    strings, sorted (integer labels 0..n-1 give "0".."n-1")."""
+
+    id: int
+    name: str
+    source_kind: str  # "files" or "datasets"
+    source: dict[str, str]  # files: {split: path}; datasets: {"path": folder}
+    split_sizes: dict[str, int]
+    train_size: int
+    text_fields: list[str]
+    label_field: str
+    problem_type: str
+    metric: str
+    metric_direction: str  # "max" or "min"
+    label_names: list[str] | None
+    max_length: int
+    description: str
+    created_at: datetime
+
+    @classmethod
+    def of(cls, row: models.Task) -> TaskRecord:
+        return cls(
+            id=row.id,
+            name=row.name,
+            source_kind=row.source_kind,
+            source=dict(row.source),
+            split_sizes=dict(row.split_sizes),
+            train_size=row.train_size,
+            text_fields=list(row.text_fields),
+            label_field=row.label_field,
+            problem_type=row.problem_type,
+            metric=row.metric,
+            metric_direction=row.metric_direction,
+            label_names=None if row.label_names is None else list(row.label_names),
+            max_length=row.max_length,
+            description=row.description,
+            created_at=row.created_at,
+        )
+
+
+@dataclass(frozen=True)
+class MethodRecord:
+    """A method preset; `spec` is its pelt_core spec dict (`pelt_core.get_method(record.spec)`)."""
+
+    id: int
+    name: str
+    spec: dict[str, Any]
+    builtin: bool
+    description: str
+    created_at: datetime
+
+    @classmethod
+    def of(cls, row: models.Method) -> MethodRecord:
+        return cls(row.id, row.name, dict(row.spec), row.builtin, row.description, row.created_at)
+
+
+@dataclass(frozen=True)
+class BackboneRecord:
+    """A registered backbone: where it comes from and the hash of its content."""
+
+    id: int
+    name: str
+    source: str
+    content_hash: str
+    created_at: datetime
+
+    @classmethod
+    def of(cls, row: models.Backbone) -> BackboneRecord:
+        return cls(row.id, row.name, row.source, row.content_hash, row.created_at)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One job. `attempts` counts the times it was started (claimed); the worker runs
+    `method_spec` (overrides applied) with `train_config` (a resolved pelt_core.TrainConfig dict)."""
+
+    id: int
+    task: str
+    method: str
+    backbone: str
+    sweep_id: int | None
+    hyperparameters: dict[str, Any]
+    train_config: dict[str, Any]
+    method_spec: dict[str, Any]
+    seed: int
+    k_shot: int | None
+    priority: int
+    status: models.JobStatus
+    attempts: int
+    max_attempts: int
+    not_before: datetime | None
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    heartbeat_at: datetime | None
+    progress: float | None
+    cancel_requested: bool
+    last_error: str | None
+    idempotency_key: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def of(cls, row: models.Job, names: tuple[str, str, str] | None = None) -> JobRecord:
+        """The record of a job row; `names` (task, method, backbone) saves loading them."""
+        task, method, backbone = names or (row.task.name, row.method.name, row.backbone.name)
+        return cls(
+            id=row.id,
+            task=task,
+            method=method,
+            backbone=backbone,
+            sweep_id=row.sweep_id,
+            hyperparameters=dict(row.hyperparameters),
+            train_config=dict(row.train_config),
+            method_spec=dict(row.method_spec),
+            seed=row.seed,
+            k_shot=row.k_shot,
+            priority=row.priority,
+            status=models.JobStatus(row.status),
+            attempts=row.attempts,
+            max_attempts=row.max_attempts,
+            not_before=row.not_before,
+            lease_owner=row.lease_owner,
+            lease_expires_at=row.lease_expires_at,
+            heartbeat_at=row.heartbeat_at,
+            progress=row.progress,
+            cancel_requested=row.cancel_requested,
+            last_error=row.last_error,
+            idempotency_key=row.idempotency_key,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+        )
+
+
+@dataclass(frozen=True)
+class SweepRecord:
+    """One submitted sweep and its jobs (ids in submission order: method, then seed, then K)."""
+
+    id: int
+    task: str
+    backbone: str
+    methods: list[str]
+    seeds: list[int]
+    k_values: list[int | None]
+    hyperparameters: dict[str, Any]
+    method_hyperparameters: dict[str, dict[str, Any]]
+    priority: int
+    idempotency_key: str | None
+    created_at: datetime
+    job_ids: list[int]
+
+    @classmethod
+    def of(cls, row: models.Sweep, job_ids: list[int]) -> SweepRecord:
+        return cls(
+            id=row.id,
+            task=row.task.name,
+            backbone=row.backbone.name,
+            methods=list(row.methods),
+            seeds=list(row.seeds),
+            k_values=list(row.k_values),
+            hyperparameters=dict(row.hyperparameters),
+            method_hyperparameters=dict(row.method_hyperparameters),
+            priority=row.priority,
+            idempotency_key=row.idempotency_key,
+            created_at=row.created_at,
+            job_ids=job_ids,
+        )
+
+
+@dataclass(frozen=True)
+class ResultRecord:
+    """What a succeeded job produced."""
+
+    id: int
+    job_id: int
+    metrics: dict[str, Any]
+    primary_metric: float
+    trainable_params: int
+    total_params: int | None
+    trainable_percent: float
+    train_seconds: float
+    peak_memory_bytes: int | None
+    delta_uri: str | None
+    delta_sha256: str | None
+    mlflow_run_id: str | None
+    mlflow_model_version: str | None
+    worker_id: str | None
+    attempt: int
+    created_at: datetime
+
+    @classmethod
+    def of(cls, row: models.Result) -> ResultRecord:
+        return cls(
+            id=row.id,
+            job_id=row.job_id,
+            metrics=dict(row.metrics),
+            primary_metric=row.primary_metric,
+            trainable_params=row.trainable_params,
+            total_params=row.total_params,
+            trainable_percent=row.trainable_percent,
+            train_seconds=row.train_seconds,
+            peak_memory_bytes=row.peak_memory_bytes,
+            delta_uri=row.delta_uri,
+            delta_sha256=row.delta_sha256,
+            mlflow_run_id=row.mlflow_run_id,
+            mlflow_model_version=row.mlflow_model_version,
+            worker_id=row.worker_id,
+            attempt=row.attempt,
+            created_at=row.created_at,
+        )
+
+
+@dataclass(frozen=True)
+class JobEventRecord:
+    """One status change of a job (from_status None: the submit), or a cancel request."""
+
+    id: int
+    job_id: int
+    at: datetime
+    from_status: str | None
+    to_status: str
+    reason: str
+    worker_id: str | None
+
+    @classmethod
+    def of(cls, row: models.JobEvent) -> JobEventRecord:
+        return cls(row.id, row.job_id, row.at, row.from_status, row.to_status, row.reason, row.worker_id)
+
+
+__all__ = [
+    "BackboneRecord",
+    "JobEventRecord",
+    "JobRecord",
+    "MethodRecord",
+    "ResultRecord",
+    "SweepRecord",
+    "TaskRecord",
+]

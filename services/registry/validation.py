@@ -1,0 +1,489 @@
+"""Input checks of the registry. Each raises RegistryValidationError naming the offending field.
+
+Nothing here touches the database: the service runs these checks before it writes anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pelt_core.config import ALIASES, ConfigError, TrainConfig, split_overrides
+from pelt_core.methods import get_method
+from pelt_core.spec import SpecError
+from services.registry.dataset_probe import DatasetProbe
+from services.registry.errors import RegistryValidationError
+from services.registry.models import DIRECTIONS, PROBLEM_TYPES
+
+METRIC_DIRECTIONS: dict[str, str] = {
+    "accuracy": "max",
+    "f1": "max",
+    "matthews": "max",
+    "pearson": "max",
+    "spearman": "max",
+    "loss": "min",
+    "mse": "min",
+    "mae": "min",
+}
+CLASSIFICATION_METRICS = frozenset({"accuracy", "f1", "matthews", "loss"})
+REGRESSION_METRICS = frozenset({"pearson", "spearman", "mse", "mae", "loss"})
+PROBLEM_TYPE_ALIASES = {
+    "classification": "single_label_classification",
+    "multi_label": "multi_label_classification",
+}
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
+MAX_KEY_LENGTH = 200
+SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_name(value: object, field: str = "name") -> str:
+    """Names of tasks, methods and backbones: letters, digits, `_`, `.`, `-`; at most 100 characters."""
+    if not isinstance(value, str) or not NAME_PATTERN.match(value):
+        raise RegistryValidationError(
+            field, f"{value!r} is not a valid name (letters, digits, '_', '.', '-'; at most 100 characters)"
+        )
+    return value
+
+
+def check_int(value: object, field: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """A whole number (booleans refused) within bounds."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RegistryValidationError(field, f"must be a whole number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise RegistryValidationError(field, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise RegistryValidationError(field, f"must be <= {maximum}, got {value}")
+    return value
+
+
+def check_key(value: object, field: str = "idempotency_key") -> str | None:
+    """An optional idempotency key: a non-empty string of at most 200 characters."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_KEY_LENGTH:
+        raise RegistryValidationError(
+            field, f"must be a non-empty string of at most {MAX_KEY_LENGTH} characters"
+        )
+    return value
+
+
+# --- tasks ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskDefinition:
+    """A task's fields after validation (what register_task stores)."""
+
+    text_fields: list[str]
+    label_field: str
+    problem_type: str
+    metric: str
+    metric_direction: str
+    label_names: list[str] | None
+    max_length: int
+
+
+def check_task_definition(
+    *,
+    text_fields: Sequence[str] | str,
+    label_field: str,
+    problem_type: str,
+    metric: str,
+    metric_direction: str | None,
+    label_names: Sequence[str] | None,
+    max_length: int,
+) -> TaskDefinition:
+    """The checks that need no data: field names, problem type, metric and its direction, lengths."""
+    fields = (
+        [text_fields]
+        if isinstance(text_fields, str)
+        else list(text_fields)
+        if text_fields is not None
+        else []
+    )
+    if not 1 <= len(fields) <= 2 or not all(isinstance(f, str) and f for f in fields):
+        raise RegistryValidationError("text_fields", f"give one or two column names, got {text_fields!r}")
+    if len(set(fields)) != len(fields):
+        raise RegistryValidationError("text_fields", f"the same column twice: {fields!r}")
+    if not isinstance(label_field, str) or not label_field:
+        raise RegistryValidationError("label_field", f"must be a column name, got {label_field!r}")
+    if label_field in fields:
+        raise RegistryValidationError("label_field", f"{label_field!r} is also a text field")
+    problem = PROBLEM_TYPE_ALIASES.get(problem_type, problem_type)
+    if problem not in PROBLEM_TYPES:
+        raise RegistryValidationError(
+            "problem_type", f"{problem_type!r} is not one of {', '.join(PROBLEM_TYPES)}"
+        )
+    if not isinstance(metric, str) or not metric:
+        raise RegistryValidationError("metric", f"must be a metric name, got {metric!r}")
+    known = METRIC_DIRECTIONS.get(metric)
+    if metric_direction is not None and metric_direction not in DIRECTIONS:
+        raise RegistryValidationError("metric_direction", f"must be 'max' or 'min', got {metric_direction!r}")
+    if known is None and metric_direction is None:
+        raise RegistryValidationError(
+            "metric",
+            f"{metric!r} is not a known metric ({', '.join(METRIC_DIRECTIONS)}); "
+            "give metric_direction ('max' or 'min') for a custom one",
+        )
+    if known is not None and metric_direction is not None and metric_direction != known:
+        raise RegistryValidationError(
+            "metric_direction", f"{metric} is a {known}imized metric, not {metric_direction}"
+        )
+    if known is not None:
+        allowed = REGRESSION_METRICS if problem == "regression" else CLASSIFICATION_METRICS
+        if metric not in allowed:
+            raise RegistryValidationError(
+                "metric", f"{metric!r} does not apply to {problem}; use one of {', '.join(sorted(allowed))}"
+            )
+    names: list[str] | None = None
+    if label_names is not None:
+        if problem == "regression":
+            raise RegistryValidationError("label_names", "a regression task has no label names")
+        names = list(label_names)
+        if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+            raise RegistryValidationError(
+                "label_names", f"must be distinct non-empty strings, got {label_names!r}"
+            )
+    check_int(max_length, "max_length", minimum=1, maximum=1_000_000)
+    return TaskDefinition(
+        text_fields=fields,
+        label_field=label_field,
+        problem_type=problem,
+        metric=metric,
+        metric_direction=metric_direction or known or "max",
+        label_names=names,
+        max_length=max_length,
+    )
+
+
+def check_task_against_data(definition: TaskDefinition, probe: DatasetProbe, where: str) -> list[str] | None:
+    """Check the fields exist in the training data; return the label names (given or inferred)."""
+    columns = ", ".join(probe.columns)
+    for name in definition.text_fields:
+        if name not in probe.columns:
+            raise RegistryValidationError(
+                "text_fields",
+                f"{name!r} is not a column of the training data at {where} (columns: {columns})",
+            )
+    if definition.label_field not in probe.columns or probe.label is None:
+        raise RegistryValidationError(
+            "label_field",
+            f"{definition.label_field!r} is not a column of the training data at {where} (columns: {columns})",
+        )
+    if probe.train_rows < 1:
+        raise RegistryValidationError("source", f"the training data at {where} has no rows")
+    label = probe.label
+    if label.nulls:
+        raise RegistryValidationError(
+            "label_field", f"{definition.label_field!r} is empty in {label.nulls} training rows at {where}"
+        )
+    if definition.problem_type == "regression":
+        if label.kind not in ("integer", "float"):
+            raise RegistryValidationError(
+                "label_field",
+                f"a regression label must be numeric; {definition.label_field!r} holds {label.kind} values",
+            )
+        return None
+    if definition.problem_type == "multi_label_classification" and label.kind != "list":
+        raise RegistryValidationError(
+            "label_field",
+            f"a multi-label task needs a list of labels per row; {definition.label_field!r} holds {label.kind} values",
+        )
+    if definition.problem_type == "single_label_classification" and label.kind == "list":
+        raise RegistryValidationError(
+            "problem_type",
+            f"{definition.label_field!r} holds lists of labels: use multi_label_classification",
+        )
+    if label.values is None:
+        raise RegistryValidationError(
+            "label_field", f"{definition.label_field!r} has too many distinct values for class labels"
+        )
+    inferred = label.names or _names_from_values(label.values, definition.label_field)
+    if definition.label_names is None:
+        return inferred
+    _check_labels_fit(definition.label_names, label.values, definition.label_field)
+    return definition.label_names
+
+
+def _names_from_values(values: list[Any], field: str) -> list[str]:
+    if all(isinstance(v, bool) for v in values):
+        return [str(v) for v in sorted(values)]
+    if all(isinstance(v, str) for v in values):
+        return sorted(values)
+    if all(isinstance(v, int | float) and float(v).is_integer() for v in values):
+        return [str(i) for i in sorted({int(v) for v in values})]
+    raise RegistryValidationError(
+        "label_field", f"{field!r} holds {values[:5]!r}: class labels must be strings or whole numbers"
+    )
+
+
+def _check_labels_fit(names: list[str], values: list[Any], field: str) -> None:
+    """Given names must cover the data: string labels by name, whole numbers as indices or names."""
+    for value in values:
+        if isinstance(value, str):
+            ok = value in names
+        elif isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer():
+            ok = 0 <= int(value) < len(names) or str(int(value)) in names
+        else:
+            ok = str(value) in names
+        if not ok:
+            raise RegistryValidationError(
+                "label_names", f"the training data's {field!r} holds {value!r}, which is not among {names!r}"
+            )
+
+
+# --- jobs ----------------------------------------------------------------------------------------
+
+_TRAIN_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
+_RESERVED = frozenset({"seed", "k_shot"})
+
+
+def split_hyperparameters(
+    hyperparameters: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """(training values by canonical name, method-spec overrides, canonical name → key as given).
+
+    Seeds and K are arguments of their own (a sweep takes lists of them), not hyperparameters.
+    """
+    if hyperparameters is None:
+        return {}, {}, {}
+    if not isinstance(hyperparameters, Mapping):
+        raise RegistryValidationError(
+            "hyperparameters", f"expected a mapping, got {type(hyperparameters).__name__}"
+        )
+    given: dict[str, str] = {}
+    for key in hyperparameters:
+        if not isinstance(key, str) or not key:
+            raise RegistryValidationError("hyperparameters", f"keys must be non-empty strings, got {key!r}")
+        canonical = ALIASES.get(key, key)
+        if canonical in _RESERVED:
+            raise RegistryValidationError(
+                key,
+                f"pass {canonical} as its own argument (a sweep takes a list of them), not as a hyperparameter",
+            )
+        if canonical in _TRAIN_FIELDS and canonical in given:
+            raise RegistryValidationError(key, f"given twice (as {given[canonical]!r} and {key!r})")
+        given[canonical] = key
+    train, spec = split_overrides(dict(hyperparameters))
+    for name, value in train.items():
+        _check_train_type(name, value, given.get(name, name))
+    return train, spec, given
+
+
+def _check_train_type(name: str, value: Any, key: str) -> None:
+    """Refuse values of the wrong JSON type before pelt_core compares them (strings are parsed there)."""
+    annotation = _TRAIN_FIELDS[name]
+    if value is None:
+        if "None" not in annotation:
+            raise RegistryValidationError(key, f"must not be null ({name})")
+        return
+    if isinstance(value, str):
+        return
+    base = annotation.split("|")[0].strip()
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    ok = {
+        "float": is_number,
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "str": False,
+    }.get(base, True)
+    if not ok:
+        raise RegistryValidationError(
+            key, f"expected {base} for {name}, got {type(value).__name__} {value!r}"
+        )
+    if base == "float" and not math.isfinite(float(value)):
+        raise RegistryValidationError(key, f"must be a finite number, got {value!r}")
+
+
+def resolve_train_config(
+    train: Mapping[str, Any],
+    given: Mapping[str, str],
+    *,
+    seed: int,
+    k_shot: int | None,
+    task_max_length: int,
+    task_train_size: int,
+) -> dict[str, Any]:
+    """Validate the training hyperparameters with pelt_core's TrainConfig; returns its dict.
+
+    The task's max sequence length is the default `max_length`; K may not exceed the training set.
+    """
+    values = {"max_length": task_max_length, **train, "seed": seed, "k_shot": k_shot}
+    try:
+        config = TrainConfig.from_dict(values)
+    except ConfigError as exc:
+        name = _field_of(exc) or "hyperparameters"
+        raise RegistryValidationError(given.get(name, name), str(exc)) from exc
+    except TypeError as exc:  # pragma: no cover - _check_train_type refuses wrong types first
+        raise RegistryValidationError("hyperparameters", str(exc)) from exc
+    if k_shot is not None and k_shot > task_train_size:
+        raise RegistryValidationError(
+            "k_shot", f"{k_shot} is more than the task's {task_train_size} training examples"
+        )
+    return config.to_dict()
+
+
+def resolve_method_spec(
+    method_name: str, method_spec: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Apply method-spec overrides (e.g. `r`, `bottleneck`, `q.size`) with pelt_core; returns the spec dict."""
+    return _resolve_spec(method_name, method_spec, dict(overrides))
+
+
+def canonical_hyperparameters(
+    train: Mapping[str, Any], train_config: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The hyperparameters as stored on a job: training names canonical and parsed, spec overrides as given."""
+    values = {name: train_config[name] for name in train}
+    values.update(overrides)
+    return values
+
+
+def _resolve_spec(
+    method_name: str, method_spec: Mapping[str, Any], overrides: dict[str, Any]
+) -> dict[str, Any]:
+    try:
+        return get_method(dict(method_spec), overrides or None).to_dict()
+    except (SpecError, TypeError) as exc:
+        culprit = _culprit(method_spec, overrides)
+        if culprit is not None:
+            raise RegistryValidationError(culprit, f"{exc} (method {method_name!r})") from exc
+        raise RegistryValidationError(_field_of(exc) or "method", f"{exc} (method {method_name!r})") from exc
+
+
+def _culprit(method_spec: Mapping[str, Any], overrides: dict[str, Any]) -> str | None:
+    """The first override that fails on its own (to name the key the caller wrote, e.g. `r`)."""
+    for key, value in overrides.items():
+        try:
+            get_method(dict(method_spec), {key: value})
+        except (SpecError, TypeError):
+            return key
+    return None
+
+
+def check_method_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A user-defined preset, validated by pelt_core; returns its normalized spec dict."""
+    if not isinstance(spec, Mapping):
+        raise RegistryValidationError("spec", f"expected a method spec object, got {type(spec).__name__}")
+    check_name(spec.get("name"), "name")
+    try:
+        return get_method(dict(spec)).to_dict()
+    except (SpecError, TypeError) as exc:
+        raise RegistryValidationError(_field_of(exc) or "spec", str(exc)) from exc
+
+
+def _field_of(exc: Exception) -> str | None:
+    """pelt_core's errors start with the field they are about: 'learning_rate: must be > 0'."""
+    head, sep, _ = str(exc).partition(": ")
+    if sep and head and " " not in head:
+        return head
+    return None
+
+
+# --- results -------------------------------------------------------------------------------------
+
+RESULT_FIELDS = (
+    "metrics",
+    "primary_metric",
+    "trainable_params",
+    "total_params",
+    "trainable_percent",
+    "train_seconds",
+    "peak_memory_bytes",
+    "delta_uri",
+    "delta_sha256",
+    "mlflow_run_id",
+    "mlflow_model_version",
+)
+
+
+def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
+    """A worker's result: metrics (with the task's primary metric), sizes, time, delta and MLflow ids."""
+    if not isinstance(result, Mapping):
+        raise RegistryValidationError("result", f"expected a mapping, got {type(result).__name__}")
+    unknown = sorted(set(result) - set(RESULT_FIELDS))
+    if unknown:
+        raise RegistryValidationError(
+            f"result.{unknown[0]}",
+            f"unknown result field(s) {', '.join(unknown)}; known: {', '.join(RESULT_FIELDS)}",
+        )
+    metrics = result.get("metrics")
+    if not isinstance(metrics, Mapping) or not all(isinstance(k, str) for k in metrics):
+        raise RegistryValidationError("result.metrics", "must be a mapping of metric name to value")
+    primary = result.get("primary_metric", metrics.get(metric))
+    if primary is None:
+        raise RegistryValidationError(
+            f"result.metrics.{metric}",
+            f"the task's primary metric {metric!r} is missing (have: {', '.join(metrics)})",
+        )
+    primary = _number(primary, "result.primary_metric")
+    trainable = _count(result.get("trainable_params"), "result.trainable_params", required=True)
+    total = _count(result.get("total_params"), "result.total_params")
+    percent = result.get("trainable_percent")
+    if percent is None:
+        if not total:
+            raise RegistryValidationError(
+                "result.trainable_percent", "give trainable_percent or total_params"
+            )
+        percent = 100.0 * trainable / total
+    percent = _number(percent, "result.trainable_percent")
+    if not 0.0 <= percent <= 100.0:
+        raise RegistryValidationError("result.trainable_percent", f"must be in [0, 100], got {percent}")
+    seconds = _number(result.get("train_seconds"), "result.train_seconds")
+    if seconds < 0:
+        raise RegistryValidationError("result.train_seconds", f"must be >= 0, got {seconds}")
+    sha = result.get("delta_sha256")
+    if sha is not None and (not isinstance(sha, str) or not SHA256_PATTERN.match(sha.lower())):
+        raise RegistryValidationError("result.delta_sha256", "must be 64 hexadecimal characters")
+    version = result.get("mlflow_model_version")
+    for name in ("delta_uri", "mlflow_run_id"):
+        if result.get(name) is not None and not isinstance(result[name], str):
+            raise RegistryValidationError(f"result.{name}", f"must be a string, got {result[name]!r}")
+    return {
+        "metrics": dict(metrics),
+        "primary_metric": primary,
+        "trainable_params": trainable,
+        "total_params": total,
+        "trainable_percent": percent,
+        "train_seconds": seconds,
+        "peak_memory_bytes": _count(result.get("peak_memory_bytes"), "result.peak_memory_bytes"),
+        "delta_uri": result.get("delta_uri"),
+        "delta_sha256": sha.lower() if isinstance(sha, str) else None,
+        "mlflow_run_id": result.get("mlflow_run_id"),
+        "mlflow_model_version": None if version is None else str(version),
+    }
+
+
+def _number(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(float(value)):
+        raise RegistryValidationError(field, f"must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _count(value: Any, field: str, *, required: bool = False) -> int | None:
+    if value is None and not required:
+        return None
+    return check_int(value, field, minimum=0)
+
+
+__all__ = [
+    "CLASSIFICATION_METRICS",
+    "METRIC_DIRECTIONS",
+    "REGRESSION_METRICS",
+    "TaskDefinition",
+    "canonical_hyperparameters",
+    "check_int",
+    "check_key",
+    "check_method_spec",
+    "check_name",
+    "check_result",
+    "check_task_against_data",
+    "check_task_definition",
+    "resolve_method_spec",
+    "resolve_train_config",
+    "split_hyperparameters",
+]

@@ -1,0 +1,138 @@
+"""Fixtures of the registry tests: every database test runs on SQLite and on PostgreSQL.
+
+PostgreSQL comes from PELT_TEST_DATABASE_URL (`make test` sets it); each test gets its own freshly
+created database (`pelt_test_<random>`, cloned from a migrated template), dropped after the test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from sqlalchemy import make_url
+
+from services.registry import Registry, upgrade
+from services.registry.testing import (
+    FakeClock,
+    create_postgres_database,
+    drop_postgres_database,
+    scratch_postgres,
+    sqlite_url,
+    write_jsonl,
+)
+
+PG_ENV = "PELT_TEST_DATABASE_URL"
+BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+START = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def postgres_base_url() -> str:
+    url = os.environ.get(PG_ENV)
+    if not url:
+        pytest.skip(
+            f"{PG_ENV} is unset, so the PostgreSQL half of the registry tests cannot run "
+            "(`make test` sets it when a local PostgreSQL is installed)"
+        )
+    return url
+
+
+class MigratedTemplates:
+    """One migrated database per backend, made on first use; each test gets a fresh copy."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._sqlite: Path | None = None
+        self._postgres: str | None = None
+
+    def sqlite_file(self) -> Path:
+        if self._sqlite is None:
+            path = self.folder / "template.db"
+            upgrade(sqlite_url(path))
+            self._sqlite = path
+        return self._sqlite
+
+    def postgres_name(self) -> str:
+        if self._postgres is None:
+            url = create_postgres_database(postgres_base_url(), prefix="pelt_test_template_")
+            self._postgres = url
+            upgrade(url)
+        return str(make_url(self._postgres).database)
+
+    def close(self) -> None:
+        if self._postgres is not None:
+            drop_postgres_database(self._postgres)
+
+
+@pytest.fixture(scope="session")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MigratedTemplates]:
+    holder = MigratedTemplates(tmp_path_factory.mktemp("registry-templates"))
+    yield holder
+    holder.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The database under test: "sqlite" or "postgresql"."""
+    if request.param == "postgresql":
+        postgres_base_url()
+    return request.param
+
+
+@pytest.fixture
+def db_url(backend: str, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database (no schema), dropped after the test."""
+    if backend == "sqlite":
+        yield sqlite_url(tmp_path / "registry.db")
+        return
+    with scratch_postgres(postgres_base_url()) as url:
+        yield url
+
+
+@pytest.fixture
+def migrated_url(backend: str, tmp_path: Path, templates: MigratedTemplates) -> Iterator[str]:
+    """A fresh database at the head revision (a copy of a migrated template), dropped after the test."""
+    if backend == "sqlite":
+        path = tmp_path / "registry.db"
+        shutil.copyfile(templates.sqlite_file(), path)
+        yield sqlite_url(path)
+        return
+    with scratch_postgres(postgres_base_url(), template=templates.postgres_name()) as url:
+        yield url
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(START)
+
+
+@pytest.fixture
+def registry(migrated_url: str, clock: FakeClock) -> Iterator[Registry]:
+    """A registry on a fresh database, with a clock the test moves by hand."""
+    with Registry(
+        migrated_url,
+        clock=clock,
+        lease_seconds=60,
+        max_attempts=3,
+        retry_backoff_seconds=5,
+        retry_backoff_max_seconds=600,
+    ) as opened:
+        yield opened
+
+
+@pytest.fixture
+def sst2_file(tmp_path: Path) -> Path:
+    """40 training rows: a sentence and a positive/negative label."""
+    rows = [{"sentence": f"sentence number {i}", "label": ["negative", "positive"][i % 2]} for i in range(40)]
+    return write_jsonl(tmp_path / "sst2-train.jsonl", rows)
+
+
+@pytest.fixture
+def ready(registry: Registry, sst2_file: Path) -> Registry:
+    """The registry with task `sst2` (40 training rows) and backbone `tiny-bert` registered."""
+    registry.register_task("sst2", sst2_file, text_fields=["sentence"], label_field="label")
+    registry.register_backbone("tiny-bert", "hf:prajjwal1/bert-tiny", "sha256:" + "ab" * 32)
+    return registry

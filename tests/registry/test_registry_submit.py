@@ -1,0 +1,204 @@
+"""Submitting jobs and sweeps: validation before any write (errors name the field), idempotency keys,
+and a sweep as one all-or-nothing submit of methods × seeds × K values."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from sqlalchemy import func, select
+
+from services.registry import (
+    IdempotencyConflictError,
+    JobStatus,
+    Registry,
+    RegistryValidationError,
+    UnknownBackboneError,
+    UnknownMethodError,
+    UnknownTaskError,
+)
+from services.registry.models import Base
+
+
+def row_counts(registry: Registry) -> dict[str, int]:
+    with registry.engine.connect() as connection:
+        return {
+            name: connection.execute(select(func.count()).select_from(table)).scalar_one()
+            for name, table in Base.metadata.tables.items()
+        }
+
+
+def test_a_submitted_job_is_queued_with_its_resolved_training_config_and_method_spec(ready: Registry) -> None:
+    job = ready.submit_job(
+        "sst2", "lora", "tiny-bert", {"lr": "1e-3", "epochs": 2, "r": 4}, seed=7, k_shot=16
+    )
+    assert (job.task, job.method, job.backbone, job.status, job.attempts) == (
+        "sst2",
+        "lora",
+        "tiny-bert",
+        "queued",
+        0,
+    )
+    assert job.hyperparameters == {"learning_rate": 0.001, "epochs": 2.0, "r": 4}
+    assert job.train_config["learning_rate"] == 0.001
+    assert (job.train_config["seed"], job.train_config["k_shot"], job.train_config["max_length"]) == (
+        7,
+        16,
+        128,
+    )
+    assert job.method_spec["modules"]["q"]["size"] == 4 and job.method_spec["modules"]["v"]["size"] == 4
+    assert job.max_attempts == 3
+    assert [(e.from_status, e.to_status, e.reason) for e in ready.job_events(job.id)] == [
+        (None, "queued", "submitted")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "message"),
+    [
+        ({"task": "mnli"}, "task", "unknown task 'mnli'; known tasks: sst2"),
+        ({"method": "lorra"}, "method", "unknown method 'lorra'; known methods: bitfit, houlsby"),
+        ({"backbone": "gpt-9"}, "backbone", "unknown backbone 'gpt-9'; known backbones: tiny-bert"),
+        ({"hyperparameters": {"lr": 0}}, "lr", "learning_rate: must be > 0"),
+        ({"hyperparameters": {"learning_rate": -0.1}}, "learning_rate", "must be > 0"),
+        ({"hyperparameters": {"r": 0}}, "r", "size: must be a whole number >= 1, got 0"),
+        ({"hyperparameters": {"rank": 0}}, "rank", "size: must be a whole number >= 1"),
+        ({"hyperparameters": {"batch_size": "sixteen"}}, "batch_size", "cannot read 'sixteen'"),
+        ({"hyperparameters": {"batch_size": 1.5}}, "batch_size", "expected int"),
+        ({"hyperparameters": {"lr": [0.1]}}, "lr", "expected float"),
+        ({"hyperparameters": {"epochs": True}}, "epochs", "expected float"),
+        ({"hyperparameters": {"dropout": "lots"}}, "dropout", "expected a number"),
+        ({"hyperparameters": {"rnak": 4}}, "rnak", "not a field of any module"),
+        ({"hyperparameters": {"seed": 3}}, "seed", "pass seed as its own argument"),
+        ({"k_shot": 41}, "k_shot", "41 is more than the task's 40 training examples"),
+        ({"k_shot": 0}, "k_shot", "must be >= 1"),
+        ({"seed": -1}, "seed", "must be >= 0"),
+        ({"seed": 1.5}, "seed", "must be a whole number"),
+        ({"max_attempts": 0}, "max_attempts", "must be >= 1"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_field_and_nothing_is_written(
+    ready: Registry, changes: dict, field: str, message: str
+) -> None:
+    before = row_counts(ready)
+    arguments = {"task": "sst2", "method": "lora", "backbone": "tiny-bert", **changes}
+    with pytest.raises(RegistryValidationError) as refused:
+        ready.submit_job(**arguments)
+    assert refused.value.field == field
+    assert str(refused.value).startswith(f"{field}:")
+    assert message in str(refused.value)
+    assert row_counts(ready) == before
+
+
+def test_unknown_names_raise_not_found_errors_that_are_validation_errors(ready: Registry) -> None:
+    for changes, error in [
+        ({"task": "x"}, UnknownTaskError),
+        ({"method": "x"}, UnknownMethodError),
+        ({"backbone": "x"}, UnknownBackboneError),
+    ]:
+        with pytest.raises(error) as refused:
+            ready.submit_job(**{"task": "sst2", "method": "lora", "backbone": "tiny-bert", **changes})
+        assert isinstance(refused.value, LookupError) and refused.value.name == "x"
+
+
+def test_a_user_defined_preset_can_be_submitted_like_a_builtin(ready: Registry) -> None:
+    spec = {**ready.get_method("lora").spec, "name": "lora_r2"}
+    ready.register_method(with_module_fields(spec, size=2))
+    job = ready.submit_job("sst2", "lora_r2", "tiny-bert")
+    assert job.method == "lora_r2" and job.method_spec["modules"]["q"]["size"] == 2
+
+
+def with_module_fields(spec: dict, **fields: object) -> dict:
+    return {**spec, "modules": {role: {**module, **fields} for role, module in spec["modules"].items()}}
+
+
+def test_submitting_with_the_same_idempotency_key_returns_the_same_job(ready: Registry) -> None:
+    first = ready.submit_job("sst2", "lora", "tiny-bert", {"lr": 1e-3}, seed=1, idempotency_key="req-1")
+    again = ready.submit_job(
+        "sst2", "lora", "tiny-bert", {"learning_rate": "0.001"}, seed=1, idempotency_key="req-1"
+    )
+    assert again.id == first.id
+    assert ready.job_counts()["queued"] == 1
+
+
+def test_reusing_an_idempotency_key_for_a_different_job_is_refused(ready: Registry) -> None:
+    ready.submit_job("sst2", "lora", "tiny-bert", seed=1, idempotency_key="req-1")
+    with pytest.raises(IdempotencyConflictError) as refused:
+        ready.submit_job("sst2", "lora", "tiny-bert", seed=2, idempotency_key="req-1")
+    assert refused.value.field == "idempotency_key"
+    assert ready.job_counts()["queued"] == 1
+
+
+# --- sweeps --------------------------------------------------------------------------------------
+
+
+def test_a_sweep_is_one_submit_of_every_method_seed_and_k(ready: Registry) -> None:
+    before = row_counts(ready)
+    sweep = ready.submit_sweep(
+        "sst2", ["lora", "bitfit", "houlsby"], [0, 1], [16, None], "tiny-bert", {"epochs": 1}
+    )
+    assert len(sweep.job_ids) == 12
+    jobs = ready.list_jobs(sweep_id=sweep.id)
+    assert {(job.method, job.seed, job.k_shot) for job in jobs} == set(
+        itertools.product(["lora", "bitfit", "houlsby"], [0, 1], [16, None])
+    )
+    assert all(job.status == JobStatus.QUEUED and job.train_config["epochs"] == 1.0 for job in jobs)
+    after = row_counts(ready)
+    assert (after["sweeps"] - before["sweeps"], after["jobs"] - before["jobs"]) == (1, 12)
+    assert after["job_events"] - before["job_events"] == 12
+    assert ready.get_sweep(sweep.id) == sweep
+
+
+def test_a_sweep_is_idempotent_by_key(ready: Registry) -> None:
+    first = ready.submit_sweep("sst2", ["lora"], [0, 1, 2], [8], "tiny-bert", idempotency_key="sweep-1")
+    again = ready.submit_sweep("sst2", ["lora"], [0, 1, 2], [8], "tiny-bert", idempotency_key="sweep-1")
+    assert (again.id, again.job_ids) == (first.id, first.job_ids)
+    with pytest.raises(IdempotencyConflictError):
+        ready.submit_sweep("sst2", ["lora"], [0, 1], [8], "tiny-bert", idempotency_key="sweep-1")
+    assert ready.job_counts()["queued"] == 3
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"k_values": [16, 41]}, "k_shot"),
+        ({"methods": ["lora", "nope"]}, "method"),
+        ({"hyperparameters": {"r": 2}}, "r"),  # houlsby has no rank
+        ({"seeds": [0, 0]}, "seeds"),
+        ({"seeds": []}, "seeds"),
+        ({"k_values": [0]}, "k_values[0]"),
+        ({"method_hyperparameters": {"prefix": {"prefix_length": 5}}}, "method_hyperparameters.prefix"),
+    ],
+)
+def test_a_sweep_with_any_bad_part_writes_nothing(ready: Registry, changes: dict, field: str) -> None:
+    before = row_counts(ready)
+    arguments = {
+        "task": "sst2",
+        "methods": ["lora", "houlsby"],
+        "seeds": [0, 1],
+        "k_values": [16],
+        "backbone": "tiny-bert",
+        **changes,
+    }
+    with pytest.raises(RegistryValidationError) as refused:
+        ready.submit_sweep(**arguments)
+    assert refused.value.field == field
+    assert row_counts(ready) == before
+
+
+def test_a_sweep_takes_hyperparameters_for_one_method(ready: Registry) -> None:
+    sweep = ready.submit_sweep(
+        "sst2",
+        ["lora", "houlsby"],
+        [0],
+        [None],
+        "tiny-bert",
+        {"lr": 1e-4},
+        method_hyperparameters={"lora": {"r": 2}, "houlsby": {"bottleneck": 16, "lr": 1e-3}},
+    )
+    lora, houlsby = (ready.get_job(job_id) for job_id in sweep.job_ids)
+    assert (lora.method_spec["modules"]["q"]["size"], lora.train_config["learning_rate"]) == (2, 1e-4)
+    assert (houlsby.method_spec["modules"]["ffn_adapter"]["size"], houlsby.train_config["learning_rate"]) == (
+        16,
+        1e-3,
+    )
