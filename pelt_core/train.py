@@ -179,7 +179,7 @@ def train(
                 logits = model(**batch)
             loss = loss_fn(task.problem_type, logits, labels)
             if not torch.isfinite(loss):
-                raise TrainingError(f"loss became {float(loss)} at step {step} (epoch {epoch}); "
+                raise TrainingError(f"loss became {loss.item()} at step {step} (epoch {epoch}); "
                                     f"try a lower learning rate than {learning_rate:g}")
             loss.backward()
             torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)

@@ -26,9 +26,13 @@ def _register_local_commands() -> None:
 
 
 def _register_service_commands() -> None:
+    from services.delta_store.cli import mlflow_group
+    from services.dispatcher import dispatcher_command
     from services.registry.cli import db
 
     main.add_command(db)
+    main.add_command(mlflow_group)
+    main.add_command(dispatcher_command)
 
 
 _register_local_commands()

@@ -2,8 +2,9 @@
 
 PELT_DATA_DIR             where the embedded stores live (default ~/.pelt)
 PELT_DATABASE_URL         the registry (default: SQLite file <data_dir>/registry.db)
-PELT_MLFLOW_TRACKING_URI  MLflow (default: SQLite file <data_dir>/mlflow.db)
-PELT_MLFLOW_ARTIFACT_ROOT MLflow artifacts (default: <data_dir>/mlartifacts)
+PELT_MLFLOW_TRACKING_URI  MLflow (default: SQLite file <data_dir>/mlflow.db; http(s)://…: a tracking server)
+PELT_MLFLOW_ARTIFACT_ROOT MLflow artifacts of an SQLite/database store (default: <data_dir>/mlartifacts);
+                          a tracking server decides where its artifacts go
 PELT_RAY_ADDRESS          unset: start a local Ray
 PELT_API_URL, PELT_API_TOKEN   client side
 PELT_LEASE_SECONDS, PELT_HEARTBEAT_SECONDS, PELT_MAX_ATTEMPTS,
@@ -30,7 +31,8 @@ class Settings(BaseSettings):
         default="", description="MLflow tracking URI; empty: SQLite under data_dir"
     )
     mlflow_artifact_root: str = Field(
-        default="", description="MLflow artifact root; empty: data_dir/mlartifacts"
+        default="",
+        description="MLflow artifact root of a database store; empty: data_dir/mlartifacts (unused with a server)",
     )
     ray_address: str | None = Field(default=None, description="Ray cluster address; None starts a local Ray")
     api_url: str = Field(default="http://127.0.0.1:8000", description="the API's base URL (client side)")

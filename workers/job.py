@@ -2,9 +2,14 @@
 
 Workers never import the service layer. The dispatcher (in services/) gives each job:
 - a `JobSpec`: everything needed to train it (task data location and fields, resolved method spec and
-  training config, backbone name);
-- a `JobLease`: heartbeat + progress + cancel flag, backed by the registry;
+  training config, backbone to load);
+- a `JobLease`: heartbeat + progress + cancel flag, and the calls that end the attempt (complete, fail,
+  cancelled, release), backed by the registry;
 - a `DeltaSink`: where the trained delta goes (MLflow in the service; a local folder by default).
+
+The worker ends every attempt itself through its lease, so a job's outcome is recorded even when the
+dispatcher that handed it out is gone; what it returns (`JobOutcome`) only tells the dispatcher that
+the slot is free again.
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ class JobSpec:
     method: str
     method_spec: dict[str, Any]
     train_config: dict[str, Any]
-    backbone: str
+    backbone: str  # what pelt_core's Backbone.load accepts: a packaged alias or a local model path
     backbone_dtype: str = "float32"
+    backbone_hash: str | None = None  # the registered content hash; a different backbone fails the job
     attempt: int = 1
     sweep_id: int | None = None
     tags: dict[str, str] = field(default_factory=dict)
@@ -62,14 +68,51 @@ class StoredDelta:
     model_version: str | None = None
 
 
+@dataclass(frozen=True)
+class JobOutcome:
+    """How an attempt ended, as the worker recorded it through the lease.
+
+    status: "succeeded", "failed" (error given; `retryable` says whether the registry may retry it),
+    "cancelled", "released" (given back unstarted or at shutdown; not counted as an attempt) or
+    "lease_lost" (the job belongs to someone else now; nothing was recorded).
+    """
+
+    job_id: int
+    worker_id: str
+    status: str
+    error: str | None = None
+    retryable: bool = False
+    delta_uri: str | None = None
+    delta_sha256: str | None = None
+    seconds: float = 0.0
+
+
+class LeaseLost(RuntimeError):
+    """The lease is gone (expired and taken back, or the job ended elsewhere): stop and record nothing."""
+
+
 class JobLease(Protocol):
-    """The worker's side of a job's lease in the registry."""
+    """The worker's side of a job's lease in the registry. Every call raises LeaseLost when the lease
+    is gone; other exceptions are transient (the worker retries heartbeats until the lease would lapse)."""
+
+    job_id: int
+    worker_id: str
 
     def heartbeat(self, progress: dict[str, Any] | None = None) -> bool:
-        """Renew the lease and report progress; True when cancellation was requested.
+        """Renew the lease and report progress ({step, total, loss, tokens_per_second, epoch,
+        learning_rate}); True when cancellation was requested."""
 
-        Raises when the lease was lost (another worker now owns the job): the worker must stop.
-        """
+    def complete(self, result: dict[str, Any]) -> None:
+        """Record the result (metrics, parameter counts, train_seconds, delta_uri, delta_sha256, ...)."""
+
+    def fail(self, error: str, retryable: bool) -> None:
+        """End the attempt with an error: retried after a backoff while attempts remain (if retryable)."""
+
+    def cancelled(self) -> None:
+        """The worker saw the cancel request and stopped: the job ends cancelled (never retried)."""
+
+    def release(self, reason: str) -> None:
+        """Give the job back to the queue without counting the attempt (shutdown, never started)."""
 
 
 class DeltaSink(Protocol):

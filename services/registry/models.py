@@ -198,7 +198,8 @@ class Job(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_expires_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]
-    progress: Mapped[float | None] = mapped_column(Float)
+    progress: Mapped[float | None] = mapped_column(Float)  # fraction done, in [0, 1]
+    progress_detail: Mapped[dict[str, Any] | None]  # the worker's last report: step, total, loss, tokens/s
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     last_error: Mapped[str | None] = mapped_column(Text)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)

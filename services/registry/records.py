@@ -107,6 +107,7 @@ class JobRecord:
     lease_expires_at: datetime | None
     heartbeat_at: datetime | None
     progress: float | None
+    progress_detail: dict[str, Any] | None  # step, total, loss, tokens_per_second (the worker's last report)
     cancel_requested: bool
     last_error: str | None
     idempotency_key: str | None
@@ -139,6 +140,7 @@ class JobRecord:
             lease_expires_at=row.lease_expires_at,
             heartbeat_at=row.heartbeat_at,
             progress=row.progress,
+            progress_detail=None if row.progress_detail is None else dict(row.progress_detail),
             cancel_requested=row.cancel_requested,
             last_error=row.last_error,
             idempotency_key=row.idempotency_key,

@@ -75,6 +75,7 @@ from services.registry.validation import (
     check_key,
     check_method_spec,
     check_name,
+    check_progress,
     check_result,
     check_task_against_data,
     check_task_definition,
@@ -703,6 +704,7 @@ class Registry:
                 job.started_at = now
                 job.not_before = None
                 job.progress = None
+                job.progress_detail = None
                 _transition(
                     session,
                     job,
@@ -715,15 +717,19 @@ class Registry:
         return [self._job_record(job) for job in jobs]  # built after the commit: the write turn is short
 
     def heartbeat(
-        self, job_id: int, worker_id: str, progress: float | None = None, lease_seconds: float | None = None
+        self,
+        job_id: int,
+        worker_id: str,
+        progress: float | Mapping[str, Any] | None = None,
+        lease_seconds: float | None = None,
     ) -> bool:
-        """Renew the lease (and record progress in [0, 1]); returns True when cancellation was requested.
+        """Renew the lease and record progress; returns True when cancellation was requested.
+
+        `progress`: a fraction in [0, 1], or the worker's report {step, total, loss, tokens_per_second,
+        epoch, learning_rate} (kept as `progress_detail`; the fraction becomes step / total).
         Raises LeaseLostError when the worker no longer holds the job: it must stop."""
         _check_worker(worker_id)
-        if progress is not None and (
-            isinstance(progress, bool) or not isinstance(progress, int | float) or not 0 <= progress <= 1
-        ):
-            raise RegistryValidationError("progress", f"must be a number in [0, 1], got {progress!r}")
+        fraction, detail = check_progress(progress)
         lease = self._lease(lease_seconds)
         with self._writing() as session:
             job = _held_job(session, job_id, worker_id)
@@ -731,8 +737,9 @@ class Registry:
             job.lease_expires_at = now + timedelta(seconds=lease)
             job.heartbeat_at = now
             job.updated_at = now
-            if progress is not None:
-                job.progress = float(progress)
+            if fraction is not None:
+                job.progress = fraction
+                job.progress_detail = detail
             return job.cancel_requested
 
     def complete_job(self, job_id: int, worker_id: str, result: Mapping[str, Any]) -> ResultRecord:
@@ -836,6 +843,23 @@ class Registry:
             )
             now = self._now()
             return sum(self._cancel(session, job, now, reason) for job in session.scalars(query))
+
+    def cancel_requests(self, job_ids: Iterable[int]) -> set[int]:
+        """Which of these jobs are running with a cancellation requested (a dispatcher polls this to
+        stop its workers' jobs promptly; one indexed read, no write)."""
+        ids = sorted({check_int(job_id, "job_ids[]", minimum=1) for job_id in job_ids})
+        if not ids:
+            return set()
+        found: set[int] = set()
+        with self._reading() as session:
+            for start in range(0, len(ids), 500):
+                query = select(Job.id).where(
+                    Job.id.in_(ids[start : start + 500]),
+                    Job.status == JobStatus.RUNNING.value,
+                    Job.cancel_requested.is_(True),
+                )
+                found.update(session.scalars(query))
+        return found
 
     def requeue_expired_leases(self, now: datetime | None = None) -> list[JobRecord]:
         """Take back running jobs whose lease expired: queued again (after the backoff) or, once

@@ -458,6 +458,41 @@ def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
     }
 
 
+# --- progress ------------------------------------------------------------------------------------
+
+PROGRESS_FIELDS = ("step", "total", "loss", "tokens_per_second", "epoch", "learning_rate")
+
+
+def check_progress(progress: Any) -> tuple[float | None, dict[str, Any] | None]:
+    """A heartbeat's progress: a fraction in [0, 1], or a worker's report {step, total, loss,
+    tokens_per_second, epoch, learning_rate} (step and total required, the rest optional).
+    Returns (fraction done, report or None); a report's fraction is step / total."""
+    if progress is None:
+        return None, None
+    if isinstance(progress, Mapping):
+        unknown = sorted(set(progress) - set(PROGRESS_FIELDS))
+        if unknown:
+            raise RegistryValidationError(
+                f"progress.{unknown[0]}",
+                f"unknown progress field(s) {', '.join(map(str, unknown))}; known: {', '.join(PROGRESS_FIELDS)}",
+            )
+        total = check_int(progress.get("total"), "progress.total", minimum=1)
+        step = check_int(progress.get("step"), "progress.step", minimum=0, maximum=total)
+        detail: dict[str, Any] = {"step": step, "total": total}
+        for name in PROGRESS_FIELDS[2:]:
+            value = progress.get(name)
+            if value is None:
+                continue
+            number = _number(value, f"progress.{name}")
+            if name != "loss" and number < 0:
+                raise RegistryValidationError(f"progress.{name}", f"must be >= 0, got {number}")
+            detail[name] = number
+        return step / total, detail
+    if isinstance(progress, bool) or not isinstance(progress, int | float) or not 0 <= progress <= 1:
+        raise RegistryValidationError("progress", f"must be a number in [0, 1] or a report, got {progress!r}")
+    return float(progress), None
+
+
 def _number(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(float(value)):
         raise RegistryValidationError(field, f"must be a finite number, got {value!r}")
@@ -480,6 +515,7 @@ __all__ = [
     "check_key",
     "check_method_spec",
     "check_name",
+    "check_progress",
     "check_result",
     "check_task_against_data",
     "check_task_definition",

@@ -369,6 +369,56 @@ def test_progress_must_be_a_fraction(ready: Registry) -> None:
     assert refused.value.field == "progress"
 
 
+def test_a_worker_reports_structured_progress_and_the_fraction_follows_from_it(ready: Registry) -> None:
+    job_id = submit(ready)
+    ready.claim_job("w1")
+    report = {"step": 30, "total": 120, "loss": 0.61, "tokens_per_second": 5321.5, "epoch": 0.75}
+    assert ready.heartbeat(job_id, "w1", progress=report) is False
+    job = ready.get_job(job_id)
+    assert job.progress == 0.25
+    assert job.progress_detail == report
+    ready.heartbeat(job_id, "w1")  # a heartbeat without a report keeps the last one
+    assert ready.get_job(job_id).progress_detail == report
+
+
+def test_a_new_attempt_starts_without_the_last_attempts_progress(ready: Registry, clock: FakeClock) -> None:
+    job_id = submit(ready)
+    ready.claim_job("w1")
+    ready.heartbeat(job_id, "w1", progress={"step": 5, "total": 10})
+    ready.fail_job(job_id, "w1", "boom")
+    clock.advance(3600)
+    job = ready.claim_job("w2")
+    assert (job.id, job.progress, job.progress_detail) == (job_id, None, None)
+
+
+@pytest.mark.parametrize(
+    ("report", "field"),
+    [
+        ({"step": 1}, "progress.total"),
+        ({"step": 11, "total": 10}, "progress.step"),
+        ({"step": 1, "total": 10, "tokens_per_second": -1.0}, "progress.tokens_per_second"),
+        ({"step": 1, "total": 10, "loss": float("nan")}, "progress.loss"),
+        ({"step": 1, "total": 10, "eta": 3}, "progress.eta"),
+    ],
+)
+def test_a_bad_progress_report_is_refused_naming_the_field(ready: Registry, report, field) -> None:
+    job_id = submit(ready)
+    ready.claim_job("w1")
+    with pytest.raises(RegistryValidationError) as refused:
+        ready.heartbeat(job_id, "w1", progress=report)
+    assert refused.value.field == field
+    assert ready.get_job(job_id).progress_detail is None
+
+
+def test_cancel_requests_names_the_running_jobs_whose_cancel_was_requested(ready: Registry) -> None:
+    running_flagged, running, queued_cancelled = (submit(ready, seed=seed) for seed in range(3))
+    ready.claim_jobs("w1", 2)
+    ready.cancel_job(running_flagged)
+    ready.cancel_job(queued_cancelled)  # ends cancelled at once: nothing left to stop
+    assert ready.cancel_requests([running_flagged, running, queued_cancelled]) == {running_flagged}
+    assert ready.cancel_requests([]) == set()
+
+
 def test_an_unknown_job_is_reported(ready: Registry) -> None:
     with pytest.raises(UnknownJobError, match="unknown job 999"):
         ready.get_job(999)
