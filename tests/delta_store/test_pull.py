@@ -1,0 +1,100 @@
+"""Pull by task name: the best delta (or a method's, an alias's, a version's), checked, on its backbone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pelt_core.delta import DeltaError
+from pelt_core.model import PeltModel, predict
+from pelt_core.testing import tiny_bert
+from services.delta_store import DeltaIntegrityError, DeltaNotFoundError, MlflowDeltaStore
+from services.delta_store.store import TAG_SHA256
+
+from .conftest import run_job
+
+TEXTS = ["the movie was good", "an awful film", "very boring , not fun", "great"]
+
+
+def trained_logits(backbone, delta) -> torch.Tensor:
+    batch = backbone.tokenizer(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        return PeltModel(backbone, delta).eval()(batch["input_ids"], batch["attention_mask"],
+                                                 batch.get("token_type_ids"))
+
+
+def test_pull_by_task_name_returns_the_trained_models_logits(store, registry, trained, backbone):
+    run_job(store, registry, trained["lora-0"], accuracy=0.60)
+    run_job(store, registry, trained["bitfit-0"], accuracy=0.90)
+    run_job(store, registry, trained["lora-1"], accuracy=0.70)
+
+    best = store.pull("sst2")  # the `best` alias: the bitfit job
+    assert (best.info.method, best.version, "best" in best.info.aliases) == ("bitfit", "2", True)
+    torch.testing.assert_close(best.logits(TEXTS), trained_logits(backbone, trained["bitfit-0"].delta))
+    expected = predict(PeltModel(backbone, trained["bitfit-0"].delta).eval(), TEXTS)
+    assert [p["label"] for p in best.predict(TEXTS)] == [p["label"] for p in expected]
+
+    by_method = store.pull("sst2", method="lora")  # best-lora: the second lora job (0.70 > 0.60)
+    assert by_method.version == "3"
+    torch.testing.assert_close(by_method.logits(TEXTS), trained_logits(backbone, trained["lora-1"].delta))
+    by_version = store.pull("sst2", version=1)
+    torch.testing.assert_close(by_version.logits(TEXTS), trained_logits(backbone, trained["lora-0"].delta))
+
+    # the same picks as strings: "task@alias", "task/version"
+    assert store.pull("sst2@best-lora").version == "3" and store.pull("sst2/1").version == "1"
+
+
+def test_pull_loads_the_backbone_its_manifest_names(tracking, store, registry, trained, backbone_dir):
+    run_job(store, registry, trained["lora-0"], accuracy=0.7)
+    fresh = MlflowDeltaStore(tracking["tracking_uri"], tracking["artifact_root"], registry=registry,
+                             namespace=tracking["namespace"])  # no backbone given: Backbone.load(manifest name)
+    pulled = fresh.pull("sst2")
+    assert pulled.manifest["backbone"]["name"] == str(backbone_dir)
+    assert pulled.backbone is not store._backbones[pulled.backbone.content_hash]  # loaded anew, from the folder
+    torch.testing.assert_close(pulled.logits(TEXTS), store.pull("sst2").logits(TEXTS))
+    assert fresh.pull("sst2").backbone is pulled.backbone  # loaded once per store
+
+
+def test_a_tampered_artifact_is_refused(store, registry, trained, tmp_path):
+    job = run_job(store, registry, trained["lora-0"], accuracy=0.7)
+    result = registry.get_result(job.job_id)
+    tampered = tmp_path / "delta.safetensors"
+    data = bytearray((trained["lora-0"].folder / "delta.safetensors").read_bytes())
+    data[-1] ^= 0x01  # one bit of one weight
+    tampered.write_bytes(bytes(data))
+    store.client.log_artifact(result.mlflow_run_id, str(tampered), "delta")  # overwrite it in the store
+
+    with pytest.raises(DeltaIntegrityError, match="sha256"):
+        store.pull("sst2")
+    with pytest.raises(DeltaIntegrityError, match="refusing"):
+        store.download("sst2", result.mlflow_model_version)
+
+
+def test_a_changed_sha256_tag_is_caught_by_the_registrys_record(store, registry, trained):
+    job = run_job(store, registry, trained["lora-0"], accuracy=0.7)
+    version = registry.get_result(job.job_id).mlflow_model_version
+    store.client.set_model_version_tag(store.model_name("sst2"), version, TAG_SHA256, "0" * 64)
+    with pytest.raises(DeltaIntegrityError, match="differs from the registry"):
+        store.pull("sst2")
+
+
+def test_pulling_an_unknown_task_method_alias_or_version_lists_what_exists(store, registry, trained):
+    run_job(store, registry, trained["lora-0"], accuracy=0.6)
+    run_job(store, registry, trained["bitfit-0"], accuracy=0.7)
+
+    with pytest.raises(DeltaNotFoundError, match=r"no task 'mnli'.*known tasks: sst2") as unknown_task:
+        store.pull("mnli")
+    assert isinstance(unknown_task.value, LookupError) and unknown_task.value.known == ["sst2"]
+    with pytest.raises(DeltaNotFoundError, match=r"no method 'houlsby'.*known methods: bitfit, lora"):
+        store.pull("sst2", method="houlsby")
+    with pytest.raises(DeltaNotFoundError, match=r"no version '9'.*known versions: 1, 2"):
+        store.pull("sst2", version=9)
+    with pytest.raises(DeltaNotFoundError, match=r"no alias 'soup'.*known aliases: best, best-bitfit, best-lora"):
+        store.pull("sst2", alias="soup")
+
+
+def test_a_delta_is_refused_by_another_backbone(store, registry, trained, tmp_path):
+    run_job(store, registry, trained["lora-0"], accuracy=0.7)
+    other = tiny_bert(str(tmp_path), seed=1)  # same shapes, other weights: another content hash
+    with pytest.raises(DeltaError, match="trained on backbone"):
+        store.pull("sst2", backbone=other)
