@@ -251,9 +251,16 @@ class Backbone:
         config = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
         architecture_for(config.model_type)  # refuse unsupported models before loading weights
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
-        model = AutoModel.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, attn_implementation=attn_implementation, **kwargs
+        model, info = AutoModel.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32, attn_implementation=attn_implementation,
+            output_loading_info=True, **kwargs
         )
+        missing = sorted(info.get("missing_keys", []))
+        if missing and all(key.startswith("pooler.") for key in missing) and hasattr(model, "pooler"):
+            model.pooler = None  # a checkpoint saved without BERT's pooler: never use random weights
+        elif missing:
+            raise BackboneError(f"backbone {name!r} lacks weights for {', '.join(missing[:5])}"
+                                f"{' …' if len(missing) > 5 else ''}; it would start from random values")
         model.eval()
         content_hash = state_dict_hash(model)  # of the checkpoint's weights, before any cast
         if dtype == "bfloat16":

@@ -126,3 +126,13 @@ def test_a_tampered_delta_is_refused(make_backbone, tmp_path):
         handle.write(b"\x00\x01\x02\x03")
     with pytest.raises(DeltaError, match="sha256"):
         load_delta(saved.path, backbone, expected_sha256=saved.sha256)
+
+
+def test_a_saved_model_folder_loads_with_a_stable_content_hash(make_backbone, tmp_path):
+    from pelt_core.backbones import Backbone
+
+    backbone = make_backbone("bert")  # saved without BERT's pooler: it must not be filled with random weights
+    backbone.model.save_pretrained(tmp_path / "m")
+    backbone.tokenizer.save_pretrained(tmp_path / "m")
+    first, second = Backbone.load(str(tmp_path / "m")), Backbone.load(str(tmp_path / "m"))
+    assert first.content_hash == second.content_hash == backbone.content_hash
