@@ -207,8 +207,8 @@ def print_table(rows: list[dict], peak: dict, fp32_peak: dict | None, args) -> N
           + ("4·N: forward 2·N + input-gradient backward 2·N; the frozen backbone computes no weight "
              "gradients (6·N would count them)." if args.flops == "4n" else "6·N: the conventional count "
              "(overstates a frozen backbone, whose weight gradients are never computed)."))
-    print("tok/s and ex/s = non-padding training tokens (examples) / training seconds, evaluation excluded for "
-          "everyone; pelt's own TrainResult.tokens_per_second (which includes the final evaluation) is in --json.")
+    print("tok/s and ex/s = non-padding training tokens (examples) / training seconds, evaluation and setup "
+          "excluded for everyone; pelt's own TrainResult.tokens_per_second is in --json.")
     print(f"targets: ratio >= {TARGET_SPEEDUP:g}x (speed) and pelt acc >= peer acc - {TARGET_METRIC_POINTS:g} "
           "point (acc). Peers: fp32 as their quick starts; " + ("bf16 autocast" if args.peer_bf16 else "no autocast")
           + f"; adapters padding: {args.adapters_padding}.")

@@ -72,10 +72,14 @@ class TrainResult:
 
 
 def bf16_available(device: torch.device) -> bool:
+    """Whether bf16 autocast makes training faster here.
+
+    On CPUs only AMX pays: with AVX512-BF16 alone, bf16 matmuls measured about half as fast as fp32
+    (84 vs 162 GFLOP/s on one core; benchmarks/bench_pelt_core.py prints both peaks).
+    """
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()) or bool(
-        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def autocast_context(device: torch.device, enabled: bool):
@@ -154,7 +158,8 @@ def train(
 
     # -- optimiser and schedule ---------------------------------------------------------------------------
     learning_rate = config.resolved_learning_rate(method.defaults)
-    optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=config.weight_decay,
+                                  fused=device.type in ("cpu", "cuda"))
 
     def lr_at(step: int) -> float:
         if step < warmup_steps:
