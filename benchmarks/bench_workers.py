@@ -239,7 +239,8 @@ def content_hash(name: str, cache_folder: Path) -> str:
 # --- (a) memory --------------------------------------------------------------------------------------------
 
 
-def memory_service(backbone: str, counts: list[int], settle: int, work: Path) -> tuple[list[dict[str, Any]], int]:
+def memory_service(backbone: str, counts: list[int], settle: int, batch: int,
+                   work: Path) -> tuple[list[dict[str, Any]], int]:
     """Service side of the memory benchmark: ramp concurrent jobs to each count and measure."""
     import ray
 
@@ -247,7 +248,8 @@ def memory_service(backbone: str, counts: list[int], settle: int, work: Path) ->
     rows, job_ids = [], []
     try:
         for count in counts:
-            job_ids += service.submit(backbone, list(range(len(job_ids), count)), max_steps=1_000_000)
+            job_ids += service.submit(backbone, list(range(len(job_ids), count)), max_steps=1_000_000,
+                                      batch_size=batch)
             wait_until(lambda ids=job_ids: min(service.steps(ids)) >= settle, 1800,
                        f"{count} service job(s) on {backbone} to take {settle} steps")
             groups = ray_processes()
@@ -268,7 +270,7 @@ def memory_service(backbone: str, counts: list[int], settle: int, work: Path) ->
         service.close()
 
 
-def memory_peers(backbone: str, counts: list[int], settle: int, work: Path) -> list[dict[str, Any]]:
+def memory_peers(backbone: str, counts: list[int], settle: int, batch: int, work: Path) -> list[dict[str, Any]]:
     """Peer side: N independent processes, each loading the model and training the same job."""
     folder = work / "peers"
     if folder.exists():
@@ -282,6 +284,7 @@ def memory_peers(backbone: str, counts: list[int], settle: int, work: Path) -> l
             for index in range(len(processes), count):
                 processes.append(subprocess.Popen(
                     [sys.executable, __file__, "peer-job", "--backbone", backbone, "--seed", str(index),
+                     "--batch-size", str(batch),
                      "--progress", str(folder / f"peer-{index}.step"), "--stop", str(stop)],
                     stdout=subprocess.DEVNULL, stderr=open(folder / f"peer-{index}.log", "w")))  # noqa: SIM115
 
@@ -328,7 +331,7 @@ def peer_job(args: argparse.Namespace) -> None:
     backbone = Backbone.load(args.backbone)
     Path(args.progress).with_suffix(".weights.json").write_text(json.dumps(weight_placement(backbone.model)))
     data = load_table(GLUE / "sst2" / "train.jsonl")
-    config = TrainConfig(k_shot=100, seed=args.seed, batch_size=16, bf16="false", eval_every_epoch=False,
+    config = TrainConfig(k_shot=100, seed=args.seed, batch_size=args.batch_size, bf16="false", eval_every_epoch=False,
                          max_steps=1_000_000)
     progress_file, stop = Path(args.progress), Path(args.stop)
 
@@ -359,11 +362,12 @@ def weight_placement(model: Any) -> dict[str, int]:
     return placement
 
 
-def run_memory(backbone: str, counts: list[int], settle: int, work: Path) -> dict[str, Any]:
-    print(f"\n(a) memory: {backbone}, concurrent jobs {counts}, measured after {settle} steps each", flush=True)
+def run_memory(backbone: str, counts: list[int], settle: int, batch: int, work: Path) -> dict[str, Any]:
+    print(f"\n(a) memory: {backbone}, concurrent LoRA jobs {counts} (K=100, batch {batch}), measured after "
+          f"{settle} steps each", flush=True)
     started = time.perf_counter()
-    service_rows, backbone_bytes = memory_service(backbone, counts, settle, work / f"memory-{backbone}")
-    peer_rows = memory_peers(backbone, counts, settle, work / f"memory-{backbone}")
+    service_rows, backbone_bytes = memory_service(backbone, counts, settle, batch, work / f"memory-{backbone}")
+    peer_rows = memory_peers(backbone, counts, settle, batch, work / f"memory-{backbone}")
     table = []
     for service, peers in zip(service_rows, peer_rows, strict=True):
         jobs = service["workers_pss"] + service["host_pss"] + service["object_store"]
@@ -395,7 +399,8 @@ def run_memory(backbone: str, counts: list[int], settle: int, work: Path) -> dic
               f"{'met' if last['ratio_jobs'] <= 0.5 else 'NOT met'} for the jobs ({last['ratio_jobs']:.2f}), "
               f"{'met' if last['ratio_all'] <= 0.5 else 'NOT met'} counting Ray's processes ({last['ratio_all']:.2f})")
     print(f"[{time.perf_counter() - started:.0f} s]", flush=True)
-    return {"backbone": backbone, "backbone_bytes": backbone_bytes, "settle_steps": settle, "rows": table}
+    return {"backbone": backbone, "backbone_bytes": backbone_bytes, "settle_steps": settle, "batch_size": batch,
+            "rows": table}
 
 
 # --- (b) throughput -----------------------------------------------------------------------------------------
@@ -541,9 +546,10 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="SmolLM2 at every count too")
     parser.add_argument("--backbones", default=f"{MINILM},{SMOLLM2}", help="memory benchmark backbones")
     parser.add_argument("--counts", default="1,2,4,8", help="concurrent jobs (memory)")
-    parser.add_argument("--smollm-counts", default=None, help="SmolLM2 counts (default 1,8; --full: --counts)")
-    parser.add_argument("--settle-steps", type=int, default=15,
-                        help="measure memory once every job took this many steps (15: two passes over K=100)")
+    parser.add_argument("--smollm-counts", default=None, help="SmolLM2 counts (default 8; --full: --counts)")
+    parser.add_argument("--settle-steps", type=int, default=8,
+                        help="measure memory once every job took this many steps (8: every batch of K=100 seen)")
+    parser.add_argument("--batch-size", type=int, default=16, help="batch size of the memory benchmark's jobs")
     parser.add_argument("--jobs", type=int, default=16, help="jobs (throughput)")
     parser.add_argument("--slots", type=int, default=os.cpu_count() or 2, help="worker slots (throughput)")
     parser.add_argument("--k", type=int, default=100)
@@ -575,8 +581,8 @@ def main() -> None:
         for backbone in [b.strip() for b in args.backbones.split(",") if b.strip()]:
             chosen = counts
             if backbone == SMOLLM2 and not args.full:
-                chosen = [int(c) for c in (args.smollm_counts or "1,8").split(",")]
-            report["memory"].append(run_memory(backbone, chosen, args.settle_steps, work))
+                chosen = [int(c) for c in (args.smollm_counts or "8").split(",")]
+            report["memory"].append(run_memory(backbone, chosen, args.settle_steps, args.batch_size, work))
     if args.only in (None, "throughput"):
         report["throughput"] = run_throughput(args.jobs, args.slots, args.k, args.epochs, work)
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}; total {time.perf_counter() - started:.0f} s")

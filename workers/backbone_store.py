@@ -8,23 +8,14 @@ fails, which is the point: anything a job trains lives in its own delta.
 
 bfloat16 has no numpy dtype, so bf16 tensors travel as uint16 and are viewed back as bf16.
 
-Each node has one `BackboneHost` actor, named `pelt-backbones.<node id>` and pinned to its node: it
-publishes each (backbone, dtype) once, owns the object-store copy (so the copy outlives any worker, a
-killed one included) and hands the same `BackboneHandle` to every worker of the node. `node_host()`
-finds or starts the host of the node it runs on; `NodeBackbones` is what a worker calls.
-"""
+Per node, a light `BackboneHost` actor (workers/backbone_host.py) publishes each (backbone, dtype)
+once and owns the copy; `NodeBackbones` is what a worker calls to map its node's copy."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import functools
-import gc
-import logging
-import threading
-import time
+import json
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,23 +23,13 @@ import torch
 from torch import nn
 
 from pelt_core.backbones import Backbone, resolve_backbone
+from workers.backbone_host import HOST_PREFIX, BackboneHandle, BackboneHost, host_name, node_host
 
-log = logging.getLogger("pelt.workers")
-
-HOST_PREFIX = "pelt-backbones."
-
-
-@dataclass(frozen=True)
-class BackboneHandle:
-    """What a worker needs to build a shared backbone: metadata plus an object-store reference to the arrays."""
-
-    name: str
-    dtype: str
-    content_hash: str
-    config: dict[str, Any]
-    attn_implementation: str
-    arrays: Any  # ray.ObjectRef to dict[str, np.ndarray]
-    num_bytes: int
+__all__ = [
+    "HOST_PREFIX", "BackboneHandle", "BackboneHost", "LocalBackbones", "NodeBackbones", "assemble",
+    "backbone_tensors", "from_shareable", "host_name", "load_shareable", "materialize", "node_host",
+    "publish_backbone", "to_shareable",
+]
 
 
 def to_shareable(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -78,21 +59,28 @@ def backbone_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def publish_backbone(name: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> BackboneHandle:
-    """Load `name` once in this process and put its tensors into the object store of this node."""
-    import ray
-
+def load_shareable(name: str, dtype: str = "float32",
+                   attn_implementation: str = "sdpa") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load `name` and return (metadata, payload): the payload ({"arrays", "dtypes"}) is what goes into
+    the object store; the metadata is what a BackboneHandle needs besides the reference to it."""
     backbone = Backbone.load(name, dtype=dtype, attn_implementation=attn_implementation)
     tensors = backbone_tensors(backbone.model)
     arrays = to_shareable(tensors)
     dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()}
-    payload = {"arrays": arrays, "dtypes": dtypes}
-    ref = ray.put(payload)
-    return BackboneHandle(
-        name=backbone.name, dtype=dtype, content_hash=backbone.content_hash, config=backbone.config.to_dict(),
-        attn_implementation=attn_implementation, arrays=ref,
-        num_bytes=sum(a.nbytes for a in arrays.values()),
-    )
+    config = json.loads(backbone.config.to_json_string(use_diff=False))  # plain JSON: a reader imports nothing
+    meta = {"name": backbone.name, "dtype": dtype, "content_hash": backbone.content_hash,
+            "config": config, "attn_implementation": attn_implementation,
+            "num_bytes": sum(a.nbytes for a in arrays.values())}
+    return meta, {"arrays": arrays, "dtypes": dtypes}
+
+
+def publish_backbone(name: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> BackboneHandle:
+    """Load `name` once in this process and put its tensors into the object store of this node
+    (this process owns the copy; a node's BackboneHost publishes through a task instead)."""
+    import ray
+
+    meta, payload = load_shareable(name, dtype, attn_implementation)
+    return BackboneHandle(arrays=ray.put(payload), **meta)
 
 
 def assemble(config_dict: dict[str, Any], tensors: dict[str, torch.Tensor], attn_implementation: str) -> nn.Module:
@@ -141,88 +129,6 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
 
 
-# --- one publication per node ----------------------------------------------------------------------
-
-
-def _return_free_memory() -> None:
-    """Give the loader's freed heap back to the OS (glibc keeps it otherwise), so the host keeps only
-    the object-store copy."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class BackboneHost:
-    """Owns a node's shared backbones (a threaded Ray actor, one per node, started by `node_host`).
-
-    `handle(name, dtype)` loads and publishes a backbone on first request and returns the same handle
-    ever after; concurrent first requests for one backbone wait for a single load.
-    """
-
-    def __init__(self) -> None:
-        self._handles: dict[tuple[str, str, str], BackboneHandle] = {}
-        self._loading: dict[tuple[str, str, str], threading.Lock] = {}
-        self._guard = threading.Lock()
-        self._seconds: dict[tuple[str, str, str], float] = {}
-
-    def handle(self, name: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> BackboneHandle:
-        """The node's shared copy of `name` in `dtype`, published on first use."""
-        key = (resolve_backbone(name)[0], dtype, attn_implementation)
-        with self._guard:
-            lock = self._loading.setdefault(key, threading.Lock())
-        with lock:
-            if key not in self._handles:
-                started = time.perf_counter()
-                self._handles[key] = publish_backbone(name, dtype, attn_implementation)
-                self._seconds[key] = time.perf_counter() - started
-                _return_free_memory()
-                log.info("published backbone %s (%s) on this node in %.1f s", key[0], dtype, self._seconds[key])
-            return self._handles[key]
-
-    def published(self) -> list[dict[str, Any]]:
-        """What this node holds: one entry per (backbone, dtype) published, with its size and load time."""
-        with self._guard:
-            return [
-                {"name": handle.name, "dtype": handle.dtype, "num_bytes": handle.num_bytes,
-                 "content_hash": handle.content_hash, "load_seconds": round(self._seconds[key], 2)}
-                for key, handle in self._handles.items()
-            ]
-
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
-
-
-@functools.lru_cache(maxsize=1)
-def _host_class() -> Any:
-    import ray
-
-    return ray.remote(BackboneHost)
-
-
-def host_name(node_id: str) -> str:
-    """The actor name of a node's backbone host."""
-    return f"{HOST_PREFIX}{node_id}"
-
-
-def node_host(namespace: str | None = None, node_id: str | None = None) -> Any:
-    """The backbone host of `node_id` (default: the node this process runs on), started if missing.
-
-    Detached, so it outlives the worker or dispatcher that started it (the dispatcher kills it at
-    shutdown); pinned to its node, so its `ray.put` lands in that node's object store.
-    """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node_id = node_id or ray.get_runtime_context().get_node_id()
-    return _host_class().options(
-        name=host_name(node_id), namespace=namespace, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_concurrency=16, max_restarts=-1,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote()
-
-
 class NodeBackbones:
     """What a worker calls for a backbone: the node's shared copy, mapped zero-copy into this process."""
 
@@ -237,7 +143,8 @@ class NodeBackbones:
         """(backbone, bytes of shared weights it maps)."""
         import ray
 
-        handle = ray.get(node_host(self.namespace).handle.remote(name, dtype))
+        canonical = resolve_backbone(name)[0]  # one key per model, whatever alias a job used
+        handle = ray.get(node_host(self.namespace).handle.remote(canonical, dtype))
         return materialize(handle), handle.num_bytes
 
 

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import pytest
 import torch
 
-from pelt_core import get_method
-from pelt_core.model import JobDelta, PeltModel
 from pelt_core.testing import tiny_bert, tiny_llama
 from workers.backbone_store import assemble, backbone_tensors, from_shareable, to_shareable
 
@@ -36,55 +31,44 @@ def test_a_model_assembled_around_shared_arrays_computes_the_same_and_copies_not
     torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).last_hidden_state, expected)
 
 
-def uss_bytes() -> int:
-    import psutil
-
-    return psutil.Process().memory_full_info().uss
-
-
 @pytest.mark.slow
-def test_workers_on_one_node_share_the_backbone_memory(local_ray):
+def test_worker_actors_on_one_node_map_one_published_copy(local_ray, tiny_backbone):
+    """Real worker actors (as the dispatcher starts them): the node's host publishes each backbone
+    once, and each worker's own memory grows by a small fraction of the weights it maps."""
     ray = local_ray
-    from workers.backbone_store import materialize, publish_backbone
+    from workers.backbone_host import node_host
+    from workers.worker import WorkerConfig, worker_actor_class
 
-    @ray.remote(num_cpus=0)
-    class Probe:
-        def warm(self) -> int:
-            """Everything a warm worker has besides the weights: imports, tokenizer, kernels run once."""
-            from workers.backbone_store import load_tokenizer
+    namespace = "shared-backbone-test"
+    workers = [worker_actor_class().options(name=f"w{i}", namespace=namespace, num_cpus=1, max_concurrency=4)
+               .remote(f"w{i}", WorkerConfig(namespace=namespace)) for i in range(4)]
+    try:
+        ray.get([w.warm.remote(tiny_backbone[0]) for w in workers])  # imports and code paths, a tiny model
+        before = ray.get([w.memory.remote() for w in workers])
+        warmed = ray.get([w.warm.remote("all-minilm-l6-v2") for w in workers])
+        after = ray.get([w.memory.remote() for w in workers])
+        published = ray.get(node_host(namespace).published.remote())
+    finally:
+        for worker in workers:
+            ray.kill(worker)
+        ray.kill(node_host(namespace))
 
-            self.tokenizer = load_tokenizer("all-minilm-l6-v2")
-            tiny = tiny_bert(None)
-            model = PeltModel(tiny, JobDelta(get_method("lora"), tiny, 2)).eval()
-            with torch.no_grad():
-                model(torch.tensor([[2, 100, 3]]), torch.tensor([[1, 1, 1]]))
-            return uss_bytes()
-
-        def build(self, handle) -> tuple[int, list[float]]:
-            self.backbone = materialize(handle)
-            self.model = PeltModel(self.backbone, JobDelta(get_method("lora"), self.backbone, 2)).eval()
-            batch = self.backbone.tokenizer(["a shared backbone"], return_tensors="pt")
-            with torch.no_grad():
-                logits = self.model(batch["input_ids"], batch["attention_mask"])
-            return uss_bytes(), logits.tolist()
-
-    handle = ray.get(ray.remote(num_cpus=0)(publish_backbone).remote("all-minilm-l6-v2"))
-    probes = [Probe.remote() for _ in range(4)]
-    before = ray.get([p.warm.remote() for p in probes])
-    after = ray.get([p.build.remote(handle) for p in probes])
-    growth = [a[0] - b for a, b in zip(after, before, strict=True)]
-    # each worker's own memory grows by a small fraction of the 90 MB of weights it uses
-    for extra in growth[1:]:
-        assert extra < 0.25 * handle.num_bytes, (growth, handle.num_bytes)
-    assert np.std([a[1][0][0] for a in after]) < 1.0  # all run a real forward
-    for probe in probes:
-        ray.kill(probe)
+    shared = warmed[0]["shared_bytes"]
+    assert shared > 80e6 and all(w["shared_bytes"] == shared for w in warmed)
+    assert sorted(p["name"] for p in published) == sorted(["all-minilm-l6-v2", tiny_backbone[0]])  # once each
+    growth = sorted(a["uss"] - b["uss"] for a, b in zip(after, before, strict=True))
+    print(f"USS growth per worker for {shared / 1e6:.0f} MB of shared weights: "
+          f"{[round(g / 1e6, 1) for g in growth]} MB")
+    assert all(extra < 0.25 * shared for extra in growth[:3]), (growth, shared)  # all but the first to finish
 
 
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray")
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # bind the local cluster to 127.0.0.1
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    from services.dispatcher import connect_ray
+    from services.settings import Settings
+
+    # as the service starts it: loopback only, no dashboard, token auth on
+    connect_ray(Settings(ray_address=None), namespace="pelt-store-tests", num_cpus=4, log_to_driver=False)
     yield ray
     ray.shutdown()

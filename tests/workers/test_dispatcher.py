@@ -1,0 +1,199 @@
+"""The dispatcher and its worker actors on a local Ray (one node, started the way the service starts it):
+jobs, warm workers, a SIGKILLed worker, cancellation, graceful shutdown and a dispatcher restart.
+
+Every test uses its own Ray namespace, registry and delta folder, and stops its workers at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.dispatcher import WORKER_PREFIX, Dispatcher, DispatcherConfig, connect_ray
+from services.registry import JobStatus, Registry
+from services.settings import Settings
+from tests.workers.conftest import ended, step_of, submit, wait_for
+from workers.job import LocalDeltaSink
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A local Ray as the service starts it in embedded mode (4 logical CPUs on this small machine)."""
+    started = connect_ray(Settings(ray_address=None), namespace="pelt-tests", num_cpus=4, log_to_driver=False)
+    assert started
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest) -> str:
+    return f"t-{request.node.name[:40]}"
+
+
+def dispatcher_for(registry: Registry, tmp_path: Path, namespace: str, **config) -> Dispatcher:
+    settings = Settings(data_dir=tmp_path / "data", ray_address=None)
+    values = {"namespace": namespace, "heartbeat_seconds": 1.0, "poll_seconds": 0.2, **config}
+    return Dispatcher(registry, LocalDeltaSink(tmp_path / "deltas"), config=DispatcherConfig(**values),
+                      settings=settings)
+
+
+def worker_names(namespace: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == namespace and a["name"].startswith(WORKER_PREFIX)]
+
+
+def worker_pid(dispatcher: Dispatcher, job_id: int) -> int:
+    (worker,) = [w for w in dispatcher.workers.values() if w.job_id == job_id]
+    return ray.get(worker.actor.ping.remote())
+
+
+def delta_folders(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "deltas").glob("*/job-*"))
+
+
+def test_embedded_ray_listens_on_loopback_only_and_keeps_token_auth(local_ray):
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    assert get_authentication_mode() == AuthenticationMode.TOKEN
+    ours = {p.pid for p in psutil.Process().children(recursive=True)}
+    listening = {(c.laddr.ip, c.pid) for c in psutil.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in ours}
+    assert listening, "found no listening Ray process"
+    assert {ip for ip, _ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
+
+
+def test_jobs_run_on_warm_workers_that_report_progress_and_store_one_delta_each(
+    local_ray, registry, tmp_path, namespace
+):
+    job_ids = submit(registry, 4, steps=150)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=2).start()
+    try:
+        reports = []
+
+        def finished() -> bool:
+            reports.extend(d for d in (registry.get_job(j).progress_detail for j in job_ids) if d)
+            return ended(registry, job_ids)
+
+        wait_for(finished, 90, "the jobs to finish")
+        workers = {ray.get(w.actor.info.remote())["worker_id"]: w for w in dispatcher.workers.values()}
+    finally:
+        dispatcher.shutdown()
+
+    results = [registry.get_result(j) for j in job_ids]
+    assert [registry.get_job(j).status for j in job_ids] == [JobStatus.SUCCEEDED] * 4
+    assert [registry.get_job(j).attempts for j in job_ids] == [1] * 4
+    assert len(workers) == 2 and {r.worker_id for r in results} == set(workers)  # 4 jobs, 2 warm workers
+    for result in results:
+        folder = Path(result.delta_uri.removeprefix("file://"))
+        assert hashlib.sha256((folder / "delta.safetensors").read_bytes()).hexdigest() == result.delta_sha256
+    assert len(delta_folders(tmp_path)) == 4
+    assert reports, "no progress reached the registry"
+    assert all({"step", "total", "loss", "tokens_per_second"} <= set(r) and r["total"] == 150 for r in reports)
+    assert not worker_names(namespace), "shutdown left workers behind"
+
+
+def test_a_worker_killed_mid_job_the_job_is_retried_and_completes_once(local_ray, registry, tmp_path, namespace):
+    (job_id,) = submit(registry, 1, steps=1200)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=1).start()
+    try:
+        wait_for(lambda: step_of(registry, job_id) >= 20, 60, "the job to be training")
+        pid = worker_pid(dispatcher, job_id)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: ended(registry, [job_id]), 90, "the retried job to finish")
+    finally:
+        dispatcher.shutdown()
+
+    job = registry.get_job(job_id)
+    assert (job.status, job.attempts) == (JobStatus.SUCCEEDED, 2)
+    assert "died" in (job.last_error or "")
+    result = registry.get_result(job_id)
+    assert result.attempt == 2 and str(pid) not in result.worker_id
+    assert delta_folders(tmp_path) == [tmp_path / "deltas" / "toy" / f"job-{job_id}"]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    statuses = [(e.from_status, e.to_status) for e in registry.job_events(job_id)]
+    assert statuses == [(None, "queued"), ("queued", "running"), ("running", "queued"), ("queued", "running"),
+                        ("running", "succeeded")]
+
+
+def test_cancelling_a_running_job_stops_it_within_5_seconds_and_it_is_never_retried(
+    local_ray, registry, tmp_path, namespace
+):
+    cancelled, follower = submit(registry, 2, steps=100_000)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=1,
+                                heartbeat_seconds=5.0).start()  # the dispatcher's push, not the heartbeat
+    try:
+        wait_for(lambda: step_of(registry, cancelled) >= 10, 60, "the job to be training")
+        requested = time.monotonic()
+        registry.cancel_job(cancelled)
+        wait_for(lambda: registry.get_job(cancelled).status == JobStatus.CANCELLED, 10, "the job to stop")
+        assert time.monotonic() - requested < 5.0
+        # the worker is free again: it takes the next job, never the cancelled one
+        wait_for(lambda: step_of(registry, follower) > 0, 30, "the next job to start")
+        registry.cancel_job(follower)
+        wait_for(lambda: ended(registry, [follower]), 10, "the second job to stop")
+        registry.requeue_expired_leases()
+    finally:
+        dispatcher.shutdown()
+
+    job = registry.get_job(cancelled)
+    assert (job.status, job.attempts, registry.get_result(cancelled)) == (JobStatus.CANCELLED, 1, None)
+    assert registry.job_events(cancelled)[-1].reason == "cancelled; the worker stopped"
+    assert registry.claim_job("anyone") is None
+    assert delta_folders(tmp_path) == []
+
+
+def test_a_graceful_shutdown_returns_unstarted_and_running_jobs_to_the_queue(
+    local_ray, registry, tmp_path, namespace
+):
+    job_ids = submit(registry, 4, steps=100_000)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=2).start()
+    running = wait_for(lambda: [j for j in job_ids if step_of(registry, j) > 0] if len(
+        [j for j in job_ids if step_of(registry, j) > 0]) == 2 else None, 60, "two jobs to be training")
+    summary = dispatcher.shutdown(timeout=20)
+
+    assert summary["stats"]["released"] == 2 and summary["released_by_dispatcher"] == []
+    for job_id in job_ids:
+        job = registry.get_job(job_id)
+        assert (job.status, job.attempts, job.lease_owner) == (JobStatus.QUEUED, 0, None), job_id
+    for job_id in running:
+        assert registry.job_events(job_id)[-1].reason.startswith("released by worker")
+    assert not worker_names(namespace)
+
+
+def test_a_restarted_dispatcher_adopts_running_workers_and_loses_nothing(local_ray, registry, tmp_path, namespace):
+    kept, killed, unstarted = submit(registry, 3, steps=700)
+    first = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=2).start()
+    wait_for(lambda: step_of(registry, kept) > 20 and step_of(registry, killed) > 20, 60, "two jobs training")
+    pid_killed = worker_pid(first, killed)
+    kept_owner = registry.get_job(kept).lease_owner
+    first.detach()  # the dispatcher goes away; its workers go on
+
+    os.kill(pid_killed, signal.SIGKILL)  # ... and one of them dies while no dispatcher watches
+    claimed = registry.claim_job(kept_owner)  # a claim made for a live worker that never got the job
+    assert claimed is not None and claimed.id == unstarted
+
+    second = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=2)
+    settled = second.reconcile()
+    assert settled == {"adopted": [kept], "released": [unstarted], "left_to_lease_expiry": [killed]}
+    second.start()
+    try:
+        wait_for(lambda: ended(registry, [kept, killed, unstarted]), 120, "every job to finish")
+    finally:
+        second.shutdown()
+
+    jobs = {job_id: registry.get_job(job_id) for job_id in (kept, killed, unstarted)}
+    assert all(job.status == JobStatus.SUCCEEDED for job in jobs.values())
+    assert jobs[kept].attempts == 1  # ran to its end under the new dispatcher, never restarted
+    assert registry.get_result(kept).worker_id == kept_owner
+    assert jobs[killed].attempts == 2 and "lease" in jobs[killed].last_error  # back through lease expiry
+    assert jobs[unstarted].attempts == 1  # the release did not count
+    assert len(delta_folders(tmp_path)) == 3

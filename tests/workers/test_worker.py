@@ -1,0 +1,194 @@
+"""One worker, in this process (no Ray): how an attempt runs and how it ends, through its lease.
+
+The lease here is a recorder; the registry-backed one (services.dispatcher.RegistryLease) is exercised
+by the dispatcher tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pelt_core.delta import load_delta, read_manifest
+from tests.workers.conftest import wait_for
+from workers.backbone_store import LocalBackbones
+from workers.job import JobSpec, LeaseLost, LocalDeltaSink, TaskSpec
+from workers.worker import PeltWorker, WorkerConfig
+
+
+class RecordingLease:
+    """Records every call; `cancel_after` heartbeats report a cancel request, `lost_after` raise LeaseLost."""
+
+    def __init__(self, job_id: int, cancel_after: int | None = None, lost_after: int | None = None) -> None:
+        self.job_id, self.worker_id = job_id, "w1"
+        self.cancel_after, self.lost_after = cancel_after, lost_after
+        self.calls: list[tuple[str, Any]] = []
+        self.reports: list[dict[str, Any]] = []
+
+    def heartbeat(self, progress: dict[str, Any] | None = None) -> bool:
+        beats = sum(1 for name, _ in self.calls if name == "heartbeat")
+        self.calls.append(("heartbeat", progress))
+        if progress is not None:
+            self.reports.append(progress)
+        if self.lost_after is not None and beats >= self.lost_after and self.reports:
+            raise LeaseLost("taken back")
+        return self.cancel_after is not None and beats >= self.cancel_after and bool(self.reports)
+
+    def complete(self, result: dict[str, Any]) -> None:
+        self.calls.append(("complete", result))
+
+    def fail(self, error: str, retryable: bool) -> None:
+        self.calls.append(("fail", (error, retryable)))
+
+    def cancelled(self) -> None:
+        self.calls.append(("cancelled", None))
+
+    def release(self, reason: str) -> None:
+        self.calls.append(("release", reason))
+
+    def ends(self) -> list[str]:
+        return [name for name, _ in self.calls if name != "heartbeat"]
+
+
+class CountingBackbones(LocalBackbones):
+    def __init__(self) -> None:
+        self.loads: list[str] = []
+
+    def __call__(self, name: str, dtype: str = "float32"):
+        self.loads.append(name)
+        return super().__call__(name, dtype)
+
+
+def job_spec(tiny_backbone: tuple[str, str], toy_data: dict[str, Path], job_id: int = 1, steps: int = 30,
+             **overrides: Any) -> JobSpec:
+    from pelt_core import get_method
+
+    task = TaskSpec(name="toy", train_path=str(toy_data["train"]), validation_path=str(toy_data["validation"]),
+                    text_fields=("sentence",), label_field="label", problem_type="single_label_classification",
+                    label_names=("0", "1"), metric="accuracy")
+    values: dict[str, Any] = {
+        "job_id": job_id, "task": task, "method": "lora", "method_spec": get_method("lora").to_dict(),
+        "train_config": {"max_steps": steps, "batch_size": 2, "seed": job_id, "bf16": "false"},
+        "backbone": tiny_backbone[0], "backbone_hash": tiny_backbone[1],
+    }
+    values.update(overrides)
+    return JobSpec(**values)
+
+
+@pytest.fixture
+def worker() -> PeltWorker:
+    return PeltWorker("w1", WorkerConfig(threads=None, heartbeat_seconds=0.02, lease_seconds=5),
+                      backbones=CountingBackbones())
+
+
+def test_a_job_reports_progress_stores_its_delta_and_records_the_result(worker, tiny_backbone, toy_data, tmp_path):
+    lease = RecordingLease(1)
+    sink = LocalDeltaSink(tmp_path / "deltas")
+    outcome = worker.run(job_spec(tiny_backbone, toy_data, steps=60), lease, sink)
+
+    assert (outcome.status, outcome.job_id, outcome.worker_id) == ("succeeded", 1, "w1")
+    assert lease.ends() == ["complete"]
+    assert lease.reports, "no progress was reported"
+    last = lease.reports[-1]
+    assert set(last) >= {"step", "total", "loss", "tokens_per_second"}
+    assert last["total"] == 60 and 0 < last["step"] <= 60 and last["tokens_per_second"] > 0
+    result = lease.calls[-1][1]
+    assert result["metrics"]["accuracy"] >= 0 and result["total_params"] > result["trainable_params"] > 0
+    folder = Path(result["delta_uri"].removeprefix("file://"))
+    assert folder == (tmp_path / "deltas" / "toy" / "job-1").resolve()
+    assert hashlib.sha256((folder / "delta.safetensors").read_bytes()).hexdigest() == result["delta_sha256"]
+    assert read_manifest(folder)["extra"]["job_id"] == 1
+    backbone, _ = LocalBackbones()(tiny_backbone[0])
+    load_delta(folder, backbone, expected_sha256=result["delta_sha256"])  # loads onto that backbone
+
+
+def test_a_warm_worker_loads_a_backbone_once_for_many_jobs(worker, tiny_backbone, toy_data, tmp_path):
+    sink = LocalDeltaSink(tmp_path)
+    for job_id in (1, 2):
+        assert worker.run(job_spec(tiny_backbone, toy_data, job_id, steps=5), RecordingLease(job_id),
+                          sink).status == "succeeded"
+    assert worker._source.loads == [tiny_backbone[0]]
+    assert worker.info()["jobs_done"] == 2 and worker.info()["job_id"] is None
+
+
+def test_a_cancel_seen_at_heartbeat_stops_the_job_and_nothing_is_stored(worker, tiny_backbone, toy_data, tmp_path):
+    lease = RecordingLease(1, cancel_after=2)
+    outcome = worker.run(job_spec(tiny_backbone, toy_data, steps=100_000), lease, LocalDeltaSink(tmp_path))
+    assert outcome.status == "cancelled"
+    assert lease.ends() == ["cancelled"]
+    assert lease.reports[-1]["step"] < 100_000
+    assert not (tmp_path / "toy").exists()
+
+
+def test_a_lost_lease_stops_the_job_and_records_nothing(worker, tiny_backbone, toy_data, tmp_path):
+    lease = RecordingLease(1, lost_after=2)
+    outcome = worker.run(job_spec(tiny_backbone, toy_data, steps=100_000), lease, LocalDeltaSink(tmp_path))
+    assert outcome.status == "lease_lost"
+    assert lease.ends() == []
+    assert not (tmp_path / "toy").exists()
+
+
+def test_stop_release_gives_the_job_back_and_stop_cancel_ends_it(worker, tiny_backbone, toy_data, tmp_path):
+    for reason, end in (("release", "release"), ("cancel", "cancelled")):
+        lease = RecordingLease(7)
+        outcome: list[Any] = []
+        thread = threading.Thread(target=lambda lease=lease, outcome=outcome: outcome.append(worker.run(
+            job_spec(tiny_backbone, toy_data, 7, steps=100_000), lease, LocalDeltaSink(tmp_path))))
+        thread.start()
+        wait_for(lambda lease=lease: lease.reports, 30, "training to start")
+        assert worker.stop(8, reason) is False  # not the job it runs
+        assert worker.stop(7, reason) is True
+        started = time.monotonic()
+        thread.join(10)
+        assert time.monotonic() - started < 5
+        assert lease.ends() == [end]
+        assert outcome[0].status == ("released" if reason == "release" else "cancelled")
+
+
+def test_bad_data_fails_the_job_without_a_retry(worker, tiny_backbone, toy_data, tmp_path):
+    spec = job_spec(tiny_backbone, toy_data)
+    bad = JobSpec(**{**spec.__dict__, "task": TaskSpec(**{**spec.task.__dict__, "text_fields": ("review",)})})
+    lease = RecordingLease(1)
+    outcome = worker.run(bad, lease, LocalDeltaSink(tmp_path))
+    assert (outcome.status, outcome.retryable) == ("failed", False)
+    (error, retryable), = [args for name, args in lease.calls if name == "fail"]
+    assert "review" in error and retryable is False
+
+
+def test_a_different_backbone_than_the_registered_one_fails_the_job(worker, tiny_backbone, toy_data, tmp_path):
+    lease = RecordingLease(1)
+    spec = job_spec(tiny_backbone, toy_data, backbone_hash="sha256:" + "0" * 64)
+    outcome = worker.run(spec, lease, LocalDeltaSink(tmp_path))
+    assert (outcome.status, outcome.retryable) == ("failed", False)
+    assert "content hash" in lease.calls[-1][1][0]
+
+
+def test_a_failing_delta_store_is_a_retryable_failure(worker, tiny_backbone, toy_data, tmp_path):
+    class BrokenSink:
+        def store(self, *args: Any) -> Any:
+            raise OSError("artifact store unreachable")
+
+    lease = RecordingLease(1)
+    outcome = worker.run(job_spec(tiny_backbone, toy_data, steps=5), lease, BrokenSink())
+    assert (outcome.status, outcome.retryable) == ("failed", True)
+    error, retryable = lease.calls[-1][1]
+    assert "artifact store unreachable" in error and retryable is True
+
+
+def test_a_worker_runs_one_job_at_a_time(worker, tiny_backbone, toy_data, tmp_path):
+    from workers.worker import WorkerBusyError
+
+    lease = RecordingLease(1)
+    thread = threading.Thread(target=worker.run, args=(job_spec(tiny_backbone, toy_data, steps=100_000), lease,
+                                                       LocalDeltaSink(tmp_path)))
+    thread.start()
+    wait_for(lambda: lease.reports, 30, "training to start")
+    with pytest.raises(WorkerBusyError):
+        worker.run(job_spec(tiny_backbone, toy_data, 2), RecordingLease(2), LocalDeltaSink(tmp_path))
+    worker.stop(1, "cancel")
+    thread.join(10)

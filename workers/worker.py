@@ -1,0 +1,385 @@
+"""A long-lived worker: one CPU slot, warm backbones, one job at a time, its lease kept alive.
+
+`PeltWorker` is a plain class; the dispatcher runs it as a threaded Ray actor (`worker_actor_class`),
+one per CPU slot per node, so `run` trains in one thread while `stop` and `info` answer in others.
+For each job it:
+
+1. renews the lease from a heartbeat thread every `heartbeat_seconds` (also while the backbone loads
+   or the delta uploads), sending the trainer's last progress {step, total, loss, tokens_per_second};
+2. takes the backbone from its warm cache, or maps the node's shared copy (`NodeBackbones`): the
+   weights are read-only views of the node's object store, never written;
+3. trains with `pelt_core.train`, whose stop flag is raised by a cancel request (seen at heartbeat, or
+   pushed by the dispatcher through `stop`), by a shutdown (`stop(..., "release")`) or by a lost lease;
+4. writes the delta through the `DeltaSink`, then records the result through the lease.
+
+Every attempt ends through the lease (complete, fail, cancelled, release) before `run` returns, so a
+job's outcome is recorded even if the dispatcher is gone; a lost lease ends it without recording
+anything (another worker owns the job).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pelt_core.backbones import Backbone, BackboneError, resolve_backbone
+from pelt_core.config import ConfigError, TrainConfig
+from pelt_core.data import DataError, TaskFields, load_split
+from pelt_core.delta import DeltaError, save_delta
+from pelt_core.methods import get_method
+from pelt_core.spec import SpecError
+from pelt_core.train import Progress, TrainingCancelled, TrainingError, train
+from workers.job import DeltaSink, JobLease, JobOutcome, JobSpec, LeaseLost
+
+log = logging.getLogger("pelt.workers")
+
+# Errors that will happen again on any worker: the job fails at once, without a retry.
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    TrainingError, DataError, ConfigError, SpecError, BackboneError, DeltaError,
+)
+BackboneSource = Callable[[str, str], tuple[Backbone, int]]
+
+
+class WorkerBusyError(RuntimeError):
+    """A worker runs one job at a time."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a worker runs its jobs."""
+
+    threads: int | None = 1  # torch threads (one CPU slot); None leaves torch's default
+    heartbeat_seconds: float = 15.0  # how often the lease is renewed and progress reported
+    lease_seconds: float = 60.0  # after this long without a heartbeat getting through, assume the lease lost
+    max_backbones: int = 2  # warm backbones kept per worker (least recently used dropped first)
+    namespace: str | None = None  # Ray namespace of the node's backbone host
+    work_dir: str | None = None  # scratch folder for delta files before the sink stores them
+
+
+class _Attempt:
+    """One running job: its stop flag and reason, and the trainer's last progress report."""
+
+    PRIORITY: ClassVar[dict[str, int]] = {"release": 0, "cancel": 1, "lease_lost": 2}
+
+    def __init__(self, job_id: int) -> None:
+        self.job_id = job_id
+        self.stopping = threading.Event()
+        self.reason: str | None = None
+        self.detail = ""
+        self.progress: dict[str, Any] | None = None
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+
+    def stop(self, reason: str, detail: str = "") -> None:
+        """Raise the stop flag; a stronger reason (lease_lost > cancel > release) overrides a weaker one."""
+        with self._lock:
+            if self.reason is None or self.PRIORITY[reason] > self.PRIORITY[self.reason]:
+                self.reason, self.detail = reason, detail
+            self.stopping.set()
+
+    def report(self, progress: Progress) -> None:
+        self.progress = {
+            "step": progress.step, "total": progress.total_steps, "loss": _finite(progress.loss),
+            "tokens_per_second": round(progress.tokens_per_second, 1), "epoch": round(progress.epoch, 4),
+            "learning_rate": progress.learning_rate,
+        }
+
+
+class _Heartbeat(threading.Thread):
+    """Renews the lease every `interval` seconds (at once on start) until stopped; turns a cancel
+    request or a lost lease into the attempt's stop flag."""
+
+    def __init__(self, lease: JobLease, attempt: _Attempt, interval: float, give_up_after: float) -> None:
+        super().__init__(name=f"heartbeat-{attempt.job_id}", daemon=True)
+        self.lease, self.attempt = lease, attempt
+        self.interval, self.give_up_after = interval, give_up_after
+        self.halt = threading.Event()
+        self.beats = 0
+
+    def run(self) -> None:
+        last_ok = time.monotonic()
+        while not self.halt.is_set():
+            try:
+                if self.lease.heartbeat(self.attempt.progress):
+                    self.attempt.stop("cancel", "cancellation requested")
+                last_ok = time.monotonic()
+                self.beats += 1
+            except LeaseLost as exc:
+                self.attempt.stop("lease_lost", str(exc))
+                return
+            except Exception as exc:  # the registry is unreachable for now: keep trying while the lease lasts
+                silent = time.monotonic() - last_ok
+                log.warning("job %s: heartbeat failed (%s); %.0f s since the last one", self.attempt.job_id,
+                            exc, silent)
+                if silent > self.give_up_after:
+                    self.attempt.stop("lease_lost", f"no heartbeat got through for {silent:.0f} s: {exc}")
+                    return
+            self.halt.wait(self.interval)
+
+    def finish(self) -> None:
+        self.halt.set()
+        self.join()
+
+
+class PeltWorker:
+    """Runs jobs one at a time on warm, shared backbones (see the module docstring)."""
+
+    def __init__(self, worker_id: str, config: WorkerConfig | None = None,
+                 backbones: BackboneSource | None = None) -> None:
+        self.worker_id = worker_id
+        self.config = config or WorkerConfig()
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if self.config.threads:
+            import torch
+
+            torch.set_num_threads(self.config.threads)
+        if backbones is None:
+            from workers.backbone_store import NodeBackbones
+
+            backbones = NodeBackbones(self.config.namespace)
+            backbones.prestart()
+        self._source = backbones
+        self._backbones: OrderedDict[tuple[str, str], tuple[Backbone, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._attempt: _Attempt | None = None
+        self._finished: list[JobOutcome] = []
+        self._started = time.time()
+
+    # --- what the dispatcher calls ----------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """Who and where this worker is, what it runs and which backbones it keeps warm."""
+        with self._lock:
+            attempt = self._attempt
+            return {
+                "worker_id": self.worker_id,
+                "node_id": _node_id(),
+                "pid": os.getpid(),
+                "job_id": None if attempt is None else attempt.job_id,
+                "progress": None if attempt is None else attempt.progress,
+                "backbones": [list(key) for key in self._backbones],
+                "jobs_done": len(self._finished),
+                "last_outcome": None if not self._finished else self._finished[-1].status,
+                "threads": self.config.threads,
+                "uptime_seconds": round(time.time() - self._started, 1),
+            }
+
+    def warm(self, backbone: str, dtype: str = "float32") -> dict[str, Any]:
+        """Map a backbone now so the next job on it starts at once."""
+        loaded, shared_bytes = self._backbone(backbone, dtype)
+        return {"name": loaded.name, "dtype": dtype, "shared_bytes": shared_bytes,
+                "parameters": loaded.num_parameters}
+
+    def stop(self, job_id: int, reason: str = "cancel") -> bool:
+        """Stop the job if it runs here: "cancel" (it ends cancelled) or "release" (it goes back to the
+        queue, not counted as an attempt). True if it was running here."""
+        if reason not in ("cancel", "release"):
+            raise ValueError(f"reason must be cancel or release, got {reason!r}")
+        with self._lock:
+            attempt = self._attempt
+        if attempt is None or attempt.job_id != job_id:
+            return False
+        attempt.stop(reason, "cancellation requested" if reason == "cancel" else "released by the dispatcher")
+        return True
+
+    def memory(self) -> dict[str, int]:
+        """This process's memory (bytes): rss, pss, and uss (private_clean + private_dirty)."""
+        return process_memory()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def run(self, job: JobSpec, lease: JobLease, sink: DeltaSink) -> JobOutcome:
+        """Train one job under its lease and record how it ended (see the module docstring)."""
+        attempt = _Attempt(job.job_id)
+        with self._lock:
+            if self._attempt is not None:
+                raise WorkerBusyError(f"worker {self.worker_id} is running job {self._attempt.job_id}")
+            self._attempt = attempt
+        beat = _Heartbeat(lease, attempt, self.config.heartbeat_seconds, self.config.lease_seconds)
+        beat.start()
+        try:
+            outcome = self._attempt_job(job, lease, sink, attempt, beat)
+        finally:
+            beat.finish()
+            with self._lock:
+                self._attempt = None
+        outcome = replace(outcome, seconds=round(time.monotonic() - attempt.started, 3))
+        with self._lock:
+            self._finished.append(outcome)
+            del self._finished[:-100]
+        log.info("job %s on %s: %s%s", job.job_id, self.worker_id, outcome.status,
+                 f" ({outcome.error.splitlines()[0]})" if outcome.error else "")
+        return outcome
+
+    # --- one attempt ------------------------------------------------------------------------------
+
+    def _attempt_job(self, job: JobSpec, lease: JobLease, sink: DeltaSink, attempt: _Attempt,
+                     beat: _Heartbeat) -> JobOutcome:
+        def ended(status: str, **fields: Any) -> JobOutcome:
+            return JobOutcome(job_id=job.job_id, worker_id=self.worker_id, status=status, **fields)
+
+        try:
+            result, backbone = self._train(job, attempt)
+            stored = self._store(job, sink, result, backbone)
+            beat.finish()  # no heartbeat may race the final call
+            if attempt.reason == "lease_lost":
+                return ended("lease_lost", error=attempt.detail)
+            try:
+                lease.complete({**result_fields(result, backbone), "delta_uri": stored.uri,
+                                "delta_sha256": stored.sha256, "mlflow_run_id": stored.run_id,
+                                "mlflow_model_version": stored.model_version})
+            except ValueError as exc:  # the registry refused the result (e.g. no primary metric): permanent
+                error = f"the registry refused the result: {exc}"
+                lease.fail(error, retryable=False)
+                return ended("failed", error=error)
+            return ended("succeeded", delta_uri=stored.uri, delta_sha256=stored.sha256)
+        except TrainingCancelled:
+            beat.finish()
+            if attempt.reason == "lease_lost":
+                return ended("lease_lost", error=attempt.detail)
+            try:
+                if attempt.reason == "release":
+                    lease.release(f"released by worker {self.worker_id} before it finished")
+                    return ended("released")
+                lease.cancelled()
+                return ended("cancelled")
+            except LeaseLost as exc:
+                return ended("lease_lost", error=str(exc))
+        except LeaseLost as exc:
+            return ended("lease_lost", error=str(exc))
+        except Exception as exc:
+            beat.finish()
+            permanent = isinstance(exc, PERMANENT_ERRORS)
+            error = f"{type(exc).__name__}: {exc}" if permanent else traceback.format_exc()
+            if attempt.reason == "lease_lost":
+                return ended("lease_lost", error=error)
+            try:
+                lease.fail(error, retryable=not permanent)
+            except LeaseLost as lost:
+                return ended("lease_lost", error=str(lost))
+            return ended("failed", error=error, retryable=not permanent)
+
+    def _train(self, job: JobSpec, attempt: _Attempt) -> tuple[Any, Backbone]:
+        def should_stop() -> bool:
+            return attempt.stopping.is_set()
+
+        if should_stop():
+            raise TrainingCancelled("stopped before it started")
+        config = TrainConfig.from_dict(job.train_config)
+        spec = get_method(job.method_spec)
+        task = job.task
+        if not task.validation_path:
+            raise DataError(f"task {task.name!r} has no evaluation split (validation, dev or test); "
+                            "a job needs one to score its delta")
+        fields = TaskFields(tuple(task.text_fields), task.label_field, task.problem_type,
+                            list(task.label_names or []))
+        train_data, eval_data = load_split(task.train_path), load_split(task.validation_path)
+        backbone, _ = self._backbone(job.backbone, job.backbone_dtype or config.backbone_dtype)
+        expected = (job.backbone_hash or "").removeprefix("sha256:")
+        if expected and expected != backbone.content_hash:
+            raise BackboneError(f"backbone {job.backbone!r} has content hash {backbone.content_hash[:16]}…, "
+                                f"but the registry recorded {expected[:16]}…; register the changed model "
+                                "under a new name")
+        if should_stop():
+            raise TrainingCancelled("stopped before training")
+        result = train(backbone, spec, train_data, eval_data, config, task=fields, progress=attempt.report,
+                       should_stop=should_stop)
+        return result, backbone
+
+    def _store(self, job: JobSpec, sink: DeltaSink, result: Any, backbone: Backbone) -> Any:
+        extra = {"job_id": job.job_id, "attempt": job.attempt, "task": job.task.name, "method": job.method,
+                 "metrics": _finite_dict(result.metrics), "train": job.train_config}
+        with tempfile.TemporaryDirectory(prefix=f"pelt-job-{job.job_id}-", dir=self.config.work_dir) as tmp:
+            saved = save_delta(result.delta, backbone, Path(tmp) / "delta", extra=extra)
+            record = {**result_fields(result, backbone), "delta_sha256": saved.sha256}
+            return sink.store(job, saved.path, record, result.history)
+
+    # --- backbones ----------------------------------------------------------------------------------
+
+    def _backbone(self, name: str, dtype: str) -> tuple[Backbone, int]:
+        """A warm backbone, or the node's shared copy mapped now (least recently used one dropped)."""
+        key = (resolve_backbone(name)[0], dtype)
+        with self._lock:
+            if key in self._backbones:
+                self._backbones.move_to_end(key)
+                return self._backbones[key]
+        loaded = self._source(name, dtype)
+        with self._lock:
+            self._backbones[key] = loaded
+            while len(self._backbones) > max(self.config.max_backbones, 1):
+                self._backbones.popitem(last=False)
+        return loaded
+
+
+def result_fields(result: Any, backbone: Backbone) -> dict[str, Any]:
+    """A TrainResult as the registry's result fields (metrics, sizes, time, memory)."""
+    return {
+        "metrics": _finite_dict(result.metrics),
+        "trainable_params": int(result.parameter_counts["pelt"]),
+        "total_params": int(backbone.num_parameters),
+        "trainable_percent": float(result.trainable_percent),
+        "train_seconds": float(result.train_seconds),
+        "peak_memory_bytes": int(result.peak_memory_bytes),
+    }
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """rss, pss and uss of a process in bytes, from /proc/<pid>/smaps_rollup (Linux)."""
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as handle:
+        for line in handle:
+            parts = line.split()
+            if len(parts) >= 3 and parts[0].endswith(":"):
+                fields[parts[0][:-1]] = int(parts[1]) * 1024
+    return {"rss": fields.get("Rss", 0), "pss": fields.get("Pss", 0),
+            "uss": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)}
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _finite_dict(values: dict[str, Any]) -> dict[str, Any]:
+    """Metrics with NaN/inf as None (JSON columns refuse them)."""
+    return {k: (_finite(v) if isinstance(v, float) else v) for k, v in values.items()}
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # not inside Ray
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def worker_actor_class() -> Any:
+    """PeltWorker as a Ray actor class (the dispatcher sets name, node, CPUs and concurrency)."""
+    import ray
+
+    return ray.remote(PeltWorker)
+
+
+__all__ = [
+    "PERMANENT_ERRORS",
+    "PeltWorker",
+    "WorkerBusyError",
+    "WorkerConfig",
+    "process_memory",
+    "result_fields",
+    "worker_actor_class",
+]
