@@ -26,6 +26,7 @@ def _register_local_commands() -> None:
 
 
 def _register_service_commands() -> None:
+    from services.commands import SERVICE_COMMANDS
     from services.delta_store.cli import mlflow_group
     from services.dispatcher import dispatcher_command
     from services.registry.cli import db
@@ -33,6 +34,8 @@ def _register_service_commands() -> None:
     main.add_command(db)
     main.add_command(mlflow_group)
     main.add_command(dispatcher_command)
+    for command in SERVICE_COMMANDS:
+        main.add_command(command)
 
 
 _register_local_commands()

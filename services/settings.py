@@ -6,7 +6,9 @@ PELT_MLFLOW_TRACKING_URI  MLflow (default: SQLite file <data_dir>/mlflow.db; htt
 PELT_MLFLOW_ARTIFACT_ROOT MLflow artifacts of an SQLite/database store (default: <data_dir>/mlartifacts);
                           a tracking server decides where its artifacts go
 PELT_RAY_ADDRESS          unset: start a local Ray
-PELT_API_URL, PELT_API_TOKEN   client side
+PELT_API_URL, PELT_API_TOKEN   client side (the token also from <data_dir>/api_token, which `pelt serve` writes)
+PELT_API_HOST, PELT_API_PORT   where `pelt serve` listens (default 127.0.0.1:8000)
+PELT_MAX_REQUEST_BYTES, PELT_MAX_UPLOAD_BYTES   bounds on a JSON body and on a dataset upload
 PELT_LEASE_SECONDS, PELT_HEARTBEAT_SECONDS, PELT_MAX_ATTEMPTS,
 PELT_RETRY_BACKOFF_SECONDS, PELT_RETRY_BACKOFF_MAX_SECONDS, PELT_DB_BUSY_TIMEOUT_SECONDS   queue knobs
 """
@@ -37,6 +39,10 @@ class Settings(BaseSettings):
     ray_address: str | None = Field(default=None, description="Ray cluster address; None starts a local Ray")
     api_url: str = Field(default="http://127.0.0.1:8000", description="the API's base URL (client side)")
     api_token: SecretStr | None = Field(default=None, description="bearer token for the API")
+    api_host: str = Field(default="127.0.0.1", description="address `pelt serve` listens on")
+    api_port: int = Field(default=8000, ge=0, le=65535, description="port `pelt serve` listens on")
+    max_request_bytes: int = Field(default=1 << 20, gt=0, description="largest JSON request body")
+    max_upload_bytes: int = Field(default=1 << 30, gt=0, description="largest dataset upload (all files)")
 
     lease_seconds: float = Field(default=60.0, gt=0, description="how long a claim lasts without a heartbeat")
     heartbeat_seconds: float = Field(default=15.0, gt=0, description="how often a worker renews its lease")

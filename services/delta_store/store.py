@@ -968,24 +968,7 @@ class MlflowDeltaStore:
         return loaded
 
     def _load(self, info: VersionInfo, folder: Path, backbone: Any, fold: bool) -> PulledModel:
-        from pelt_core.compose import fold_lora, multi_task
-        from pelt_core.delta import load_delta, read_manifest
-        from pelt_core.model import PeltModel
-
-        if info.kind == "multi_task":
-            bundle = json.loads((folder / BUNDLE_FILE).read_text())
-            manifest = {"format": BUNDLE_FORMAT, **bundle}
-            chosen = self._backbone({"backbone": bundle["backbone"]}, backbone)
-            deltas = {name: _to_device(load_delta(folder / entry["path"], chosen, entry["sha256"]), chosen)
-                      for name, entry in bundle["tasks"].items()}
-            if fold:
-                raise DeltaStoreError(f"{info.uri} is a multi-task bundle; fold its tasks one by one")
-            return PulledModel(info, info.sha256 or "", manifest, chosen, deltas, multi_task(chosen, deltas))
-        manifest = read_manifest(folder)
-        chosen = self._backbone(manifest, backbone)
-        delta = _to_device(load_delta(folder, chosen, expected_sha256=info.sha256), chosen)
-        model = fold_lora(chosen, delta) if fold else PeltModel(chosen, {"delta": delta}).eval()
-        return PulledModel(info, info.sha256 or "", manifest, chosen, {"delta": delta}, model)
+        return load_pulled(info, folder, lambda manifest: self._backbone(manifest, backbone), fold=fold)
 
     def _named_sources(self, sources: Sequence[str | DeltaRef] | Mapping[str, str | DeltaRef],
                        bundle: bool) -> dict[str, DeltaRef]:
@@ -1019,6 +1002,31 @@ class MlflowDeltaStore:
 _REGISTRIES: dict[str, Registry] = {}
 _REGISTRIES_LOCK = threading.Lock()
 
+
+
+def load_pulled(info: VersionInfo, folder: Path, backbone_for: Callable[[dict[str, Any]], Backbone],
+                fold: bool = False) -> PulledModel:
+    """Load a downloaded version folder (a delta, or a multi-task bundle) onto the backbone that
+    `backbone_for(manifest)` returns, checking the recorded sha256: a PulledModel ready to predict.
+    (The store's `pull` and the HTTP client's `pull` both end here.)"""
+    from pelt_core.compose import fold_lora, multi_task
+    from pelt_core.delta import load_delta, read_manifest
+    from pelt_core.model import PeltModel
+
+    if info.kind == "multi_task":
+        bundle = json.loads((folder / BUNDLE_FILE).read_text())
+        manifest = {"format": BUNDLE_FORMAT, **bundle}
+        chosen = backbone_for({"backbone": bundle["backbone"]})
+        deltas = {name: _to_device(load_delta(folder / entry["path"], chosen, entry["sha256"]), chosen)
+                  for name, entry in bundle["tasks"].items()}
+        if fold:
+            raise DeltaStoreError(f"{info.uri} is a multi-task bundle; fold its tasks one by one")
+        return PulledModel(info, info.sha256 or "", manifest, chosen, deltas, multi_task(chosen, deltas))
+    manifest = read_manifest(folder)
+    chosen = backbone_for(manifest)
+    delta = _to_device(load_delta(folder, chosen, expected_sha256=info.sha256), chosen)
+    model = fold_lora(chosen, delta) if fold else PeltModel(chosen, {"delta": delta}).eval()
+    return PulledModel(info, info.sha256 or "", manifest, chosen, {"delta": delta}, model)
 
 def _shared_registry(url: str) -> Registry:
     """One Registry per database URL and process, for stores unpickled on workers (one per job)."""

@@ -28,6 +28,7 @@ from services.registry.errors import (
 from services.registry.leaderboard import LeaderboardRow
 from services.registry.models import JobStatus
 from services.registry.records import (
+    ApiTokenRecord,
     BackboneRecord,
     JobEventRecord,
     JobRecord,
@@ -40,6 +41,7 @@ from services.registry.service import Registry
 
 __all__ = [
     "AlreadyExistsError",
+    "ApiTokenRecord",
     "BackboneRecord",
     "IdempotencyConflictError",
     "JobEventRecord",

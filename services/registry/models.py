@@ -254,11 +254,26 @@ class JobEvent(Base):
     worker_id: Mapped[str | None] = mapped_column(String(200))
 
 
+class ApiToken(Base):
+    """A bearer token of the HTTP API. Only its SHA-256 is stored; the secret is shown once, at creation."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))  # the secret's first characters, to tell tokens apart
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+    last_used_at: Mapped[datetime | None]
+
+
 __all__ = [
     "DIRECTIONS",
     "PROBLEM_TYPES",
     "SOURCE_KINDS",
     "TERMINAL_STATUSES",
+    "ApiToken",
     "Backbone",
     "Base",
     "Job",

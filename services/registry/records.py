@@ -255,3 +255,24 @@ __all__ = [
     "SweepRecord",
     "TaskRecord",
 ]
+
+
+@dataclass(frozen=True)
+class ApiTokenRecord:
+    """An API token, without its secret (only its hash is stored; `prefix` tells tokens apart)."""
+
+    id: int
+    name: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+    @classmethod
+    def of(cls, row: models.ApiToken) -> ApiTokenRecord:
+        return cls(id=row.id, name=row.name, prefix=row.prefix, created_at=row.created_at,
+                   revoked_at=row.revoked_at, last_used_at=row.last_used_at)

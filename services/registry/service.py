@@ -15,8 +15,10 @@ failed. A retry waits `retry_backoff_seconds * 2**(attempts-1)` (capped). Claims
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import secrets
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -40,6 +42,7 @@ from services.registry.errors import (
     IdempotencyConflictError,
     JobStateError,
     LeaseLostError,
+    NotFoundError,
     RegistryValidationError,
     UnknownBackboneError,
     UnknownJobError,
@@ -50,6 +53,7 @@ from services.registry.errors import (
 from services.registry.leaderboard import LeaderboardRow, OrderBy, Run, rank_methods
 from services.registry.models import (
     TERMINAL_STATUSES,
+    ApiToken,
     Backbone,
     Job,
     JobEvent,
@@ -61,6 +65,7 @@ from services.registry.models import (
     utcnow,
 )
 from services.registry.records import (
+    ApiTokenRecord,
     BackboneRecord,
     JobEventRecord,
     JobRecord,
@@ -1076,6 +1081,59 @@ class Registry:
             direction = task_row.metric_direction
         return rank_methods(runs, direction, order_by)
 
+    # --- API tokens ------------------------------------------------------------------------------
+
+    def create_api_token(self, name: str) -> tuple[ApiTokenRecord, str]:
+        """A new bearer token for the HTTP API: (its record, the secret). Only the secret's SHA-256 is
+        stored, so the secret cannot be shown again. Names are unique, also among revoked tokens."""
+        check_name(name, "name")
+        secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+        def write() -> ApiTokenRecord:
+            with self._writing() as session:
+                if session.scalar(select(ApiToken.id).where(ApiToken.name == name)) is not None:
+                    raise AlreadyExistsError("name", f"a token named {name!r} already exists")
+                row = ApiToken(name=name, token_hash=_token_hash(secret), prefix=secret[: len(TOKEN_PREFIX) + 6],
+                               created_at=self._now())
+                session.add(row)
+                session.flush()
+                return ApiTokenRecord.of(row)
+
+        return write(), secret
+
+    def authenticate(self, secret: str) -> ApiTokenRecord | None:
+        """The active token whose secret this is, or None (unknown or revoked). Marks it used at most
+        once a minute (a write per request would serialise readers on SQLite)."""
+        if not isinstance(secret, str) or not secret.startswith(TOKEN_PREFIX) or len(secret) > 200:
+            return None
+        with self._reading() as session:
+            row = session.scalar(select(ApiToken).where(ApiToken.token_hash == _token_hash(secret)))
+            if row is None or row.revoked_at is not None:
+                return None
+            record = ApiTokenRecord.of(row)
+        now = self._now()
+        if record.last_used_at is None or now - record.last_used_at > timedelta(minutes=1):
+            with self._writing() as session:
+                session.execute(ApiToken.__table__.update().where(ApiToken.id == record.id).values(last_used_at=now))
+        return record
+
+    def revoke_api_token(self, name: str) -> ApiTokenRecord:
+        """Revoke a token by name (revoking twice is harmless); NotFoundError lists the known names."""
+        with self._writing() as session:
+            row = session.scalar(select(ApiToken).where(ApiToken.name == name))
+            if row is None:
+                known = session.scalars(select(ApiToken.name).order_by(ApiToken.name))
+                raise NotFoundError("name", name, known)
+            if row.revoked_at is None:
+                row.revoked_at = self._now()
+            session.flush()
+            return ApiTokenRecord.of(row)
+
+    def list_api_tokens(self) -> list[ApiTokenRecord]:
+        """Every token (active and revoked), by name; no secrets."""
+        with self._reading() as session:
+            return [ApiTokenRecord.of(row) for row in session.scalars(select(ApiToken).order_by(ApiToken.name))]
+
 
 # --- helpers (module level: they take the session they run in) -----------------------------------
 
@@ -1191,6 +1249,16 @@ def _clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
 def _jsonable(value: Any) -> Any:
     """The value as it comes back from a JSON column (tuples become lists, keys strings)."""
     return json.loads(json.dumps(value, sort_keys=True))
+
+
+TOKEN_PREFIX = "pelt_"
+
+
+def _token_hash(secret: str) -> str:
+    """Tokens are 256-bit random strings, so a plain SHA-256 (no salt, no stretching) is enough."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
 
 
 def _retry_once_on_conflict(write: Callable[[], _T]) -> _T:

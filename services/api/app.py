@@ -1,0 +1,382 @@
+"""The HTTP API: thin FastAPI routes over `services.service.PeltService`.
+
+Every route under /v1 needs `Authorization: Bearer <token>` (tokens: `pelt token create`; only their
+SHA-256 is stored); /health answers without one. Errors are JSON {"error": {status, type, field,
+message}}. Bodies are bounded: PELT_MAX_REQUEST_BYTES for JSON, PELT_MAX_UPLOAD_BYTES for a dataset
+upload. The OpenAPI schema is at /openapi.json, browsable at /docs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from importlib.metadata import version as package_version
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, File, Form, Query, Request, UploadFile
+from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.api.schemas import (
+    BackboneIn,
+    BackboneOut,
+    ComposeIn,
+    ComposeOut,
+    ErrorOut,
+    EventOut,
+    HealthOut,
+    JobIn,
+    JobOut,
+    LeaderboardOut,
+    LeaderboardRowOut,
+    MethodIn,
+    MethodOut,
+    ProgressOut,
+    ResultOut,
+    SweepCancelOut,
+    SweepIn,
+    SweepOut,
+    TaskDefinition,
+    TaskOut,
+    VersionOut,
+)
+from services.errors import ErrorView, ServiceError, classify
+from services.registry import ApiTokenRecord, JobStatus
+from services.service import PeltService, Upload
+from services.settings import Settings
+
+log = logging.getLogger("pelt.api")
+
+JobId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="a job id")]
+SweepId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="a sweep id")]
+Name = Annotated[str, PathParam(min_length=1, max_length=200)]
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorOut} for code in (401, 404, 409, 413, 422)
+}
+UPLOAD_PATHS = ("/v1/tasks",)
+RefQuery = Annotated[str | None, Query(max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")]
+bearer = HTTPBearer(auto_error=False, description="a token from `pelt token create`")
+
+
+def authenticated(request: Request,
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> ApiTokenRecord:
+    """The route's caller: an active token, else 401 (a missing, unknown and revoked token look alike)."""
+    service: PeltService = request.app.state.service
+    token = service.registry.authenticate(credentials.credentials) if credentials else None
+    if token is None:
+        raise ServiceError("missing, unknown or revoked token: send 'Authorization: Bearer <token>' "
+                           "(create one with `pelt token create`)", status=401, field="Authorization")
+    return token
+
+
+def create_app(service: PeltService, settings: Settings | None = None, *, dispatcher: Any = None,
+               lifespan: Any = None) -> FastAPI:
+    """The API over a service. `dispatcher`, when given, is reported by /health."""
+    settings = settings or service.settings
+    app = FastAPI(title="pelt", version=package_version("pelt"), lifespan=lifespan,
+                  description="Parameter-efficient tuning of one shared backbone for many tasks: tasks, "
+                              "methods, jobs and sweeps, leaderboards, deltas and their composition.")
+    app.state.service = service
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticated)], responses=ERRORS)
+
+    # --- tasks -----------------------------------------------------------------------------------
+
+    @v1.post("/tasks", response_model=TaskOut, status_code=201, tags=["tasks"])
+    def register_task(
+        name: Annotated[str, Form(min_length=1, max_length=100, description="task name")],
+        definition: Annotated[str, Form(max_length=100_000, description="TaskDefinition as JSON")],
+        train: Annotated[UploadFile | None, File(description="JSON Lines, CSV/TSV or Parquet")] = None,
+        validation: Annotated[UploadFile | None, File()] = None,
+        test: Annotated[UploadFile | None, File()] = None,
+        dataset: Annotated[UploadFile | None, File(description="zip/tar.gz of a datasets save_to_disk folder")]
+        = None,
+    ) -> Any:
+        """Register a task from uploaded data; fields and labels are checked against it (nothing is kept
+        when they do not fit)."""
+        try:
+            parsed = TaskDefinition.model_validate(json.loads(definition))
+        except json.JSONDecodeError as exc:
+            raise ServiceError(f"definition: not JSON ({exc})", status=422, field="definition") from None
+        except ValidationError as exc:
+            raise _validation_error(exc, "definition") from None
+        uploads = {key: Upload(f.filename or "", f.file) for key, f in
+                   (("train", train), ("validation", validation), ("test", test), ("dataset", dataset)) if f}
+        return service.register_task(name, uploads, parsed.model_dump(exclude_unset=True))
+
+    @v1.get("/tasks", response_model=list[TaskOut], tags=["tasks"])
+    def list_tasks() -> Any:
+        return service.list_tasks()
+
+    @v1.get("/tasks/{name}", response_model=TaskOut, tags=["tasks"])
+    def get_task(name: Name) -> Any:
+        return service.get_task(name)
+
+    @v1.get("/tasks/{name}/leaderboard", response_model=LeaderboardOut, tags=["leaderboard"])
+    def leaderboard(name: Name, k_shot: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+                    backbone: Annotated[str | None, Query(max_length=100)] = None) -> Any:
+        """One row per method over the task's succeeded jobs, best first (only K = k_shot when given)."""
+        task = service.get_task(name)
+        rows = service.leaderboard(name, k_shot, backbone)
+        return LeaderboardOut(task=name, metric=task.metric, metric_direction=task.metric_direction, k_shot=k_shot,
+                              rows=[LeaderboardRowOut.model_validate(row) for row in rows])
+
+    # --- methods and backbones -------------------------------------------------------------------
+
+    @v1.get("/methods", response_model=list[MethodOut], tags=["methods"])
+    def list_methods(builtin: bool | None = None) -> Any:
+        return service.list_methods(builtin)
+
+    @v1.post("/methods", response_model=MethodOut, status_code=201, tags=["methods"])
+    def register_method(body: MethodIn) -> Any:
+        """A user preset: a method spec as data (see `pelt methods`)."""
+        return service.register_method(body.spec, body.replace)
+
+    @v1.get("/methods/{name}", response_model=MethodOut, tags=["methods"])
+    def get_method(name: Name) -> Any:
+        return service.get_method(name)
+
+    @v1.get("/backbones", response_model=list[BackboneOut], tags=["backbones"])
+    def list_backbones() -> Any:
+        return service.list_backbones()
+
+    @v1.post("/backbones", response_model=BackboneOut, status_code=201, tags=["backbones"])
+    def register_backbone(body: BackboneIn) -> Any:
+        """Register a packaged backbone alias or a model folder on the service's machine."""
+        return service.register_backbone(body.name, body.source)
+
+    @v1.get("/backbones/{name}", response_model=BackboneOut, tags=["backbones"])
+    def get_backbone(name: Name) -> Any:
+        return service.get_backbone(name)
+
+    # --- jobs and sweeps -------------------------------------------------------------------------
+
+    @v1.post("/jobs", response_model=JobOut, status_code=201, tags=["jobs"])
+    def submit_job(body: JobIn) -> Any:
+        return service.submit_job(**body.model_dump())
+
+    @v1.get("/jobs", response_model=list[JobOut], tags=["jobs"])
+    def list_jobs(task: Annotated[str | None, Query(max_length=200)] = None,
+                  status: Annotated[list[JobStatus] | None, Query()] = None,
+                  method: Annotated[str | None, Query(max_length=200)] = None,
+                  backbone: Annotated[str | None, Query(max_length=200)] = None,
+                  sweep_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+                  limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+                  offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> Any:
+        """Jobs matching every filter given, oldest first."""
+        return service.list_jobs(task=task, status=[s.value for s in status or []], method=method,
+                                 backbone=backbone, sweep_id=sweep_id, limit=limit, offset=offset)
+
+    @v1.get("/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
+    def get_job(job_id: JobId) -> Any:
+        return service.get_job(job_id)
+
+    @v1.get("/jobs/{job_id}/progress", response_model=ProgressOut, tags=["jobs"])
+    def job_progress(job_id: JobId) -> Any:
+        """Status and the worker's last report (step, total, loss, tokens/s)."""
+        return service.get_job(job_id)
+
+    @v1.post("/jobs/{job_id}/cancel", response_model=JobOut, tags=["jobs"])
+    def cancel_job(job_id: JobId) -> Any:
+        """Cancel a queued job at once, a running one within seconds; a cancelled job is never retried."""
+        return service.cancel_job(job_id)
+
+    @v1.get("/jobs/{job_id}/events", response_model=list[EventOut], tags=["jobs"])
+    def job_events(job_id: JobId) -> Any:
+        service.get_job(job_id)
+        return service.job_events(job_id)
+
+    @v1.get("/jobs/{job_id}/result", response_model=ResultOut, tags=["jobs"])
+    def job_result(job_id: JobId) -> Any:
+        result = service.get_result(job_id)
+        if result is None:
+            status = service.get_job(job_id).status
+            raise ServiceError(f"job {job_id} has no result (it is {status})", status=404, field="job_id")
+        return result
+
+    @v1.post("/sweeps", response_model=SweepOut, status_code=201, tags=["jobs"])
+    def submit_sweep(body: SweepIn) -> Any:
+        """Queue methods × seeds × K values for one task (all jobs or none)."""
+        return service.submit_sweep(**body.model_dump())
+
+    @v1.get("/sweeps/{sweep_id}", response_model=SweepOut, tags=["jobs"])
+    def get_sweep(sweep_id: SweepId) -> Any:
+        return service.get_sweep(sweep_id)
+
+    @v1.post("/sweeps/{sweep_id}/cancel", response_model=SweepCancelOut, tags=["jobs"])
+    def cancel_sweep(sweep_id: SweepId) -> Any:
+        service.get_sweep(sweep_id)
+        return SweepCancelOut(sweep_id=sweep_id, cancelled=service.cancel_sweep(sweep_id))
+
+    # --- deltas ----------------------------------------------------------------------------------
+
+    def reference(task: str, version: str | None, alias: str | None, method: str | None) -> str:
+        given = [x for x in (version, alias, method) if x]
+        if len(given) > 1:
+            raise ServiceError("give at most one of version, alias and method", status=422, field="version")
+        if version:
+            return f"{task}/{version}"
+        if method:
+            return f"{task}@best-{method.replace('.', '_')}"
+        return f"{task}@{alias}" if alias else task
+
+    @v1.get("/tasks/{name}/deltas", response_model=list[VersionOut], tags=["deltas"])
+    def delta_versions(name: Name) -> Any:
+        """Every stored delta version of the task, newest first, with aliases (best, best-<method>)."""
+        return [_version(info) for info in service.delta_versions(name)]
+
+    @v1.get("/tasks/{name}/deltas/info", response_model=VersionOut, tags=["deltas"])
+    def delta_info(name: Name, version: RefQuery = None, alias: RefQuery = None, method: RefQuery = None) -> Any:
+        """Which version a reference resolves to: the task's best by default."""
+        return _version(service.delta_info(reference(name, version, alias, method)))
+
+    @v1.get("/tasks/{name}/deltas/download", tags=["deltas"],
+            responses={200: {"content": {"application/zip": {}}, "description": "the version's files, zipped"}})
+    def delta_download(name: Name, version: RefQuery = None, alias: RefQuery = None,
+                       method: RefQuery = None) -> FileResponse:
+        """The version's files as a zip (delta.safetensors + manifest.json, or a multi-task bundle);
+        headers X-Pelt-Version, X-Pelt-Sha256 (of the delta file) and X-Pelt-Kind."""
+        archive = service.delta_archive(reference(name, version, alias, method))
+        info = archive.info
+        return FileResponse(archive.path, media_type="application/zip", filename=archive.filename,
+                            headers={"X-Pelt-Version": str(info.version), "X-Pelt-Sha256": info.sha256 or "",
+                                     "X-Pelt-Kind": info.kind},
+                            background=BackgroundTask(Path(archive.path).unlink, missing_ok=True))
+
+    @v1.post("/compose", response_model=ComposeOut, status_code=201, tags=["deltas"])
+    def compose(body: ComposeIn) -> Any:
+        """Compose stored deltas into a new version of `into` (merge: linear, TIES, DARE; average;
+        merge_lora_svd; multi_task bundle)."""
+        composed = service.compose(body.op, body.sources, body.into, body.options, body.aliases, body.description)
+        return ComposeOut(task=composed.task, version=composed.version, sha256=composed.stored.sha256,
+                          provenance=composed.provenance)
+
+    @app.get("/health", response_model=HealthOut, tags=["health"])
+    def health() -> Any:
+        """Liveness without a token: the service and what it is connected to."""
+        return HealthOut(status="ok", version=app.version,
+                         registry=service.registry.engine.url.render_as_string(hide_password=True),
+                         delta_store=None if service.store is None else repr(service.store),
+                         dispatcher=None if dispatcher is None else {
+                             "workers": dispatcher.describe(), "stats": dict(dispatcher.stats)})
+
+    app.include_router(v1)
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes, upload_limit=settings.max_upload_bytes + (1 << 20))
+    return app
+
+
+def _version(info: Any) -> VersionOut:
+    return VersionOut(task=info.task, model_name=info.model_name, version=str(info.version), kind=info.kind,
+                      sha256=info.sha256, run_id=info.run_id, job_id=info.job_id, method=info.method,
+                      metric=info.metric, metric_value=info.metric_value, aliases=list(info.aliases),
+                      tags=dict(info.tags), created_at=info.created_at, uri=info.uri)
+
+
+def _validation_error(exc: ValidationError | RequestValidationError, prefix: str = "") -> ServiceError:
+    first = exc.errors()[0]
+    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
+    field = ".".join([prefix, *location] if prefix else location) or prefix or None
+    message = first.get("msg", "invalid")
+    return ServiceError(f"{field}: {message}" if field else message, status=422, field=field)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def respond(view: ErrorView) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if view.status == 401 else None
+        return JSONResponse(view.body(), status_code=view.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = _validation_error(exc)
+        return respond(ErrorView(422, "RequestValidationError", str(error), error.field))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(ErrorView(exc.status_code, "HTTPError", str(exc.detail)))
+
+    async def expected(request: Request, exc: Exception) -> JSONResponse:
+        view = classify(exc)
+        if view is None:  # a subclass classify does not know: a bug, not the caller's fault
+            log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+            view = ErrorView(500, "InternalError", f"internal error ({type(exc).__name__}); see the service log")
+        return respond(view)
+
+    for error_class in expected_errors():
+        app.add_exception_handler(error_class, expected)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return respond(ErrorView(500, "InternalError", f"internal error ({type(exc).__name__}); see the service log"))
+
+
+def expected_errors() -> tuple[type[Exception], ...]:
+    """The error classes the service raises on purpose (see services.errors.classify)."""
+    from pelt_core.backbones import BackboneError
+    from pelt_core.compose import CompositionError
+    from pelt_core.config import ConfigError
+    from pelt_core.data import DataError
+    from pelt_core.delta import DeltaError
+    from pelt_core.spec import SpecError
+    from services.delta_store.errors import DeltaStoreError
+    from services.registry import RegistryError
+
+    return (ServiceError, RegistryError, DeltaStoreError, CompositionError, DeltaError, BackboneError, ConfigError,
+            SpecError, DataError)
+
+
+class BodyLimit:
+    """Refuse bodies above the bound with 413 before any of it is parsed: by Content-Length when sent,
+    else by counting the streamed bytes. Dataset uploads (POST /v1/tasks) get the upload bound."""
+
+    def __init__(self, app: ASGIApp, limit: int, upload_limit: int) -> None:
+        self.app, self.limit, self.upload_limit = app, limit, upload_limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.upload_limit if scope["path"] in UPLOAD_PATHS else self.limit
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await _too_large(limit)(scope, receive, send)
+            return
+        seen, exceeded, answered = 0, False, False
+
+        async def bounded() -> Message:
+            nonlocal seen, exceeded
+            if exceeded:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    exceeded = True
+                    return {"type": "http.disconnect"}  # the app stops reading; its answer is replaced below
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal answered
+            if not exceeded:
+                await send(message)
+            elif not answered:
+                answered = True
+                await _too_large(limit)(scope, receive, send)
+
+        await self.app(scope, bounded, guarded_send)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return JSONResponse(ErrorView(413, "TooLargeError", f"request body larger than {limit} bytes",
+                                  "body").body(), status_code=413)
+
+
+__all__ = ["create_app"]

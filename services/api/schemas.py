@@ -1,0 +1,270 @@
+"""Request and response bodies of the HTTP API (pydantic). Requests refuse unknown fields, so a typo is
+a 422 naming it rather than a setting silently ignored. Responses mirror the registry's records."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ID = Field(ge=1, le=2**31 - 1)
+NAME = Field(min_length=1, max_length=100)
+DEFAULT_BACKBONE = "all-minilm-l6-v2"
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Response(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+# --- requests -------------------------------------------------------------------------------------
+
+
+class TaskDefinition(Request):
+    """The part of a task registration that is not data (sent as the `definition` form field, JSON)."""
+
+    text_fields: list[str] | str = Field(description="column(s) holding the text; one or two")
+    label_field: str = "label"
+    problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] = (
+        "single_label_classification")
+    metric: str = "accuracy"
+    metric_direction: Literal["max", "min"] | None = None
+    label_names: list[str] | None = None
+    max_length: int = Field(default=128, ge=1, le=8192)
+    description: str = Field(default="", max_length=10_000)
+
+
+class MethodIn(Request):
+    spec: dict[str, Any] = Field(description="a method spec: {name, modules: [...], ...} (see `pelt methods`)")
+    replace: bool = False
+
+
+class BackboneIn(Request):
+    name: str = NAME
+    source: str | None = Field(default=None, max_length=1000,
+                               description="packaged alias or model folder on the service's machine; default: name")
+
+
+class JobIn(Request):
+    task: str = NAME
+    method: str = NAME
+    backbone: str = Field(default=DEFAULT_BACKBONE, min_length=1, max_length=100)
+    hyperparameters: dict[str, Any] = Field(default_factory=dict,
+                                            description="training settings and method overrides, e.g. lr, epochs, r")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    k_shot: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    max_attempts: int | None = Field(default=None, ge=1, le=100)
+    idempotency_key: str | None = Field(default=None, max_length=200)
+
+
+class SweepIn(Request):
+    task: str = NAME
+    methods: list[str] = Field(min_length=1, max_length=1000)
+    backbone: str = Field(default=DEFAULT_BACKBONE, min_length=1, max_length=100)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, max_length=1000)
+    k_values: list[int | None] = Field(default_factory=lambda: [None], min_length=1, max_length=1000)
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    method_hyperparameters: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    max_attempts: int | None = Field(default=None, ge=1, le=100)
+    idempotency_key: str | None = Field(default=None, max_length=200)
+
+
+class ComposeIn(Request):
+    op: Literal["merge", "average", "merge_lora_svd", "multi_task"]
+    sources: list[str] | dict[str, str] = Field(
+        description='delta references: "task" (its best), "task@alias", "task/3"; multi_task: {route: ref}')
+    into: str = Field(min_length=1, max_length=100, description="the task whose new version the result becomes")
+    options: dict[str, Any] = Field(default_factory=dict,
+                                    description="merge: weights, how (linear|ties|dare), density, seed, ...")
+    aliases: list[str] = Field(default_factory=list, max_length=20)
+    description: str = Field(default="", max_length=10_000)
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+
+class TaskOut(Response):
+    id: int
+    name: str
+    source_kind: str
+    split_sizes: dict[str, int]
+    train_size: int
+    text_fields: list[str]
+    label_field: str
+    problem_type: str
+    metric: str
+    metric_direction: str
+    label_names: list[str] | None
+    max_length: int
+    description: str
+    created_at: datetime
+
+
+class MethodOut(Response):
+    id: int
+    name: str
+    spec: dict[str, Any]
+    builtin: bool
+    description: str
+    created_at: datetime
+
+
+class BackboneOut(Response):
+    id: int
+    name: str
+    source: str
+    content_hash: str
+    created_at: datetime
+
+
+class JobOut(Response):
+    id: int
+    task: str
+    method: str
+    backbone: str
+    sweep_id: int | None
+    hyperparameters: dict[str, Any]
+    train_config: dict[str, Any]
+    seed: int
+    k_shot: int | None
+    priority: int
+    status: str
+    attempts: int
+    max_attempts: int
+    lease_owner: str | None
+    progress: float | None
+    progress_detail: dict[str, Any] | None
+    cancel_requested: bool
+    last_error: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class ProgressOut(Response):
+    id: int
+    status: str
+    progress: float | None
+    progress_detail: dict[str, Any] | None
+    attempts: int
+    last_error: str | None
+
+
+class SweepOut(Response):
+    id: int
+    task: str
+    backbone: str
+    methods: list[str]
+    seeds: list[int]
+    k_values: list[int | None]
+    hyperparameters: dict[str, Any]
+    method_hyperparameters: dict[str, dict[str, Any]]
+    priority: int
+    created_at: datetime
+    job_ids: list[int]
+
+
+class SweepCancelOut(Response):
+    sweep_id: int
+    cancelled: int
+
+
+class ResultOut(Response):
+    job_id: int
+    metrics: dict[str, Any]
+    primary_metric: float
+    trainable_params: int
+    total_params: int | None
+    trainable_percent: float
+    train_seconds: float
+    peak_memory_bytes: int | None
+    delta_uri: str | None
+    delta_sha256: str | None
+    mlflow_run_id: str | None
+    mlflow_model_version: str | None
+    worker_id: str | None
+    attempt: int
+    created_at: datetime
+
+
+class EventOut(Response):
+    at: datetime
+    from_status: str | None
+    to_status: str
+    reason: str
+    worker_id: str | None
+
+
+class LeaderboardRowOut(Response):
+    rank: int
+    method: str
+    best: float
+    mean: float
+    std: float
+    runs: int
+    seeds: int
+    trainable_params: int
+    trainable_percent: float
+    median_train_seconds: float
+    best_job_id: int
+    best_delta_uri: str | None
+    best_delta_sha256: str | None
+    k_values: list[int | None]
+
+
+class LeaderboardOut(Response):
+    task: str
+    metric: str
+    metric_direction: str
+    k_shot: int | None
+    rows: list[LeaderboardRowOut]
+
+
+class VersionOut(Response):
+    task: str
+    model_name: str
+    version: str
+    kind: str
+    sha256: str | None
+    run_id: str | None
+    job_id: int | None
+    method: str | None
+    metric: str | None
+    metric_value: float | None
+    aliases: list[str]
+    tags: dict[str, str]
+    created_at: datetime
+    uri: str
+
+
+class ComposeOut(Response):
+    task: str
+    version: str
+    sha256: str
+    provenance: dict[str, Any]
+
+
+class HealthOut(Response):
+    status: str
+    version: str
+    registry: str
+    delta_store: str | None
+    dispatcher: dict[str, Any] | None
+
+
+class ErrorBody(BaseModel):
+    status: int
+    type: str
+    field: str | None
+    message: str
+
+
+class ErrorOut(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,382 @@
+"""The Python client of the pelt service (httpx). One import:
+
+    from services.client import PeltClient
+    client = PeltClient()                                   # PELT_API_URL, PELT_API_TOKEN (or PELT_DATA_DIR/api_token)
+    client.register_task("sentiment", train="train.jsonl", validation="dev.jsonl", text_fields=["sentence"])
+    sweep = client.sweep("sentiment", ["lora", "bitfit", "prefix"], seeds=[0, 1], k_values=[100])
+    client.wait(sweep)                                      # progress bars until every job has ended
+    client.leaderboard("sentiment")                         # a pandas DataFrame, best method first
+    model = client.pull("sentiment")                        # the best delta on its backbone
+    model.predict(["a great film"])
+
+Results are the API's typed response models (`services.api.schemas`); errors are `PeltAPIError` with
+the HTTP status, the offending field and the service's message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.api.schemas import (
+    DEFAULT_BACKBONE,
+    BackboneOut,
+    ComposeOut,
+    EventOut,
+    JobOut,
+    LeaderboardOut,
+    LeaderboardRowOut,
+    MethodOut,
+    ResultOut,
+    SweepOut,
+    TaskOut,
+    VersionOut,
+)
+from services.settings import Settings, get_settings
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class PeltAPIError(Exception):
+    """The service refused a request: `status` (HTTP), `type`, `field` (the offending input) and message."""
+
+    def __init__(self, status: int, message: str, *, type: str = "", field: str | None = None) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status, self.message, self.type, self.field = status, message, type, field
+
+
+class JobsFailed(Exception):
+    """`wait(..., raise_on_failure=True)` saw jobs end without success; `jobs` holds them."""
+
+    def __init__(self, jobs: list[JobOut]) -> None:
+        super().__init__("; ".join(f"job {j.id} ({j.method}) {j.status}: {j.last_error or ''}"[:500] for j in jobs))
+        self.jobs = jobs
+
+
+class PeltClient:
+    """A session with a pelt service. url: PELT_API_URL (default http://127.0.0.1:8000); token:
+    PELT_API_TOKEN, else the secret `pelt serve` left in PELT_DATA_DIR/api_token. `http` replaces the
+    underlying httpx.Client (tests pass FastAPI's TestClient)."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 120.0,
+                 http: httpx.Client | None = None, settings: Settings | None = None) -> None:
+        settings = settings or get_settings()
+        self.url = (url or settings.api_url).rstrip("/")
+        token = token or _default_token(settings)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if http is None:
+            http = httpx.Client(base_url=self.url, timeout=timeout)
+        http.headers.update(headers)
+        self.http = http
+        self._backbones: dict[str, Any] = {}
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> PeltClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- plumbing --------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise PeltAPIError(0, f"cannot reach the pelt service at {self.url} ({exc}); is `pelt serve` "
+                               "running? (PELT_API_URL)") from None
+        if response.status_code >= 400:
+            try:
+                error = response.json()["error"]
+                raise PeltAPIError(response.status_code, error["message"], type=error.get("type", ""),
+                                   field=error.get("field"))
+            except (ValueError, KeyError, TypeError):
+                raise PeltAPIError(response.status_code, response.text[:500]) from None
+        return response
+
+    def _get(self, path: str, **params: Any) -> Any:
+        clean = {k: v for k, v in params.items() if v is not None}
+        return self._request("GET", path, params=clean).json()
+
+    def _post(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        return self._request("POST", path, json=body or {}).json()
+
+    def health(self) -> dict[str, Any]:
+        return self._get("/health")
+
+    # --- tasks, methods, backbones ---------------------------------------------------------------
+
+    def register_task(self, name: str, train: str | Path | None = None, validation: str | Path | None = None,
+                      test: str | Path | None = None, *, dataset: str | Path | None = None,
+                      text_fields: Sequence[str] | str, label_field: str = "label",
+                      problem_type: str = "single_label_classification", metric: str = "accuracy",
+                      metric_direction: str | None = None, label_names: Sequence[str] | None = None,
+                      max_length: int = 128, description: str = "") -> TaskOut:
+        """Upload a task's data and register it: split files (JSON Lines, CSV/TSV, Parquet) or `dataset`,
+        a folder written by `datasets`' save_to_disk (sent as a tar.gz)."""
+        definition = {"text_fields": [text_fields] if isinstance(text_fields, str) else list(text_fields),
+                      "label_field": label_field, "problem_type": problem_type, "metric": metric,
+                      "metric_direction": metric_direction, "max_length": max_length, "description": description,
+                      "label_names": None if label_names is None else list(label_names)}
+        definition = {k: v for k, v in definition.items() if v is not None}
+        with ExitStack() as stack:
+            files: dict[str, tuple[str, Any]] = {}
+            for split, path in (("train", train), ("validation", validation), ("test", test)):
+                if path is not None:
+                    files[split] = (Path(path).name, stack.enter_context(Path(path).open("rb")))
+            if dataset is not None:
+                files["dataset"] = (Path(dataset).name + ".tar.gz", _tar_folder(Path(dataset)))
+            data = {"name": name, "definition": json.dumps(definition)}
+            return TaskOut.model_validate(self._request("POST", "/v1/tasks", data=data, files=files).json())
+
+    def tasks(self) -> list[TaskOut]:
+        return [TaskOut.model_validate(t) for t in self._get("/v1/tasks")]
+
+    def task(self, name: str) -> TaskOut:
+        return TaskOut.model_validate(self._get(f"/v1/tasks/{name}"))
+
+    def methods(self, builtin: bool | None = None) -> list[MethodOut]:
+        return [MethodOut.model_validate(m) for m in self._get("/v1/methods", builtin=builtin)]
+
+    def register_method(self, spec: Mapping[str, Any], replace: bool = False) -> MethodOut:
+        """A user preset: a method spec as data ({"name": ..., "modules": [...]}; see `pelt methods`)."""
+        return MethodOut.model_validate(self._post("/v1/methods", {"spec": dict(spec), "replace": replace}))
+
+    def backbones(self) -> list[BackboneOut]:
+        return [BackboneOut.model_validate(b) for b in self._get("/v1/backbones")]
+
+    def register_backbone(self, name: str, source: str | None = None) -> BackboneOut:
+        return BackboneOut.model_validate(self._post("/v1/backbones", {"name": name, "source": source}))
+
+    # --- jobs ------------------------------------------------------------------------------------
+
+    def submit(self, task: str, method: str, *, backbone: str = DEFAULT_BACKBONE,
+               hyperparameters: Mapping[str, Any] | None = None, seed: int = 0, k_shot: int | None = None,
+               priority: int = 0, max_attempts: int | None = None, idempotency_key: str | None = None) -> JobOut:
+        """Queue one job. hyperparameters: training settings (lr, epochs, batch_size, ...) and method
+        overrides (r, bottleneck, prefix_length, q.size, ...)."""
+        body = {"task": task, "method": method, "backbone": backbone, "hyperparameters": dict(hyperparameters or {}),
+                "seed": seed, "k_shot": k_shot, "priority": priority, "max_attempts": max_attempts,
+                "idempotency_key": idempotency_key}
+        return JobOut.model_validate(self._post("/v1/jobs", body))
+
+    def sweep(self, task: str, methods: Sequence[str], *, backbone: str = DEFAULT_BACKBONE,
+              seeds: Sequence[int] = (0,), k_values: Sequence[int | None] = (None,),
+              hyperparameters: Mapping[str, Any] | None = None,
+              method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None, priority: int = 0,
+              max_attempts: int | None = None, idempotency_key: str | None = None) -> SweepOut:
+        """Queue methods × seeds × K values (None: the full training set) in one go."""
+        body = {"task": task, "methods": list(methods), "backbone": backbone, "seeds": list(seeds),
+                "k_values": list(k_values), "hyperparameters": dict(hyperparameters or {}),
+                "method_hyperparameters": {k: dict(v) for k, v in (method_hyperparameters or {}).items()},
+                "priority": priority, "max_attempts": max_attempts, "idempotency_key": idempotency_key}
+        return SweepOut.model_validate(self._post("/v1/sweeps", body))
+
+    def job(self, job_id: int) -> JobOut:
+        return JobOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}"))
+
+    def jobs(self, *, task: str | None = None, status: str | Sequence[str] | None = None, method: str | None = None,
+             backbone: str | None = None, sweep_id: int | None = None, limit: int = 100,
+             offset: int = 0) -> list[JobOut]:
+        statuses = [status] if isinstance(status, str) else status
+        found = self._get("/v1/jobs", task=task, status=statuses, method=method, backbone=backbone,
+                          sweep_id=sweep_id, limit=limit, offset=offset)
+        return [JobOut.model_validate(j) for j in found]
+
+    def cancel(self, job_id: int) -> JobOut:
+        return JobOut.model_validate(self._post(f"/v1/jobs/{int(job_id)}/cancel"))
+
+    def cancel_sweep(self, sweep_id: int) -> int:
+        return int(self._post(f"/v1/sweeps/{int(sweep_id)}/cancel")["cancelled"])
+
+    def events(self, job_id: int) -> list[EventOut]:
+        return [EventOut.model_validate(e) for e in self._get(f"/v1/jobs/{int(job_id)}/events")]
+
+    def result(self, job_id: int) -> ResultOut:
+        return ResultOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}/result"))
+
+    def wait(self, jobs: SweepOut | JobOut | int | Iterable[JobOut | int], *, timeout: float | None = None,
+             poll_seconds: float = 1.0, progress: bool = True, raise_on_failure: bool = False) -> list[JobOut]:
+        """Wait until every job has ended (succeeded, failed or cancelled), showing a progress bar per job
+        (step/total, loss, tokens/s). Returns the jobs as they ended; TimeoutError after `timeout` s."""
+        ids = _job_ids(jobs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        bars: dict[int, Any] = {}
+        try:
+            while True:
+                current = {job_id: self.job(job_id) for job_id in ids}
+                if progress:
+                    _draw(bars, current)
+                if all(job.status in TERMINAL for job in current.values()):
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    pending = [j for j, job in current.items() if job.status not in TERMINAL]
+                    raise TimeoutError(f"jobs {pending} had not ended after {timeout} s")
+                time.sleep(poll_seconds)
+        finally:
+            for bar in bars.values():
+                bar.close()
+        ended = [current[job_id] for job_id in ids]
+        failed = [job for job in ended if job.status != "succeeded"]
+        if raise_on_failure and failed:
+            raise JobsFailed(failed)
+        return ended
+
+    # --- leaderboard and deltas ------------------------------------------------------------------
+
+    def leaderboard(self, task: str, k_shot: int | None = None, backbone: str | None = None) -> Any:
+        """The task's leaderboard as a pandas DataFrame (one row per method, best first); the metric's
+        name is in `frame.attrs["metric"]`."""
+        import pandas as pd
+
+        board = LeaderboardOut.model_validate(self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot,
+                                                        backbone=backbone))
+        frame = pd.DataFrame([row.model_dump() for row in board.rows], columns=list(LeaderboardRowOut.model_fields))
+        frame.attrs.update(task=board.task, metric=board.metric, metric_direction=board.metric_direction)
+        return frame
+
+    def leaderboard_raw(self, task: str, k_shot: int | None = None, backbone: str | None = None) -> LeaderboardOut:
+        return LeaderboardOut.model_validate(self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot,
+                                                       backbone=backbone))
+
+    def versions(self, task: str) -> list[VersionOut]:
+        """Every stored delta version of the task, newest first."""
+        return [VersionOut.model_validate(v) for v in self._get(f"/v1/tasks/{task}/deltas")]
+
+    def delta_info(self, task: str, *, version: str | int | None = None, alias: str | None = None,
+                   method: str | None = None) -> VersionOut:
+        """Which version a reference resolves to (the task's best by default)."""
+        return VersionOut.model_validate(self._get(f"/v1/tasks/{task}/deltas/info", version=version, alias=alias,
+                                                   method=method))
+
+    def download(self, task: str, dest: str | Path, *, version: str | int | None = None, alias: str | None = None,
+                 method: str | None = None) -> VersionOut:
+        """Download a delta version's files into `dest` (checked against its sha256); returns its info."""
+        info = self.delta_info(task, version=version, alias=alias, method=method)
+        response = self._request("GET", f"/v1/tasks/{task}/deltas/download", params={"version": info.version})
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(io.BytesIO(response.content)) as archive:
+            for member in archive.namelist():
+                target = (dest / member).resolve()
+                if not target.is_relative_to(dest.resolve()):
+                    raise PeltAPIError(0, f"the archive names a path outside {dest}: {member!r}")
+            archive.extractall(dest)
+        _check_sha256(dest, info)
+        return info
+
+    def pull(self, task: str, *, version: str | int | None = None, alias: str | None = None,
+             method: str | None = None, backbone: Any = None, fold: bool = False) -> Any:
+        """Download a delta (the task's best by default) and load it onto its backbone, here: a
+        PulledModel ready for `predict(texts)`. backbone: a loaded pelt_core Backbone to reuse, else the
+        manifest's backbone is loaded by name (a packaged alias, or a folder that exists here too)."""
+        from services.delta_store.store import VersionInfo, load_pulled
+
+        with tempfile.TemporaryDirectory(prefix="pelt-pull-") as scratch:
+            info = self.download(task, scratch, version=version, alias=alias, method=method)
+            version_info = VersionInfo(
+                task=info.task, model_name=info.model_name, version=info.version, kind=info.kind, sha256=info.sha256,
+                run_id=info.run_id, source=info.uri, job_id=info.job_id, method=info.method, metric=info.metric,
+                metric_value=info.metric_value, aliases=tuple(info.aliases), tags=dict(info.tags),
+                created_at=info.created_at)
+            return load_pulled(version_info, Path(scratch), lambda manifest: self._backbone(manifest, backbone),
+                               fold=fold)
+
+    def _backbone(self, manifest: Mapping[str, Any], given: Any) -> Any:
+        if given is not None:
+            return given
+        wanted = manifest["backbone"]
+        if wanted["content_hash"] not in self._backbones:
+            from pelt_core.backbones import Backbone
+
+            self._backbones[wanted["content_hash"]] = Backbone.load(wanted["name"])
+        return self._backbones[wanted["content_hash"]]
+
+    def compose(self, op: str, sources: Sequence[str] | Mapping[str, str], into: str, *,
+                aliases: Sequence[str] = (), description: str = "", **options: Any) -> ComposeOut:
+        """Compose stored deltas into a new version of task `into`. op: merge (weights, how=linear|ties|dare,
+        density, seed, ...), average, merge_lora_svd (rank), multi_task (sources: {route: ref}).
+        References: "task" (its best), "task@best-lora", "task/3"."""
+        body = {"op": op, "sources": sources if isinstance(sources, Mapping) else list(sources), "into": into,
+                "options": options, "aliases": list(aliases), "description": description}
+        return ComposeOut.model_validate(self._post("/v1/compose", body))
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def _default_token(settings: Settings) -> str | None:
+    if settings.api_token is not None:
+        return settings.api_token.get_secret_value()
+    path = settings.data_dir / "api_token"
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _job_ids(jobs: Any) -> list[int]:
+    if isinstance(jobs, SweepOut):
+        return list(jobs.job_ids)
+    if isinstance(jobs, JobOut | int):
+        jobs = [jobs]
+    return [job.id if isinstance(job, JobOut) else int(job) for job in jobs]
+
+
+def _draw(bars: dict[int, Any], jobs: Mapping[int, JobOut]) -> None:
+    from tqdm import tqdm
+
+    for position, (job_id, job) in enumerate(jobs.items()):
+        detail = job.progress_detail or {}
+        if job_id not in bars:
+            bars[job_id] = tqdm(total=1, desc=f"job {job_id} {job.method:<10}", unit="step", position=position,
+                                dynamic_ncols=True, leave=True)
+        bar = bars[job_id]
+        total = int(detail.get("total") or 0)
+        if total and bar.total != total:
+            bar.total = total
+        step = int(detail.get("step") or 0)
+        if job.status == "succeeded" and bar.total:
+            step = bar.total
+        bar.n = step
+        postfix = {"status": job.status}
+        if detail.get("loss") is not None:
+            postfix["loss"] = f"{detail['loss']:.3f}"
+        if detail.get("tokens_per_second"):
+            postfix["tok/s"] = f"{detail['tokens_per_second']:.0f}"
+        bar.set_postfix(postfix, refresh=True)
+
+
+def _tar_folder(folder: Path) -> io.BytesIO:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"dataset: {folder} is not a folder (a `datasets` save_to_disk folder)")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.add(folder, arcname=folder.name)
+    buffer.seek(0)
+    return buffer
+
+
+def _check_sha256(folder: Path, info: VersionOut) -> None:
+    from services.delta_store.store import BUNDLE_FILE, DELTA_FILE
+
+    target = folder / (BUNDLE_FILE if info.kind == "multi_task" else DELTA_FILE)
+    digest = hashlib.sha256(target.read_bytes()).hexdigest()
+    if info.sha256 and digest != info.sha256:
+        raise PeltAPIError(0, f"{info.task}/{info.version}: downloaded sha256 {digest} != recorded {info.sha256}")
+
+
+__all__ = ["JobsFailed", "PeltAPIError", "PeltClient"]

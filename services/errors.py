@@ -1,0 +1,84 @@
+"""Errors of the service layer and how each kind of error becomes an HTTP status.
+
+Every error the API returns is JSON: {"error": {"status", "type", "field", "message"}}; `field` names
+the offending input when there is one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.registry.errors import RegistryValidationError
+
+
+class ServiceError(Exception):
+    """An error the service raises on purpose, with its HTTP status."""
+
+    def __init__(self, message: str, *, status: int = 400, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.field = field
+
+
+class TooLargeError(RegistryValidationError):
+    """An upload or request body above its bound (PELT_MAX_UPLOAD_BYTES, PELT_MAX_REQUEST_BYTES)."""
+
+
+@dataclass(frozen=True)
+class ErrorView:
+    status: int
+    type: str
+    message: str
+    field: str | None = None
+
+    def body(self) -> dict:
+        return {"error": {"status": self.status, "type": self.type, "field": self.field, "message": self.message}}
+
+
+def classify(exc: BaseException) -> ErrorView | None:
+    """The HTTP view of an expected error (None: unexpected, a 500)."""
+    from pelt_core.backbones import BackboneError
+    from pelt_core.compose import CompositionError
+    from pelt_core.config import ConfigError
+    from pelt_core.data import DataError
+    from pelt_core.delta import DeltaError
+    from pelt_core.spec import SpecError
+    from services.delta_store.errors import (
+        DeltaIntegrityError,
+        DeltaNotFoundError,
+        DeltaStoreError,
+        StoreNotReadyError,
+    )
+    from services.registry.errors import (
+        AlreadyExistsError,
+        IdempotencyConflictError,
+        JobStateError,
+        NotFoundError,
+    )
+
+    kind = type(exc).__name__
+    if isinstance(exc, ServiceError):
+        return ErrorView(exc.status, kind, str(exc), exc.field)
+    if isinstance(exc, TooLargeError):
+        return ErrorView(413, kind, str(exc), exc.field)
+    if isinstance(exc, NotFoundError):
+        return ErrorView(404, kind, str(exc), exc.field)
+    if isinstance(exc, AlreadyExistsError | IdempotencyConflictError):
+        return ErrorView(409, kind, str(exc), exc.field)
+    if isinstance(exc, RegistryValidationError):
+        return ErrorView(422, kind, str(exc), exc.field)
+    if isinstance(exc, JobStateError):
+        return ErrorView(409, kind, str(exc), "job_id")
+    if isinstance(exc, DeltaNotFoundError):
+        return ErrorView(404, kind, str(exc), getattr(exc, "field", None))
+    if isinstance(exc, StoreNotReadyError):
+        return ErrorView(503, kind, str(exc))
+    if isinstance(exc, DeltaIntegrityError):
+        return ErrorView(500, kind, str(exc))
+    if isinstance(exc, DeltaStoreError | CompositionError | DeltaError | BackboneError | ConfigError | SpecError
+                  | DataError):
+        return ErrorView(422, kind, str(exc), getattr(exc, "field", None))
+    return None
+
+
+__all__ = ["ErrorView", "ServiceError", "TooLargeError", "classify"]

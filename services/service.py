@@ -1,0 +1,397 @@
+"""The service layer under the HTTP API: every route is one call of `PeltService`.
+
+It joins the registry (tasks, methods, backbones, jobs, results, tokens), the uploaded datasets (kept
+under PELT_DATA_DIR/datasets, content-addressed) and the MLflow delta store (versions, downloads,
+composition). It holds no HTTP types: the API turns its errors into status codes (`services.errors`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tarfile
+import tempfile
+import threading
+import uuid
+import zipfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from services.errors import ServiceError, TooLargeError
+from services.registry import (
+    BackboneRecord,
+    JobEventRecord,
+    JobRecord,
+    LeaderboardRow,
+    MethodRecord,
+    Registry,
+    RegistryValidationError,
+    ResultRecord,
+    SweepRecord,
+    TaskRecord,
+    UnknownBackboneError,
+)
+from services.registry.dataset_probe import FILE_FORMATS
+from services.settings import Settings, get_settings
+
+log = logging.getLogger("pelt.service")
+
+SPLITS = ("train", "validation", "test")
+ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar")
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One uploaded file: the name the client gave it and a binary stream of its bytes."""
+
+    filename: str
+    stream: IO[bytes]
+
+
+@dataclass(frozen=True)
+class DeltaArchive:
+    """A version's files zipped for download (the caller deletes `path` when sent)."""
+
+    path: Path
+    filename: str
+    info: Any  # services.delta_store.VersionInfo
+
+
+class PeltService:
+    """Tasks, methods, backbones, jobs, leaderboards and deltas for the API (and for tests, directly).
+
+    registry: the registry (owned by the caller). store: the MLflow delta store, or None when the
+    service runs without one (deltas routes then answer 503). backbone_loader: name -> Backbone, for
+    registering a backbone by name (default `pelt_core.backbones.Backbone.load`).
+    """
+
+    def __init__(self, registry: Registry, store: Any = None, *, settings: Settings | None = None,
+                 backbone_loader: Any = None) -> None:
+        self.registry = registry
+        self.store = store
+        self.settings = settings or get_settings()
+        self._backbone_loader = backbone_loader
+        self._backbone_lock = threading.Lock()
+
+    # --- tasks -----------------------------------------------------------------------------------
+
+    def register_task(self, name: str, files: Mapping[str, Upload], definition: Mapping[str, Any]) -> TaskRecord:
+        """Register a task from uploaded data: files keyed by split (train required; validation, test
+        optional) in JSON Lines, CSV/TSV or Parquet, or one `dataset` archive (.zip/.tar.gz) of a folder
+        written by `datasets`' save_to_disk. The files are kept under PELT_DATA_DIR/datasets/<sha256>;
+        when the registry refuses the task, nothing is kept."""
+        from services.registry.validation import check_name
+
+        check_name(name)
+        unknown = set(files) - {*SPLITS, "dataset"}
+        if unknown:
+            raise RegistryValidationError(sorted(unknown)[0], f"unexpected file field; send {', '.join(SPLITS)} "
+                                          "(train required) or one 'dataset' archive")
+        if "dataset" in files and len(files) > 1:
+            raise RegistryValidationError("dataset", "send either a dataset archive or split files, not both")
+        if not files:
+            raise RegistryValidationError("train", "no data: send a train file (and validation, test) or a "
+                                          "dataset archive")
+        if "dataset" not in files and "train" not in files:
+            raise RegistryValidationError("train", "a train file is required")
+        root = self.settings.data_dir / "datasets"
+        root.mkdir(parents=True, exist_ok=True)
+        staging = root / f".upload-{uuid.uuid4().hex}"
+        staging.mkdir()
+        created = None
+        try:
+            digest = hashlib.sha256()
+            budget = [self.settings.max_upload_bytes]
+            if "dataset" in files:
+                _extract_archive(files["dataset"], staging / "dataset", digest, budget,
+                                 self.settings.max_upload_bytes)
+            else:
+                for split in sorted(files):
+                    upload = files[split]
+                    suffix = _table_suffix(upload.filename, split)
+                    digest.update(f"{split}{suffix}\0".encode())
+                    _save_stream(upload.stream, staging / f"{split}{suffix}", digest, budget, split)
+            final = root / digest.hexdigest()[:32]
+            if final.exists():
+                shutil.rmtree(staging)
+            else:
+                staging.rename(final)
+                created = final
+            if "dataset" in files:
+                source: Any = str(final / "dataset")
+            else:
+                source = {p.stem: str(p) for p in sorted(final.iterdir())}
+            return self.registry.register_task(name, source, **_task_definition(definition))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            if created is not None:
+                shutil.rmtree(created, ignore_errors=True)
+            raise
+
+    def get_task(self, name: str) -> TaskRecord:
+        return self.registry.get_task(name)
+
+    def list_tasks(self) -> list[TaskRecord]:
+        return self.registry.list_tasks()
+
+    # --- methods and backbones -------------------------------------------------------------------
+
+    def list_methods(self, builtin: bool | None = None) -> list[MethodRecord]:
+        return self.registry.list_methods(builtin=builtin)
+
+    def get_method(self, name: str) -> MethodRecord:
+        return self.registry.get_method(name)
+
+    def register_method(self, spec: Mapping[str, Any], replace: bool = False) -> MethodRecord:
+        return self.registry.register_method(spec, replace=replace)
+
+    def list_backbones(self) -> list[BackboneRecord]:
+        return self.registry.list_backbones()
+
+    def get_backbone(self, name: str) -> BackboneRecord:
+        return self.registry.get_backbone(name)
+
+    def register_backbone(self, name: str, source: str | None = None) -> BackboneRecord:
+        """Register a backbone under `name`: a packaged alias (all-minilm-l6-v2, smollm2-135m) or a model
+        folder on the service's machine (`source`, default: the name). Its weights are loaded once to
+        compute their content hash, which every delta trained on it records."""
+        from services.registry.validation import check_name
+
+        check_name(name)
+        source = source or name
+        try:
+            return self.registry.get_backbone(name)
+        except UnknownBackboneError:
+            pass
+        with self._backbone_lock:
+            try:
+                return self.registry.get_backbone(name)
+            except UnknownBackboneError:
+                pass
+            loaded = self._load_backbone(source)
+            return self.registry.register_backbone(name, source, loaded.content_hash)
+
+    def ensure_backbone(self, name: str) -> None:
+        """Jobs name their backbone; a packaged alias not registered yet is registered on first use."""
+        from pelt_core.backbones import BACKBONE_ALIASES
+
+        try:
+            self.registry.get_backbone(name)
+        except UnknownBackboneError:
+            if name not in BACKBONE_ALIASES:
+                raise
+            self.register_backbone(name)
+
+    def _load_backbone(self, source: str) -> Any:
+        from pelt_core.backbones import Backbone, BackboneError
+
+        loader = self._backbone_loader or Backbone.load
+        try:
+            return loader(source)
+        except (BackboneError, OSError, ValueError) as exc:
+            raise RegistryValidationError("source", f"cannot load backbone {source!r}: {exc}") from None
+
+    # --- jobs ------------------------------------------------------------------------------------
+
+    def submit_job(self, task: str, method: str, backbone: str, hyperparameters: Mapping[str, Any] | None = None,
+                   seed: int = 0, k_shot: int | None = None, priority: int = 0, max_attempts: int | None = None,
+                   idempotency_key: str | None = None) -> JobRecord:
+        self.registry.get_task(task)  # unknown task: that error first, before any backbone is loaded
+        self.registry.get_method(method)
+        self.ensure_backbone(backbone)
+        return self.registry.submit_job(task, method, backbone, hyperparameters, seed=seed, k_shot=k_shot,
+                                        priority=priority, max_attempts=max_attempts,
+                                        idempotency_key=idempotency_key)
+
+    def submit_sweep(self, task: str, methods: Sequence[str], backbone: str, seeds: Sequence[int] = (0,),
+                     k_values: Sequence[int | None] = (None,), hyperparameters: Mapping[str, Any] | None = None,
+                     method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None, priority: int = 0,
+                     max_attempts: int | None = None, idempotency_key: str | None = None) -> SweepRecord:
+        self.registry.get_task(task)
+        for method in methods:
+            self.registry.get_method(method)
+        self.ensure_backbone(backbone)
+        return self.registry.submit_sweep(task, methods, seeds, k_values, backbone, hyperparameters,
+                                          method_hyperparameters=method_hyperparameters, priority=priority,
+                                          max_attempts=max_attempts, idempotency_key=idempotency_key)
+
+    def get_job(self, job_id: int) -> JobRecord:
+        return self.registry.get_job(job_id)
+
+    def get_sweep(self, sweep_id: int) -> SweepRecord:
+        return self.registry.get_sweep(sweep_id)
+
+    def list_jobs(self, *, task: str | None = None, status: Iterable[str] | None = None, method: str | None = None,
+                  backbone: str | None = None, sweep_id: int | None = None, limit: int = 100,
+                  offset: int = 0) -> list[JobRecord]:
+        return self.registry.list_jobs(task=task, status=list(status) if status else None, method=method,
+                                       backbone=backbone, sweep_id=sweep_id, limit=limit, offset=offset)
+
+    def cancel_job(self, job_id: int) -> JobRecord:
+        return self.registry.cancel_job(job_id)
+
+    def cancel_sweep(self, sweep_id: int) -> int:
+        return self.registry.cancel_sweep(sweep_id)
+
+    def job_events(self, job_id: int) -> list[JobEventRecord]:
+        return self.registry.job_events(job_id)
+
+    def get_result(self, job_id: int) -> ResultRecord | None:
+        self.registry.get_job(job_id)  # unknown job: 404, not an empty result
+        return self.registry.get_result(job_id)
+
+    def leaderboard(self, task: str, k_shot: int | None = None, backbone: str | None = None) -> list[LeaderboardRow]:
+        return self.registry.leaderboard(task, k_shot, backbone=backbone)
+
+    # --- deltas ----------------------------------------------------------------------------------
+
+    def _store(self) -> Any:
+        if self.store is None:
+            raise ServiceError("this service runs without a delta store (start it with one: `pelt serve`)",
+                               status=503)
+        return self.store
+
+    def delta_versions(self, task: str) -> list[Any]:
+        """Every version of a task's deltas (newest first), with aliases, sha256 and provenance tags
+        (none yet for a registered task whose jobs have not finished)."""
+        from services.delta_store import DeltaNotFoundError
+
+        store = self._store()
+        try:
+            return store.list_versions(task)
+        except DeltaNotFoundError:
+            if task not in {t.name for t in self.registry.list_tasks()}:
+                raise
+            return []
+
+    def delta_info(self, ref: str) -> Any:
+        """One version: "task" (its best), "task@alias" (e.g. best-lora) or "task/3"."""
+        return self._store().get_version(ref)
+
+    def delta_archive(self, ref: str) -> DeltaArchive:
+        """Download a version (checked against its sha256) and zip its files for sending."""
+        store = self._store()
+        info = store.get_version(ref)
+        scratch = Path(tempfile.mkdtemp(prefix="pelt-archive-"))
+        try:
+            folder = store.download(info.task, info.version, dest=scratch / "delta")
+            handle, name = tempfile.mkstemp(prefix=f"pelt-{info.task}-v{info.version}-", suffix=".zip")
+            path = Path(name)
+            with open(handle, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as archive:
+                for item in sorted(folder.rglob("*")):
+                    if item.is_file():
+                        archive.write(item, item.relative_to(folder).as_posix())
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return DeltaArchive(path, f"{info.task}-v{info.version}.zip", info)
+
+    def compose(self, op: str, sources: Sequence[str] | Mapping[str, str], into: str,
+                options: Mapping[str, Any] | None = None, aliases: Sequence[str] = (),
+                description: str = "") -> Any:
+        """Compose deltas (merge, average, merge_lora_svd, multi_task) into a new version of `into`."""
+        return self._store().compose(op, sources, into=into, aliases=aliases, description=description,
+                                     **dict(options or {}))
+
+
+# --- uploads --------------------------------------------------------------------------------------
+
+
+def _task_definition(definition: Mapping[str, Any]) -> dict[str, Any]:
+    allowed = ("text_fields", "label_field", "problem_type", "metric", "metric_direction", "label_names",
+               "max_length", "description")
+    unknown = [key for key in definition if key not in allowed]
+    if unknown:
+        raise RegistryValidationError(unknown[0], f"unknown task field; known: {', '.join(allowed)}")
+    if "text_fields" not in definition:
+        raise RegistryValidationError("text_fields", "required: the column(s) holding the text, e.g. ['sentence']")
+    return {key: value for key, value in definition.items() if value is not None}
+
+
+def _table_suffix(filename: str, split: str) -> str:
+    name = (filename or "").lower()
+    for suffix in FILE_FORMATS:
+        if name.endswith(suffix):
+            return suffix
+    raise RegistryValidationError(split, f"{filename!r}: unsupported file type; use one of "
+                                  f"{', '.join(FILE_FORMATS)} (or a 'dataset' archive of a datasets folder)")
+
+
+def _save_stream(stream: IO[bytes], path: Path, digest: Any, budget: list[int], field: str) -> None:
+    """Copy a stream to `path`, hashing it, within the shared upload budget (TooLargeError beyond)."""
+    with path.open("wb") as out:
+        while chunk := stream.read(CHUNK):
+            budget[0] -= len(chunk)
+            if budget[0] < 0:
+                raise TooLargeError(field, "the upload is larger than PELT_MAX_UPLOAD_BYTES")
+            digest.update(chunk)
+            out.write(chunk)
+    if path.stat().st_size == 0:
+        raise RegistryValidationError(field, "the file is empty")
+
+
+def _extract_archive(upload: Upload, target: Path, digest: Any, budget: list[int], limit: int) -> None:
+    """Unpack a .zip/.tar(.gz) of a save_to_disk folder into `target`, refusing links and paths that
+    leave it; an archive holding one folder is that folder."""
+    name = (upload.filename or "").lower()
+    if not name.endswith(ARCHIVE_SUFFIXES):
+        raise RegistryValidationError("dataset", f"{upload.filename!r}: send a {', '.join(ARCHIVE_SUFFIXES)} "
+                                      "archive of a folder written by datasets' save_to_disk")
+    raw = target.parent / ".archive"
+    _save_stream(upload.stream, raw, digest, budget, "dataset")
+    target.mkdir()
+    unpacked = 0
+    try:
+        if name.endswith(".zip"):
+            with zipfile.ZipFile(raw) as archive:
+                for member in archive.infolist():
+                    if member.is_dir():
+                        continue
+                    destination = _inside(target, member.filename)
+                    unpacked += member.file_size
+                    if unpacked > limit:
+                        raise TooLargeError("dataset", "the unpacked archive is larger than PELT_MAX_UPLOAD_BYTES")
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    with archive.open(member) as source, destination.open("wb") as out:
+                        shutil.copyfileobj(source, out, CHUNK)
+        else:
+            with tarfile.open(raw) as archive:
+                for member in archive:
+                    if member.isdir():
+                        continue
+                    if not member.isfile():
+                        raise RegistryValidationError("dataset", f"{member.name!r}: links and devices are refused")
+                    destination = _inside(target, member.name)
+                    unpacked += member.size
+                    if unpacked > limit:
+                        raise TooLargeError("dataset", "the unpacked archive is larger than PELT_MAX_UPLOAD_BYTES")
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    source = archive.extractfile(member)
+                    assert source is not None
+                    with source, destination.open("wb") as out:
+                        shutil.copyfileobj(source, out, CHUNK)
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as exc:
+        raise RegistryValidationError("dataset", f"{upload.filename!r} is not a readable archive: {exc}") from None
+    finally:
+        raw.unlink(missing_ok=True)
+    entries = list(target.iterdir())
+    if len(entries) == 1 and entries[0].is_dir():  # the archive holds one folder: that is the dataset
+        inner = entries[0]
+        for item in list(inner.iterdir()):
+            item.rename(target / item.name)
+        inner.rmdir()
+    if not entries:
+        raise RegistryValidationError("dataset", "the archive is empty")
+
+
+def _inside(root: Path, member: str) -> Path:
+    destination = (root / member).resolve()
+    if not destination.is_relative_to(root.resolve()):
+        raise RegistryValidationError("dataset", f"{member!r} would be written outside the dataset folder")
+    return destination
+
+
+__all__ = ["DeltaArchive", "PeltService", "Upload"]

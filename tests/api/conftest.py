@@ -1,0 +1,114 @@
+"""Fixtures of the API tests: the real app over a real service (SQLite registry and MLflow store in tmp,
+fresh per test), called in-process through FastAPI's TestClient, with a token made in the registry.
+
+Ray and the dispatcher are not involved here, except in test_end_to_end.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from services.api.app import create_app
+from services.client import PeltClient
+from services.delta_store import MlflowDeltaStore, ensure_store
+from services.registry import Registry, upgrade
+from services.registry.testing import sqlite_url, write_jsonl
+from services.service import PeltService
+from services.settings import Settings
+from tests.workers.conftest import save_tiny_bert, toy_rows
+
+BACKBONE = "tiny-bert"
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    save_tiny_bert(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def toy_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The toy sentiment task as JSON Lines, CSV and Parquet."""
+    import pandas as pd
+
+    folder = tmp_path_factory.mktemp("toy")
+    train, validation = toy_rows(200, seed=0), toy_rows(40, seed=1)
+    files = {"train": write_jsonl(folder / "train.jsonl", train),
+             "validation": write_jsonl(folder / "validation.jsonl", validation)}
+    pd.DataFrame(train).to_csv(folder / "train.csv", index=False)
+    pd.DataFrame(validation).to_parquet(folder / "validation.parquet")
+    files["train_csv"], files["validation_parquet"] = folder / "train.csv", folder / "validation.parquet"
+    return files
+
+
+@pytest.fixture(scope="session")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A migrated registry and an initialised MLflow SQLite database, copied per test."""
+    folder = tmp_path_factory.mktemp("templates")
+    upgrade(sqlite_url(folder / "registry.db"))
+    ensure_store(sqlite_url(folder / "mlflow.db"), str(folder / "unused-artifacts"))
+    return {"registry": folder / "registry.db", "mlflow": folder / "mlflow.db"}
+
+
+@pytest.fixture
+def settings(tmp_path: Path, templates: dict[str, Path]) -> Settings:
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copyfile(templates["registry"], data / "registry.db")
+    shutil.copyfile(templates["mlflow"], data / "mlflow.db")
+    return Settings(data_dir=data, ray_address=None, max_request_bytes=64 * 1024, max_upload_bytes=2 * 1024 * 1024)
+
+
+@dataclass
+class Api:
+    """The app under test and what it stands on."""
+
+    app: Any
+    service: PeltService
+    registry: Registry
+    store: MlflowDeltaStore
+    token: str
+    settings: Settings
+
+    def client(self, token: str | None = None) -> PeltClient:
+        return PeltClient("http://testserver", token=token or self.token, http=TestClient(self.app),
+                          settings=self.settings)
+
+    def files(self) -> list[Path]:
+        """Every file under the data folder except the two databases (and their journals)."""
+        return sorted(p for p in self.settings.data_dir.rglob("*")
+                      if p.is_file() and not p.name.startswith(("registry.db", "mlflow.db")))
+
+
+@pytest.fixture
+def api(settings: Settings, tiny_bert_dir: Path) -> Iterator[Api]:
+    from pelt_core.backbones import Backbone
+
+    registry = Registry(settings=settings, lease_seconds=30, retry_backoff_seconds=0)
+    store = MlflowDeltaStore.from_settings(settings, registry=registry)
+    service = PeltService(registry, store, settings=settings)
+    registry.register_backbone(BACKBONE, str(tiny_bert_dir), Backbone.load(str(tiny_bert_dir)).content_hash)
+    _, token = registry.create_api_token("tests")
+    try:
+        yield Api(create_app(service, settings), service, registry, store, token, settings)
+    finally:
+        registry.close()
+
+
+@pytest.fixture
+def client(api: Api) -> PeltClient:
+    return api.client()
+
+
+@pytest.fixture
+def toy_task(client: PeltClient, toy_files: dict[str, Path]) -> str:
+    client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
+    return "toy"

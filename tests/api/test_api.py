@@ -1,0 +1,274 @@
+"""The HTTP API through the Python client, in-process: tasks from uploaded data, methods, backbones,
+jobs, sweeps, leaderboards; bad input is refused with a message naming the field and writes nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.client import PeltAPIError, PeltClient
+from tests.api.conftest import BACKBONE, Api
+
+
+def refused(call, status: int, field: str | None = None, words: str = "") -> PeltAPIError:
+    with pytest.raises(PeltAPIError) as caught:
+        call()
+    error = caught.value
+    assert error.status == status, error
+    if field is not None:
+        assert error.field == field, error
+    assert words.lower() in error.message.lower(), error
+    return error
+
+
+def nothing_written(api: Api) -> None:
+    assert api.registry.list_tasks() == []
+    assert api.files() == []
+
+
+# --- tasks ------------------------------------------------------------------------------------------
+
+
+def test_a_task_registers_from_uploaded_json_lines_and_its_labels_are_inferred(client, toy_files, api):
+    task = client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
+    assert (task.name, task.train_size, task.split_sizes) == ("toy", 200, {"train": 200, "validation": 40})
+    assert task.label_names == ["0", "1"] and task.metric == "accuracy"
+    assert [t.name for t in client.tasks()] == ["toy"]
+    assert client.task("toy") == task
+    stored = sorted(p.name for p in api.files())
+    assert stored == ["train.jsonl", "validation.jsonl"]  # kept by the service, content-addressed
+
+
+def test_a_task_registers_from_csv_and_parquet(client, toy_files):
+    task = client.register_task("toy-csv", toy_files["train_csv"], toy_files["validation_parquet"],
+                                text_fields="sentence", label_names=["negative", "positive"])
+    assert task.split_sizes == {"train": 200, "validation": 40}
+    assert task.label_names == ["negative", "positive"]
+
+
+def test_a_task_registers_from_a_datasets_folder(client, tmp_path):
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
+
+    features = Features({"text": Value("string"), "label": ClassLabel(names=["neg", "pos"])})
+    rows = {"text": ["good", "bad", "great", "awful"], "label": [1, 0, 1, 0]}
+    DatasetDict({"train": Dataset.from_dict(rows, features=features),
+                 "validation": Dataset.from_dict(rows, features=features)}).save_to_disk(tmp_path / "ds")
+    task = client.register_task("from-disk", dataset=tmp_path / "ds", text_fields=["text"])
+    assert task.source_kind == "datasets"
+    assert task.label_names == ["neg", "pos"] and task.split_sizes == {"train": 4, "validation": 4}
+
+
+def test_registering_the_same_task_twice_is_idempotent_and_a_different_one_conflicts(client, toy_files):
+    first = client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
+    again = client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
+    assert again.id == first.id
+    refused(lambda: client.register_task("toy", toy_files["train"], text_fields=["sentence"]), 409, "name")
+
+
+def test_a_malformed_dataset_file_is_refused_and_nothing_is_kept(client, api, tmp_path):
+    broken = tmp_path / "train.jsonl"
+    broken.write_text('{"sentence": "fine", "label": 1}\n{"sentence": "cut off", "lab\n')
+    refused(lambda: client.register_task("broken", broken, text_fields=["sentence"]), 422, "source.train",
+            "cannot read")
+    nothing_written(api)
+
+
+def test_a_missing_text_field_is_refused_naming_it_and_listing_the_columns(client, api, toy_files):
+    error = refused(lambda: client.register_task("toy", toy_files["train"], text_fields=["text"]), 422,
+                    "text_fields")
+    assert "sentence" in error.message  # the columns the data does have
+    nothing_written(api)
+
+
+def test_labels_that_do_not_fit_the_given_names_are_refused(client, api, toy_files):
+    refused(lambda: client.register_task("toy", toy_files["train"], text_fields=["sentence"],
+                                         label_names=["only-one"]), 422, "label_names")
+    nothing_written(api)
+
+
+def test_an_unsupported_file_type_and_a_missing_train_split_are_refused(client, api, tmp_path):
+    text = tmp_path / "train.txt"
+    text.write_text("hello\n")
+    refused(lambda: client.register_task("toy", text, text_fields=["sentence"]), 422, "train", ".jsonl")
+    refused(lambda: client.register_task("toy", None, text, text_fields=["sentence"]), 422, "train", "required")
+    nothing_written(api)
+
+
+def test_a_bad_task_definition_is_refused_naming_the_field(client, api, toy_files):
+    refused(lambda: client.register_task("toy", toy_files["train"], text_fields=["sentence"],
+                                         problem_type="clustering"), 422, "definition.problem_type")
+    refused(lambda: client.register_task("bad name!", toy_files["train"], text_fields=["sentence"]), 422, "name")
+    nothing_written(api)
+
+
+def test_an_upload_above_the_bound_is_refused_with_413_and_nothing_is_kept(client, api, tmp_path):
+    big = tmp_path / "train.jsonl"
+    line = json.dumps({"sentence": "word " * 200, "label": 1}) + "\n"
+    big.write_text(line * (3 * 1024 * 1024 // len(line)))  # 3 MiB > the 2 MiB bound of these tests
+    refused(lambda: client.register_task("big", big, text_fields=["sentence"]), 413)
+    nothing_written(api)
+
+
+def test_an_oversized_json_body_is_refused_with_413(client, toy_task, api):
+    refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE,
+                                  hyperparameters={"note": "x" * 100_000}), 413, "body")
+    assert api.registry.list_jobs() == []
+
+
+def test_an_archive_that_writes_outside_its_folder_is_refused(client, api, tmp_path):
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        data = b'{"text": "x", "label": 1}\n'
+        member = tarfile.TarInfo("../../escape.jsonl")
+        member.size = len(data)
+        archive.addfile(member, io.BytesIO(data))
+    response = client.http.post("/v1/tasks", data={"name": "evil", "definition": '{"text_fields": ["text"]}'},
+                                files={"dataset": ("evil.tar.gz", buffer.getvalue())})
+    assert response.status_code == 422 and response.json()["error"]["field"] == "dataset"
+    assert "outside" in response.json()["error"]["message"]
+    nothing_written(api)
+    assert not (api.settings.data_dir.parent / "escape.jsonl").exists()
+
+
+# --- methods and backbones ------------------------------------------------------------------------------
+
+
+def test_built_in_methods_are_listed_and_a_user_preset_is_data(client):
+    names = {m.name for m in client.methods(builtin=True)}
+    assert {"lora", "bitfit", "prefix", "pfeiffer", "houlsby", "mam", "unipelt"} <= names
+    lora = client.methods(builtin=True)[[m.name for m in client.methods(builtin=True)].index("lora")]
+    spec = {**lora.spec, "name": "lora-r2-all"}
+    mine = client.register_method(spec)
+    assert mine.name == "lora-r2-all" and not mine.builtin
+    assert {m.name for m in client.methods(builtin=False)} == {"lora-r2-all"}
+
+
+def test_an_invalid_method_spec_is_refused_naming_the_field(client):
+    error = refused(lambda: client.register_method({"name": "broken", "modules": {
+        "ffn": {"form": "cube", "representation": "ffn", "size": 4}}}), 422)
+    assert error.field and "form" in error.field and "cube" in error.message
+    refused(lambda: client.register_method({"name": "broken", "modules": [{"form": "bottleneck"}]}), 422,
+            "broken.modules")
+
+
+def test_backbones_register_by_folder_and_an_unloadable_one_is_refused(client, tiny_bert_dir, tmp_path):
+    assert [b.name for b in client.backbones()] == [BACKBONE]
+    again = client.register_backbone("tiny-again", str(tiny_bert_dir))
+    assert again.content_hash == client.backbones()[0].content_hash
+    refused(lambda: client.register_backbone("nothing", str(tmp_path / "missing")), 422, "source")
+    assert sorted(b.name for b in client.backbones()) == sorted([BACKBONE, "tiny-again"])
+
+
+# --- jobs ---------------------------------------------------------------------------------------------
+
+
+def test_a_job_is_queued_listed_followed_and_cancelled(client, toy_task):
+    job = client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters={"lr": 1e-3, "r": 4}, k_shot=50)
+    assert (job.status, job.task, job.method, job.k_shot) == ("queued", "toy", "lora", 50)
+    assert job.train_config["learning_rate"] == 1e-3
+    assert [j.id for j in client.jobs(task="toy", status="queued")] == [job.id]
+    assert client.jobs(status=["running", "succeeded"]) == []
+    progress = client.http.get(f"/v1/jobs/{job.id}/progress").json()
+    assert progress["status"] == "queued" and progress["progress_detail"] is None
+    cancelled = client.cancel(job.id)
+    assert cancelled.status == "cancelled"
+    assert [e.to_status for e in client.events(job.id)] == ["queued", "cancelled"]
+    refused(lambda: client.result(job.id), 404, "job_id", "no result")
+
+
+def test_an_unknown_method_task_or_backbone_is_404_listing_what_exists_and_writes_nothing(client, toy_task, api):
+    error = refused(lambda: client.submit(toy_task, "lorra", backbone=BACKBONE), 404, "method", "unknown method")
+    assert "lora" in error.message
+    refused(lambda: client.submit("nope", "lora", backbone=BACKBONE), 404, "task", "toy")
+    refused(lambda: client.submit(toy_task, "lora", backbone="gpt-9"), 404, "backbone", BACKBONE)
+    assert api.registry.list_jobs() == []
+
+
+@pytest.mark.parametrize(("hyperparameters", "field"), [
+    ({"learning_rate": -1.0}, "learning_rate"),
+    ({"epochs": "many"}, "epochs"),
+    ({"batch_size": 0}, "batch_size"),
+    ({"r": -4}, "r"),
+    ({"warp_speed": 9}, "warp_speed"),
+])
+def test_bad_hyperparameters_are_422_naming_the_field_and_write_nothing(client, toy_task, api, hyperparameters,
+                                                                        field):
+    error = refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters=hyperparameters),
+                    422)
+    assert field in (error.field or "") + error.message
+    assert api.registry.list_jobs() == []
+
+
+def test_an_unknown_request_field_is_refused_not_ignored(client, toy_task, api):
+    response = client.http.post("/v1/jobs", json={"task": toy_task, "method": "lora", "backbone": BACKBONE,
+                                                  "learning_rate": 0.1})
+    assert response.status_code == 422
+    assert response.json()["error"]["field"] == "learning_rate"
+    assert api.registry.list_jobs() == []
+
+
+def test_a_sweep_queues_methods_times_seeds_times_k_and_cancels_as_one(client, toy_task):
+    sweep = client.sweep(toy_task, ["lora", "bitfit"], backbone=BACKBONE, seeds=[0, 1], k_values=[16, None],
+                         method_hyperparameters={"lora": {"r": 2}})
+    assert len(sweep.job_ids) == 8
+    jobs = client.jobs(sweep_id=sweep.id)
+    assert {(j.method, j.seed, j.k_shot) for j in jobs} == {
+        (m, s, k) for m in ("lora", "bitfit") for s in (0, 1) for k in (16, None)}
+    assert client.cancel_sweep(sweep.id) == 8
+    assert {j.status for j in client.jobs(sweep_id=sweep.id)} == {"cancelled"}
+
+
+def test_a_sweep_with_one_bad_method_queues_nothing(client, toy_task, api):
+    refused(lambda: client.sweep(toy_task, ["lora", "nope"], backbone=BACKBONE), 404, "method")
+    assert api.registry.list_jobs() == []
+
+
+def test_the_leaderboard_has_one_row_per_method_best_first(client, toy_task, api):
+    sweep = client.sweep(toy_task, ["lora", "bitfit"], backbone=BACKBONE, seeds=[0, 1])
+    scores = {("lora", 0): 0.9, ("lora", 1): 0.8, ("bitfit", 0): 0.7, ("bitfit", 1): 0.75}
+    for job in client.jobs(sweep_id=sweep.id):
+        claimed = api.registry.claim_job("w")
+        assert claimed.id == job.id
+        api.registry.complete_job(job.id, "w", {"metrics": {"accuracy": scores[(job.method, job.seed)]},
+                                                "trainable_params": 10, "trainable_percent": 0.1,
+                                                "train_seconds": 1.0})
+    frame = client.leaderboard(toy_task)
+    assert list(frame["method"]) == ["lora", "bitfit"]
+    assert list(frame["best"]) == [0.9, 0.75] and list(frame["runs"]) == [2, 2]
+    assert frame.attrs["metric"] == "accuracy"
+    assert client.leaderboard(toy_task, k_shot=16).empty
+    refused(lambda: client.leaderboard("nope"), 404, "task")
+
+
+def test_deltas_of_a_task_without_any_are_404_naming_it(client, toy_task):
+    refused(lambda: client.pull(toy_task), 404)
+    assert client.versions(toy_task) == []
+
+
+def test_health_answers_without_a_token(api):
+    response = api.client(token="none").http.get("/health", headers={"Authorization": ""})
+    assert response.status_code == 200 and response.json()["status"] == "ok"
+
+
+def test_the_client_explains_an_unreachable_service(settings):
+    client = PeltClient("http://127.0.0.1:9", token="x", settings=settings, timeout=2)
+    refused(lambda: client.tasks(), 0, None, "pelt serve")
+
+
+def test_an_unknown_job_is_404_and_an_out_of_range_id_is_422(client):
+    refused(lambda: client.job(999), 404, "job_id")
+    assert client.http.get("/v1/jobs/99999999999999999999").status_code == 422
+
+
+def test_the_stored_task_files_do_not_depend_on_the_client_paths(client, toy_files, tmp_path):
+    copy = tmp_path / "elsewhere.jsonl"
+    copy.write_bytes(Path(toy_files["train"]).read_bytes())
+    task = client.register_task("toy", copy, text_fields=["sentence"])
+    assert task.train_size == 200
+    copy.unlink()  # the service kept its own copy
+    assert client.task("toy").train_size == 200

@@ -1,0 +1,122 @@
+"""The whole service in one process (`services.api.server.Service`, as `pelt serve` runs it): HTTP API on
+a loopback port, dispatcher, local Ray, SQLite registry and MLflow store. Through the Python client and
+the `pelt` CLI: register a backbone and a task, run a sweep, wait, read the leaderboard, pull the best
+delta by task name and predict with it, compose two deltas into a new version."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from services.client import PeltClient
+from services.settings import Settings, get_settings
+from tests.api.conftest import BACKBONE
+
+pytest.importorskip("ray")
+
+TRAINING = {"epochs": 2, "batch_size": 8, "learning_rate": 5e-3}
+
+
+@pytest.fixture
+def service(tmp_path: Path, templates):
+    import shutil
+
+    from services.api.server import Service
+    from services.dispatcher import DispatcherConfig
+
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copyfile(templates["mlflow"], data / "mlflow.db")
+    settings = Settings(data_dir=data, ray_address=None, lease_seconds=20, heartbeat_seconds=1,
+                        retry_backoff_seconds=0.2)
+    config = DispatcherConfig(namespace="api-e2e", heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=2)
+    running = Service(settings, port=0, num_cpus=2, dispatcher_config=config).start()  # embedded: migrates itself
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def cli(service, *args: str, exit_code: int = 0) -> str:
+    from services.cli import main
+
+    environment = {"PELT_API_URL": service.url, "PELT_API_TOKEN": service.token,
+                   "PELT_DATA_DIR": str(service.settings.data_dir)}
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(main, list(args), env=environment, catch_exceptions=False)
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == exit_code, result.output
+    return result.output
+
+
+def test_register_sweep_wait_leaderboard_pull_and_compose_over_http(service, tiny_bert_dir, toy_files, tmp_path):
+    assert service.token and (service.settings.data_dir / "api_token").read_text().strip() == service.token
+    client = PeltClient(service.url, token=service.token, settings=service.settings)
+    assert client.health()["dispatcher"] is not None
+
+    client.register_backbone(BACKBONE, str(tiny_bert_dir))
+    out = cli(service, "task", "add", "toy", "--train", str(toy_files["train"]), "--validation",
+              str(toy_files["validation"]), "--text-field", "sentence", "--label-names", "negative,positive")
+    assert "task toy: 200 training rows" in out
+    sweep = client.sweep("toy", ["lora", "bitfit", "prefix"], backbone=BACKBONE, seeds=[0, 1],
+                         hyperparameters=TRAINING)
+    ended = client.wait(sweep, timeout=300, poll_seconds=0.5, progress=False)
+    assert [job.status for job in ended] == ["succeeded"] * 6, [(j.id, j.status, j.last_error) for j in ended]
+
+    frame = client.leaderboard("toy")
+    assert sorted(frame["method"]) == ["bitfit", "lora", "prefix"]  # one row per method
+    assert list(frame["runs"]) == [2, 2, 2] and list(frame["rank"]) == [1, 2, 3]
+    assert "rank" in cli(service, "leaderboard", "toy")
+    assert json.loads(cli(service, "leaderboard", "toy", "--json"))["rows"][0]["method"] == frame["method"][0]
+
+    best = client.delta_info("toy")
+    assert "best" in best.aliases and best.job_id == int(frame["best_job_id"][0])
+    assert best.sha256 == client.result(best.job_id).delta_sha256
+    model = client.pull("toy")  # the best delta, by task name, on its backbone, here
+    predictions = model.predict(["w1 w2 w3 w4 w5 good great", "w1 w2 w3 w4 w5 bad awful"])
+    assert {p["label"] for p in predictions} <= {"negative", "positive"}
+    assert 0.0 <= predictions[0]["score"] <= 1.0
+
+    pulled_dir = tmp_path / "pulled"
+    assert "sha256" in cli(service, "pull", "toy", "-o", str(pulled_dir), "--method", "lora")
+    assert sorted(p.name for p in pulled_dir.iterdir()) == ["delta.safetensors", "manifest.json"]
+
+    loras = [v for v in client.versions("toy") if v.method == "lora"]
+    assert len(loras) == 2
+    composed = client.compose("merge", [f"toy/{v.version}" for v in loras], "toy-soup", how="ties", density=0.5)
+    assert composed.provenance["op"] in ("merge", "ties") or "ties" in json.dumps(composed.provenance)
+    soup = client.pull("toy-soup", version=composed.version)
+    assert len(soup.predict(["good great"])) == 1
+    refused = cli(service, "compose", "average", "toy@best-lora", "toy@best-bitfit", "--into", "toy-avg", exit_code=1)
+    assert "only deltas of one method compose (HTTP 422)" in refused
+    out = cli(service, "compose", "multi_task", "lora=toy@best-lora", "bitfit=toy@best-bitfit", "--into", "toy-both")
+    assert "toy-both version 1" in out
+    both = client.pull("toy-both", version=1)  # a composed task has no "best": the registry ranks jobs
+    assert set(both.deltas) == {"lora", "bitfit"}
+    assert len(both.predict([("lora", "good great"), ("bitfit", "bad awful")])) == 2
+
+    jobs_table = cli(service, "jobs", "--task", "toy")
+    assert jobs_table.count("succeeded") == 6
+
+
+def test_a_running_job_cancelled_over_http_stops_and_is_not_retried(service, tiny_bert_dir, toy_files):
+    import time
+
+    client = PeltClient(service.url, token=service.token, settings=service.settings)
+    client.register_backbone(BACKBONE, str(tiny_bert_dir))
+    client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
+    job = client.submit("toy", "lora", backbone=BACKBONE, hyperparameters={"max_steps": 5000, "batch_size": 2})
+    deadline = time.monotonic() + 120
+    while (client.job(job.id).progress_detail or {}).get("step", 0) < 3:
+        assert time.monotonic() < deadline, client.job(job.id)
+        time.sleep(0.2)
+    cli(service, "cancel", str(job.id))
+    (final,) = client.wait([job.id], timeout=10, poll_seconds=0.2, progress=False)
+    assert final.status == "cancelled" and final.attempts == 1
+    assert os.environ.get("PELT_API_TOKEN") is None  # the CLI's environment did not leak
