@@ -73,7 +73,7 @@ class PeltClient:
                  http: httpx.Client | None = None, settings: Settings | None = None) -> None:
         settings = settings or get_settings()
         self.url = (url or settings.api_url).rstrip("/")
-        token = token or _default_token(settings)
+        token = token or _default_token(settings, self.url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if http is None:
             http = httpx.Client(base_url=self.url, timeout=timeout)
@@ -319,9 +319,12 @@ class PeltClient:
 # --- helpers --------------------------------------------------------------------------------------
 
 
-def _default_token(settings: Settings) -> str | None:
+def _default_token(settings: Settings, url: str) -> str | None:
+    """PELT_API_TOKEN; else, for a service on this machine only, the token `pelt serve` left in the data dir."""
     if settings.api_token is not None:
         return settings.api_token.get_secret_value()
+    if httpx.URL(url).host not in ("127.0.0.1", "localhost", "::1"):
+        return None
     path = settings.data_dir / "api_token"
     try:
         return path.read_text().strip() or None

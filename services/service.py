@@ -8,6 +8,7 @@ composition). It holds no HTTP types: the API turns its errors into status codes
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import shutil
 import tarfile
@@ -42,6 +43,12 @@ log = logging.getLogger("pelt.service")
 SPLITS = ("train", "validation", "test")
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar")
 CHUNK = 1 << 20
+COMPOSE_OPTIONS = {  # the keyword options of pelt_core.compose's functions a request may set
+    "merge": ("weights", "how", "density", "seed", "scale", "combine", "lora_rank"),
+    "average": ("lora_rank",),
+    "merge_lora_svd": ("weights", "rank"),
+    "multi_task": (),
+}
 
 
 @dataclass(frozen=True)
@@ -54,9 +61,9 @@ class Upload:
 
 @dataclass(frozen=True)
 class DeltaArchive:
-    """A version's files zipped for download (the caller deletes `path` when sent)."""
+    """A version's files, zipped, for download (deltas are small: KB to a few MB)."""
 
-    path: Path
+    content: bytes
     filename: str
     info: Any  # services.delta_store.VersionInfo
 
@@ -76,6 +83,7 @@ class PeltService:
         self.settings = settings or get_settings()
         self._backbone_loader = backbone_loader
         self._backbone_lock = threading.Lock()
+        self._upload_lock = threading.Lock()
 
     # --- tasks -----------------------------------------------------------------------------------
 
@@ -102,35 +110,43 @@ class PeltService:
         root.mkdir(parents=True, exist_ok=True)
         staging = root / f".upload-{uuid.uuid4().hex}"
         staging.mkdir()
-        created = None
         try:
-            digest = hashlib.sha256()
+            manifest = []  # (split, suffix, size, sha256) of every file: what the folder is named after
             budget = [self.settings.max_upload_bytes]
             if "dataset" in files:
-                _extract_archive(files["dataset"], staging / "dataset", digest, budget,
-                                 self.settings.max_upload_bytes)
+                manifest.append(_extract_archive(files["dataset"], staging / "dataset", budget,
+                                                 self.settings.max_upload_bytes))
             else:
                 for split in sorted(files):
                     upload = files[split]
                     suffix = _table_suffix(upload.filename, split)
-                    digest.update(f"{split}{suffix}\0".encode())
-                    _save_stream(upload.stream, staging / f"{split}{suffix}", digest, budget, split)
-            final = root / digest.hexdigest()[:32]
-            if final.exists():
-                shutil.rmtree(staging)
-            else:
-                staging.rename(final)
-                created = final
-            if "dataset" in files:
-                source: Any = str(final / "dataset")
-            else:
-                source = {p.stem: str(p) for p in sorted(final.iterdir())}
-            return self.registry.register_task(name, source, **_task_definition(definition))
+                    size, digest = _save_stream(upload.stream, staging / f"{split}{suffix}", budget, split)
+                    manifest.append(f"{split}{suffix}:{size}:{digest}")
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
-            if created is not None:
-                shutil.rmtree(created, ignore_errors=True)
             raise
+        final = root / hashlib.sha256("\n".join(manifest).encode()).hexdigest()[:32]
+        with self._upload_lock:  # one upload at a time settles its folder and its task
+            created = False
+            try:
+                staging.rename(final)
+                created = True
+            except OSError:  # the same data were uploaded before: keep that folder
+                shutil.rmtree(staging, ignore_errors=True)
+            try:
+                if "dataset" in files:
+                    source: Any = str(final / "dataset")
+                else:
+                    source = {p.stem: str(p) for p in sorted(final.iterdir())}
+                return self.registry.register_task(name, source, **_task_definition(definition))
+            except BaseException:
+                if created and not self._dataset_in_use(final):
+                    shutil.rmtree(final, ignore_errors=True)
+                raise
+
+    def _dataset_in_use(self, folder: Path) -> bool:
+        prefix = str(folder)
+        return any(path.startswith(prefix) for task in self.registry.list_tasks() for path in task.source.values())
 
     def get_task(self, name: str) -> TaskRecord:
         return self.registry.get_task(name)
@@ -273,28 +289,29 @@ class PeltService:
         return self._store().get_version(ref)
 
     def delta_archive(self, ref: str) -> DeltaArchive:
-        """Download a version (checked against its sha256) and zip its files for sending."""
+        """Download a version (checked against its sha256) and zip its files, in memory, for sending."""
         store = self._store()
         info = store.get_version(ref)
-        scratch = Path(tempfile.mkdtemp(prefix="pelt-archive-"))
-        try:
-            folder = store.download(info.task, info.version, dest=scratch / "delta")
-            handle, name = tempfile.mkstemp(prefix=f"pelt-{info.task}-v{info.version}-", suffix=".zip")
-            path = Path(name)
-            with open(handle, "wb") as raw, zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED) as archive:
+        buffer = io.BytesIO()
+        with tempfile.TemporaryDirectory(prefix="pelt-archive-") as scratch:
+            folder = store.download(info.task, info.version, dest=Path(scratch) / "delta")
+            with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
                 for item in sorted(folder.rglob("*")):
                     if item.is_file():
                         archive.write(item, item.relative_to(folder).as_posix())
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        return DeltaArchive(path, f"{info.task}-v{info.version}.zip", info)
+        return DeltaArchive(buffer.getvalue(), f"{info.task}-v{info.version}.zip", info)
 
     def compose(self, op: str, sources: Sequence[str] | Mapping[str, str], into: str,
                 options: Mapping[str, Any] | None = None, aliases: Sequence[str] = (),
                 description: str = "") -> Any:
         """Compose deltas (merge, average, merge_lora_svd, multi_task) into a new version of `into`."""
-        return self._store().compose(op, sources, into=into, aliases=aliases, description=description,
-                                     **dict(options or {}))
+        options = dict(options or {})
+        allowed = COMPOSE_OPTIONS.get(op, ())
+        for key in options:
+            if key not in allowed:
+                raise RegistryValidationError(f"options.{key}", f"not an option of {op}; its options: "
+                                              f"{', '.join(allowed) or '(none)'}")
+        return self._store().compose(op, sources, into=into, aliases=aliases, description=description, **options)
 
 
 # --- uploads --------------------------------------------------------------------------------------
@@ -320,20 +337,23 @@ def _table_suffix(filename: str, split: str) -> str:
                                   f"{', '.join(FILE_FORMATS)} (or a 'dataset' archive of a datasets folder)")
 
 
-def _save_stream(stream: IO[bytes], path: Path, digest: Any, budget: list[int], field: str) -> None:
-    """Copy a stream to `path`, hashing it, within the shared upload budget (TooLargeError beyond)."""
+def _save_stream(stream: IO[bytes], path: Path, budget: list[int], field: str) -> tuple[int, str]:
+    """Copy a stream to `path` within the shared upload budget (TooLargeError beyond); (size, sha256)."""
+    digest, size = hashlib.sha256(), 0
     with path.open("wb") as out:
         while chunk := stream.read(CHUNK):
             budget[0] -= len(chunk)
             if budget[0] < 0:
                 raise TooLargeError(field, "the upload is larger than PELT_MAX_UPLOAD_BYTES")
             digest.update(chunk)
+            size += len(chunk)
             out.write(chunk)
-    if path.stat().st_size == 0:
+    if size == 0:
         raise RegistryValidationError(field, "the file is empty")
+    return size, digest.hexdigest()
 
 
-def _extract_archive(upload: Upload, target: Path, digest: Any, budget: list[int], limit: int) -> None:
+def _extract_archive(upload: Upload, target: Path, budget: list[int], limit: int) -> str:
     """Unpack a .zip/.tar(.gz) of a save_to_disk folder into `target`, refusing links and paths that
     leave it; an archive holding one folder is that folder."""
     name = (upload.filename or "").lower()
@@ -341,7 +361,7 @@ def _extract_archive(upload: Upload, target: Path, digest: Any, budget: list[int
         raise RegistryValidationError("dataset", f"{upload.filename!r}: send a {', '.join(ARCHIVE_SUFFIXES)} "
                                       "archive of a folder written by datasets' save_to_disk")
     raw = target.parent / ".archive"
-    _save_stream(upload.stream, raw, digest, budget, "dataset")
+    size, digest = _save_stream(upload.stream, raw, budget, "dataset")
     target.mkdir()
     unpacked = 0
     try:
@@ -373,18 +393,19 @@ def _extract_archive(upload: Upload, target: Path, digest: Any, budget: list[int
                     assert source is not None
                     with source, destination.open("wb") as out:
                         shutil.copyfileobj(source, out, CHUNK)
+        entries = list(target.iterdir())
+        if not entries:
+            raise RegistryValidationError("dataset", "the archive is empty")
+        if len(entries) == 1 and entries[0].is_dir():  # the archive holds one folder: that is the dataset
+            inner = entries[0].rename(target.parent / ".inner")  # aside first: it may hold its own name
+            for item in list(inner.iterdir()):
+                item.rename(target / item.name)
+            inner.rmdir()
     except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as exc:
         raise RegistryValidationError("dataset", f"{upload.filename!r} is not a readable archive: {exc}") from None
     finally:
         raw.unlink(missing_ok=True)
-    entries = list(target.iterdir())
-    if len(entries) == 1 and entries[0].is_dir():  # the archive holds one folder: that is the dataset
-        inner = entries[0]
-        for item in list(inner.iterdir()):
-            item.rename(target / item.name)
-        inner.rmdir()
-    if not entries:
-        raise RegistryValidationError("dataset", "the archive is empty")
+    return f"dataset:{size}:{digest}"
 
 
 def _inside(root: Path, member: str) -> Path:

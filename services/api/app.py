@@ -11,16 +11,15 @@ from __future__ import annotations
 import json
 import logging
 from importlib.metadata import version as package_version
-from pathlib import Path
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ValidationError
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -61,7 +60,10 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut} for code in (401, 404, 409, 413, 422)
 }
 UPLOAD_PATHS = ("/v1/tasks",)
+UNAUTHORIZED = ("missing, unknown or revoked token: send 'Authorization: Bearer <token>' (create one with "
+                "`pelt token create`)")
 RefQuery = Annotated[str | None, Query(max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")]
+VersionQuery = Annotated[str | None, Query(pattern=r"^[0-9]{1,9}$", description="a version number")]
 bearer = HTTPBearer(auto_error=False, description="a token from `pelt token create`")
 
 
@@ -71,8 +73,7 @@ def authenticated(request: Request,
     service: PeltService = request.app.state.service
     token = service.registry.authenticate(credentials.credentials) if credentials else None
     if token is None:
-        raise ServiceError("missing, unknown or revoked token: send 'Authorization: Bearer <token>' "
-                           "(create one with `pelt token create`)", status=401, field="Authorization")
+        raise ServiceError(UNAUTHORIZED, status=401, field="Authorization")
     return token
 
 
@@ -233,22 +234,22 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
         return [_version(info) for info in service.delta_versions(name)]
 
     @v1.get("/tasks/{name}/deltas/info", response_model=VersionOut, tags=["deltas"])
-    def delta_info(name: Name, version: RefQuery = None, alias: RefQuery = None, method: RefQuery = None) -> Any:
+    def delta_info(name: Name, version: VersionQuery = None, alias: RefQuery = None, method: RefQuery = None) -> Any:
         """Which version a reference resolves to: the task's best by default."""
         return _version(service.delta_info(reference(name, version, alias, method)))
 
     @v1.get("/tasks/{name}/deltas/download", tags=["deltas"],
             responses={200: {"content": {"application/zip": {}}, "description": "the version's files, zipped"}})
-    def delta_download(name: Name, version: RefQuery = None, alias: RefQuery = None,
-                       method: RefQuery = None) -> FileResponse:
+    def delta_download(name: Name, version: VersionQuery = None, alias: RefQuery = None,
+                       method: RefQuery = None) -> Response:
         """The version's files as a zip (delta.safetensors + manifest.json, or a multi-task bundle);
         headers X-Pelt-Version, X-Pelt-Sha256 (of the delta file) and X-Pelt-Kind."""
         archive = service.delta_archive(reference(name, version, alias, method))
         info = archive.info
-        return FileResponse(archive.path, media_type="application/zip", filename=archive.filename,
-                            headers={"X-Pelt-Version": str(info.version), "X-Pelt-Sha256": info.sha256 or "",
-                                     "X-Pelt-Kind": info.kind},
-                            background=BackgroundTask(Path(archive.path).unlink, missing_ok=True))
+        return Response(archive.content, media_type="application/zip",
+                        headers={"Content-Disposition": f'attachment; filename="{archive.filename}"',
+                                 "X-Pelt-Version": str(info.version), "X-Pelt-Sha256": info.sha256 or "",
+                                 "X-Pelt-Kind": info.kind})
 
     @v1.post("/compose", response_model=ComposeOut, status_code=201, tags=["deltas"])
     def compose(body: ComposeIn) -> Any:
@@ -260,16 +261,16 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
 
     @app.get("/health", response_model=HealthOut, tags=["health"])
     def health() -> Any:
-        """Liveness without a token: the service and what it is connected to."""
-        return HealthOut(status="ok", version=app.version,
-                         registry=service.registry.engine.url.render_as_string(hide_password=True),
-                         delta_store=None if service.store is None else repr(service.store),
-                         dispatcher=None if dispatcher is None else {
-                             "workers": dispatcher.describe(), "stats": dict(dispatcher.stats)})
+        """Liveness without a token: the service's version and the kinds of stores it uses (no addresses)."""
+        return HealthOut(status="ok", version=app.version, registry=service.registry.engine.url.get_backend_name(),
+                         delta_store=None if service.store is None else
+                         ("mlflow-server" if service.store.is_server else "mlflow-embedded"),
+                         dispatcher=None if dispatcher is None else {"workers": len(dispatcher.workers)})
 
     app.include_router(v1)
     _install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=settings.max_request_bytes, upload_limit=settings.max_upload_bytes + (1 << 20))
+    app.add_middleware(Gate, service=service, limit=settings.max_request_bytes,
+                       upload_limit=settings.max_upload_bytes + (1 << 20))
     return app
 
 
@@ -333,19 +334,27 @@ def expected_errors() -> tuple[type[Exception], ...]:
             SpecError, DataError)
 
 
-class BodyLimit:
-    """Refuse bodies above the bound with 413 before any of it is parsed: by Content-Length when sent,
-    else by counting the streamed bytes. Dataset uploads (POST /v1/tasks) get the upload bound."""
+class Gate:
+    """Before the app reads any of a request's body: refuse a /v1 request without a valid token (401), so
+    nobody without one can make the service read an upload, and a body above its bound (413), by
+    Content-Length when sent, else by counting the streamed bytes. Dataset uploads (POST /v1/tasks) get
+    the upload bound. (The routes check the token again, as a dependency that the OpenAPI schema shows.)"""
 
-    def __init__(self, app: ASGIApp, limit: int, upload_limit: int) -> None:
-        self.app, self.limit, self.upload_limit = app, limit, upload_limit
+    def __init__(self, app: ASGIApp, service: PeltService, limit: int, upload_limit: int) -> None:
+        self.app, self.service, self.limit, self.upload_limit = app, service, limit, upload_limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = dict(scope.get("headers") or [])
+        if scope["path"].startswith("/v1/") and not await self._authenticated(headers.get(b"authorization")):
+            view = ErrorView(401, "ServiceError", UNAUTHORIZED, "Authorization")
+            await JSONResponse(view.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                scope, receive, send)
+            return
         limit = self.upload_limit if scope["path"] in UPLOAD_PATHS else self.limit
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             await _too_large(limit)(scope, receive, send)
             return
@@ -372,6 +381,13 @@ class BodyLimit:
                 await _too_large(limit)(scope, receive, send)
 
         await self.app(scope, bounded, guarded_send)
+
+    async def _authenticated(self, header: bytes | None) -> bool:
+        scheme, _, secret = (header or b"").decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            return False
+        token = await anyio.to_thread.run_sync(self.service.registry.authenticate, secret.strip())
+        return token is not None
 
 
 def _too_large(limit: int) -> JSONResponse:

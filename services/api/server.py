@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -45,9 +46,11 @@ def ensure_local_token(registry: Any, settings: Settings) -> str | None:
     name = next(n for n in ("local", *(f"local-{i}" for i in range(2, 10_000))) if n not in taken)
     _, secret = registry.create_api_token(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
+    fresh = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    descriptor = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # a new file: mode 0600 whatever
+    with os.fdopen(descriptor, "w") as handle:                                # the old one's mode was
         handle.write(secret + "\n")
+    os.replace(fresh, path)
     log.info("created API token %r; its secret is in %s", name, path)
     return secret
 

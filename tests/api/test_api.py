@@ -272,3 +272,70 @@ def test_the_stored_task_files_do_not_depend_on_the_client_paths(client, toy_fil
     assert task.train_size == 200
     copy.unlink()  # the service kept its own copy
     assert client.task("toy").train_size == 200
+
+
+def test_without_a_token_even_an_oversized_upload_is_refused_401_before_its_body_is_read(api):
+    from fastapi.testclient import TestClient
+
+    chunks_read = []
+
+    def body():
+        for _ in range(64):
+            chunks_read.append(1)
+            yield b"x" * (64 * 1024)
+
+    response = TestClient(api.app).post("/v1/tasks", content=body(),
+                                        headers={"Content-Type": "multipart/form-data; boundary=b"})
+    assert response.status_code == 401
+    assert len(chunks_read) <= 1  # the gate answered before reading the body (TestClient may pull one chunk)
+
+
+def test_an_archive_whose_folder_holds_its_own_name_registers(client, tmp_path):
+    import io
+    import tarfile
+
+    from datasets import Dataset
+
+    Dataset.from_dict({"text": ["good", "bad"], "label": [1, 0]}).save_to_disk(tmp_path / "ds")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.add(tmp_path / "ds", arcname="ds")
+        data = b"not part of the dataset\n"
+        member = tarfile.TarInfo("ds/ds")
+        member.size = len(data)
+        archive.addfile(member, io.BytesIO(data))
+    response = client.http.post("/v1/tasks", data={"name": "nested", "definition": '{"text_fields": ["text"]}'},
+                                files={"dataset": ("ds.tar.gz", buffer.getvalue())})
+    assert response.status_code == 201, response.text
+    assert response.json()["train_size"] == 2
+
+
+def test_compose_refuses_an_option_its_operation_does_not_take(client, toy_task, api):
+    refused(lambda: client.compose("merge", ["toy/1", "toy/2"], "soup", into_typo=1), 422, "options.into_typo")
+    refused(lambda: client.compose("average", ["toy/1"], "soup", how="ties"), 422, "options.how", "lora_rank")
+    response = client.http.post("/v1/compose", json={"op": "merge", "sources": ["toy/1"], "into": "soup",
+                                                     "options": {"aliases": ["x"]}})
+    assert response.status_code == 422 and response.json()["error"]["field"] == "options.aliases"
+
+
+def test_a_version_that_is_not_a_small_number_is_422(client, toy_task):
+    response = client.http.get("/v1/tasks/toy/deltas/info", params={"version": "9" * 40})
+    assert response.status_code == 422 and response.json()["error"]["field"] == "version"
+
+
+def test_the_local_token_file_is_rewritten_private_whatever_its_old_mode(api, settings):
+    from services.api.server import ensure_local_token, token_path
+
+    path = token_path(settings)
+    path.write_text("pelt_revoked-long-ago\n")
+    path.chmod(0o644)
+    api.registry.revoke_api_token("tests")  # no active token left: the service makes one
+    secret = ensure_local_token(api.registry, settings)
+    assert path.read_text().strip() == secret and path.stat().st_mode & 0o777 == 0o600
+    assert ensure_local_token(api.registry, settings) == secret  # kept while it is active
+
+
+def test_health_names_no_addresses(api):
+    body = api.client().http.get("/health").json()
+    assert body["registry"] == "sqlite" and body["delta_store"] == "mlflow-embedded"
+    assert str(api.settings.data_dir) not in str(body)
