@@ -1,12 +1,12 @@
 """Workers benchmark: memory of concurrent jobs on one shared backbone, and throughput of warm workers.
 Prints numbers and ratios against peers measured in the same run; asserts nothing.
 
-(a) Memory. N concurrent LoRA jobs (SST-2, K=100, batch 16, fp32, 1 torch thread each) on one node,
+(a) Memory. N concurrent LoRA jobs (SST-2, K=100, batch 4, fp32, 1 torch thread each) on one node,
     through the registry, the dispatcher and warm worker actors, against N independent processes that
     each load the model (`Backbone.load`) and train the same job with pelt_core. Measured once every
-    job has taken >= 2 optimisation steps: total PSS (proportional set size: shared pages split among
+    job has taken >= 8 optimisation steps (`--settle-steps`): total PSS (shared pages split among
     the processes that map them, so sums count every page once) of
-      - service "jobs": the worker actors + the node's backbone host (they hold the object-store pages),
+      - service "jobs": the worker actors + the node's backbone host + the object store's resident bytes,
       - service "all": every process of the Ray node (GCS, raylet, agents, idle workers too),
       - peers: the N peer processes,
     and how many copies of the backbone's bytes are resident (service: the object store's resident
@@ -21,11 +21,14 @@ Prints numbers and ratios against peers measured in the same run; asserts nothin
     trains, evaluates, saves its adapter: what a user would run), on the same K rows.
     Target: >= 3x less wall-clock.
 
-    python benchmarks/bench_workers.py                      # default, ~10 min on 2 cores: MiniLM 1,2,4,8,
-                                                            # SmolLM2 1,8, throughput 16 jobs
-    python benchmarks/bench_workers.py --full               # SmolLM2 at 1,2,4,8 too (~15 min)
-    python benchmarks/bench_workers.py --only memory --backbones all-minilm-l6-v2 --counts 1,2
+    python benchmarks/bench_workers.py            # default, ~12 min on 2 quiet cores: MiniLM at 1 and 8 jobs,
+                                                  # SmolLM2 at 8, throughput of 16 jobs (peak ~10 GB)
+    python benchmarks/bench_workers.py --full     # 1,2,4,8 jobs for both backbones (~25 min)
+    python benchmarks/bench_workers.py --only memory --backbones smollm2-135m --smollm-counts 1,8 --batch-size 16
     python benchmarks/bench_workers.py --only throughput --jobs 16 --slots 2 --json out.json
+
+Memory jobs use batch 4 by default: at batch 16 a SmolLM2 job's activations (~1.2 GB, backward through
+30 layers) dwarf the 0.54 GB backbone, and 8 peer processes need ~18 GB.
 
 SST-2 comes from /work/shared/data/glue/sst2 (override with PELT_GLUE_DIR). The first SmolLM2 run
 computes its content hash once (~30 s) and caches it in the work folder.
@@ -543,13 +546,14 @@ def main() -> None:
     parser.add_argument("mode", nargs="?", default="run", choices=("run", "peer-job", "peer-peft"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=("memory", "throughput"), help="run one part")
-    parser.add_argument("--full", action="store_true", help="SmolLM2 at every count too")
+    parser.add_argument("--full", action="store_true", help="every backbone at 1,2,4,8 concurrent jobs")
     parser.add_argument("--backbones", default=f"{MINILM},{SMOLLM2}", help="memory benchmark backbones")
-    parser.add_argument("--counts", default="1,2,4,8", help="concurrent jobs (memory)")
-    parser.add_argument("--smollm-counts", default=None, help="SmolLM2 counts (default 8; --full: --counts)")
+    parser.add_argument("--counts", default=None, help="concurrent jobs (memory; default 1,8; --full 1,2,4,8)")
+    parser.add_argument("--smollm-counts", default=None, help="SmolLM2's (default 8; --full: as --counts)")
     parser.add_argument("--settle-steps", type=int, default=8,
                         help="measure memory once every job took this many steps (8: every batch of K=100 seen)")
-    parser.add_argument("--batch-size", type=int, default=16, help="batch size of the memory benchmark's jobs")
+    parser.add_argument("--batch-size", type=int, default=4,
+                        help="batch size of the memory benchmark's jobs (16: 8 SmolLM2 peers need ~18 GB)")
     parser.add_argument("--jobs", type=int, default=16, help="jobs (throughput)")
     parser.add_argument("--slots", type=int, default=os.cpu_count() or 2, help="worker slots (throughput)")
     parser.add_argument("--k", type=int, default=100)
@@ -577,10 +581,10 @@ def main() -> None:
     report: dict[str, Any] = {"memory": [], "throughput": None}
     started = time.perf_counter()
     if args.only in (None, "memory"):
-        counts = [int(c) for c in args.counts.split(",")]
+        counts = [int(c) for c in (args.counts or ("1,2,4,8" if args.full else "1,8")).split(",")]
         for backbone in [b.strip() for b in args.backbones.split(",") if b.strip()]:
             chosen = counts
-            if backbone == SMOLLM2 and not args.full:
+            if backbone == SMOLLM2 and (args.smollm_counts or not args.full):
                 chosen = [int(c) for c in (args.smollm_counts or "8").split(",")]
             report["memory"].append(run_memory(backbone, chosen, args.settle_steps, args.batch_size, work))
     if args.only in (None, "throughput"):

@@ -91,7 +91,8 @@ def connect_ray(settings: Settings | None = None, *, namespace: str = "pelt", nu
         ray.init(address=settings.ray_address, namespace=namespace, **init_kwargs)
         return False
     loopback_only()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=namespace, **init_kwargs)
+    # address="local": always a new local Ray, never one that happens to run on this machine already
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace, **init_kwargs)
     return True
 
 
@@ -198,6 +199,7 @@ class DispatcherConfig:
     worker_start_timeout: float = 180.0  # a worker not up by then is dropped
     node_refresh_seconds: float = 2.0
     node_cooldown_seconds: float = 10.0  # no new worker on a node for this long after one died or failed there
+    reap_seconds: float = 5.0  # how often expired leases are taken back (also when the queue is empty)
     # Environment of the worker processes. MALLOC_ARENA_MAX=1: a worker trains in a thread of its actor
     # (so `stop` and `info` can answer meanwhile), and glibc would give that thread its own arenas,
     # which keep up to a step's worth of freed activations (~0.5 GB per SmolLM2 job at batch 16).
@@ -253,6 +255,7 @@ class Dispatcher:
         self._nodes_at = 0.0
         self._cooldown: dict[str, float] = {}  # node id -> no new workers there before this time
         self._cancels_at = 0.0
+        self._reaped_at = 0.0
         self._tasks: dict[str, TaskSpec] = {}
         self._backbones: dict[str, tuple[str, str]] = {}  # registry name -> (source, content hash)
         self._thread: threading.Thread | None = None
@@ -307,6 +310,7 @@ class Dispatcher:
         while any(w.job_id is not None for w in self.workers.values()) and time.monotonic() < deadline:
             self._collect(wait=0.2)
             self._watch_adopted()
+            time.sleep(0.05)  # (the halted loop's waits return at once)
         released = []
         for worker in self.workers.values():
             if worker.job_id is not None:  # did not answer in time: give the job back ourselves
@@ -393,12 +397,20 @@ class Dispatcher:
 
     def step(self, wait: float = 0.0) -> None:
         """Collect finished jobs and started workers (waiting up to `wait` s for one), push cancel
-        requests, then hand queued jobs to idle workers."""
+        requests, take back expired leases, then hand queued jobs to idle workers."""
         self._collect(wait)
         self._watch_adopted()
         self._refresh_nodes()
         self._push_cancels()
+        self._reap()
         self._assign()
+
+    def _reap(self) -> None:
+        """Claims take back expired leases, but no claim runs while the queue is empty: do it on a timer."""
+        now = time.monotonic()
+        if now - self._reaped_at >= self.config.reap_seconds:
+            self._reaped_at = now
+            self.registry.requeue_expired_leases()
 
     def _collect(self, wait: float) -> None:
         import ray
@@ -571,12 +583,17 @@ class Dispatcher:
 
     def _assign(self) -> None:
         idle = [w for w in self.workers.values() if w.ready and w.job_id is None]
+        if not idle and not self._free_slots():
+            return
+        queued = self.registry.job_counts()["queued"]  # one read; claims (writes) only when there is work
+        if not queued:
+            return
         for worker in [w for w in idle if w.backbones]:  # 1. warm: jobs on a backbone it holds
             if self._claim_for(worker, sorted(worker.backbones)):
                 idle.remove(worker)
+                queued -= 1
         starting = sum(1 for w in self.workers.values() if not w.ready)
         fresh = [w for w in idle if not w.backbones]
-        queued = self.registry.job_counts()["queued"] if idle or self._free_slots() else 0
         for _ in range(max(0, queued - len(fresh) - starting)):  # 2. more workers while slots are free
             node_id = self._node_with_free_slot()
             if node_id is None:
@@ -584,7 +601,7 @@ class Dispatcher:
             self._start_worker(node_id)
         for worker in fresh:  # 3. new workers take anything
             if not self._claim_for(worker, None):
-                return  # the queue is empty
+                return  # nothing runnable left
         if self._node_with_free_slot() is None:  # 4. no slot left: warm workers switch backbones
             for worker in [w for w in idle if w.backbones]:
                 if not self._claim_for(worker, None):
@@ -690,21 +707,33 @@ def task_spec(task: TaskRecord) -> TaskSpec:
 
 
 def serve(registry_url: str | None = None, *, config: DispatcherConfig | None = None, num_cpus: int | None = None,
-          drain: bool = False) -> None:
-    """Run a dispatcher until SIGTERM/SIGINT, then shut it down (the `pelt dispatcher` command)."""
+          drain: bool = False, delta_store: str = "local") -> None:
+    """Run a dispatcher until SIGTERM/SIGINT, then shut it down (the `pelt dispatcher` command).
+
+    delta_store: "local" (LocalDeltaSink under PELT_DATA_DIR/deltas) or "mlflow" (MlflowDeltaStore on
+    PELT_MLFLOW_TRACKING_URI, its schema created or upgraded first)."""
     settings = get_settings()
     config = config or DispatcherConfig()
     started = connect_ray(settings, namespace=config.namespace, num_cpus=num_cpus)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    dispatcher = Dispatcher(registry_url, config=config, settings=settings).start()
+    registry = Registry(registry_url, settings=settings)
+    sink: DeltaSink | None = None
+    if delta_store == "mlflow":
+        from services.delta_store import MlflowDeltaStore
+
+        sink = MlflowDeltaStore.from_settings(settings, registry=registry, ensure=True)
+    elif delta_store != "local":
+        raise ValueError(f"delta_store must be local or mlflow, got {delta_store!r}")
+    dispatcher = Dispatcher(registry, sink, config=config, settings=settings).start()
     print(f"dispatcher running (namespace {config.namespace}, Ray {'started here' if started else 'joined'})",
           flush=True)
     try:
         stop.wait()
     finally:
         summary = dispatcher.shutdown(drain=drain)
+        registry.close()
         print(f"dispatcher stopped: {summary}", flush=True)
         if started:
             import ray
@@ -723,14 +752,16 @@ def _command() -> Any:
     @click.option("--num-cpus", type=int, default=None, help="CPUs of a local Ray (without PELT_RAY_ADDRESS)")
     @click.option("--heartbeat-seconds", type=float, default=None, help="default: PELT_HEARTBEAT_SECONDS")
     @click.option("--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them")
+    @click.option("--delta-store", type=click.Choice(["local", "mlflow"]), default="local", show_default=True,
+                  help="where deltas go: a folder under PELT_DATA_DIR, or MLflow (PELT_MLFLOW_TRACKING_URI)")
     def dispatcher_command(database_url: str | None, namespace: str, cpus_per_worker: float,
                            max_workers_per_node: int | None, num_cpus: int | None,
-                           heartbeat_seconds: float | None, drain: bool) -> None:
+                           heartbeat_seconds: float | None, drain: bool, delta_store: str) -> None:
         """Drain the job queue into Ray workers (joins PELT_RAY_ADDRESS or starts a local Ray)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         config = DispatcherConfig(namespace=namespace, cpus_per_worker=cpus_per_worker,
                                   max_workers_per_node=max_workers_per_node, heartbeat_seconds=heartbeat_seconds)
-        serve(database_url, config=config, num_cpus=num_cpus, drain=drain)
+        serve(database_url, config=config, num_cpus=num_cpus, drain=drain, delta_store=delta_store)
 
     return dispatcher_command
 

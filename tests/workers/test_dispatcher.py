@@ -197,3 +197,28 @@ def test_a_restarted_dispatcher_adopts_running_workers_and_loses_nothing(local_r
     assert jobs[killed].attempts == 2 and "lease" in jobs[killed].last_error  # back through lease expiry
     assert jobs[unstarted].attempts == 1  # the release did not count
     assert len(delta_folders(tmp_path)) == 3
+
+
+def test_with_the_mlflow_store_a_job_becomes_one_model_version_and_the_aliases_follow(
+    local_ray, registry, tmp_path, namespace
+):
+    from services.delta_store import MlflowDeltaStore
+
+    store = MlflowDeltaStore(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "mlartifacts", registry=registry,
+                             namespace="workers-test", ensure=True)
+    (job_id,) = submit(registry, 1, steps=40)
+    settings = Settings(data_dir=tmp_path / "data", ray_address=None)
+    dispatcher = Dispatcher(registry, store, settings=settings, config=DispatcherConfig(
+        namespace=namespace, heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=1)).start()
+    try:
+        wait_for(lambda: ended(registry, [job_id]), 90, "the job to finish")
+        wait_for(lambda: dispatcher.stats["succeeded"] == 1, 10, "the dispatcher to see the outcome")
+    finally:
+        dispatcher.shutdown()
+
+    result = registry.get_result(job_id)
+    (version,) = store.list_versions("toy")
+    assert (version.job_id, version.run_id, version.sha256) == (job_id, result.mlflow_run_id, result.delta_sha256)
+    assert result.mlflow_model_version == version.version and result.delta_uri == version.uri
+    assert set(version.aliases) == {"best", "best-lora"}  # moved by the dispatcher once the result was recorded
+    assert store.pull("toy").delta is not None
