@@ -166,7 +166,7 @@ def print_table(rows: list[dict], peak: dict, fp32_peak: dict | None, args) -> N
     flop_note = "4·N·tokens" if args.flops == "4n" else "6·N·tokens"
     header = (f"{'task':<5} {'method':<9} {'peer':<17} {'pelt tok/s':>10} {'peer tok/s':>10} {'ratio':>6} "
               f"{'pelt ex/s':>9} {'peer ex/s':>9} {'pelt acc':>8} {'peer acc':>8} {'diff':>6} "
-              f"{'speed':>5} {'acc':>4} {'pelt GFLOP/s':>12} {'% peak':>6}")
+              f"{'speed':>5} {'acc':>4} {'pelt GFLOP/s':>12} {'% peak':>6} {'pelt %fp32':>10} {'peer %fp32':>10}")
     print()
     print(header)
     print("-" * len(header))
@@ -184,15 +184,23 @@ def print_table(rows: list[dict], peak: dict, fp32_peak: dict | None, args) -> N
         acc_ok = None if diff is None else diff >= -TARGET_METRIC_POINTS
         gflops = row.get("pelt_gflops")
         frac = 100 * gflops / peak["gflops"] if gflops else None
+        # the same FLOP count for the peer (real tokens only), as a share of the fp32 peak: how much of the
+        # machine each side uses, hence the most any speed-up of the same arithmetic could give
+        peer_gflops = gflops * qtps / ptps if gflops and ptps and qtps else None
+        pelt_fp32 = 100 * gflops / fp32_peak["gflops"] if gflops and fp32_peak else None
+        peer_fp32 = 100 * peer_gflops / fp32_peak["gflops"] if peer_gflops and fp32_peak else None
         print(f"{row['task']:<5} {row['method']:<9} {row['peer_name']:<17} {fmt(ptps, '10.0f'):>10} "
               f"{fmt(qtps, '10.0f'):>10} {fmt(ratio, '6.2f'):>6} {fmt(pex, '9.1f'):>9} {fmt(qex, '9.1f'):>9} "
               f"{fmt(pacc, '8.1f'):>8} {fmt(qacc, '8.1f'):>8} {fmt(diff, '+6.1f'):>6} "
               f"{('-' if speed_ok is None else 'PASS' if speed_ok else 'FAIL'):>5} "
               f"{('-' if acc_ok is None else 'PASS' if acc_ok else 'FAIL'):>4} "
-              f"{fmt(gflops, '12.2f'):>12} {fmt(frac, '6.2f'):>6}")
+              f"{fmt(gflops, '12.2f'):>12} {fmt(frac, '6.2f'):>6} {fmt(pelt_fp32, '10.1f'):>10} "
+              f"{fmt(peer_fp32, '10.1f'):>10}")
         row.update({"pelt_tokens_per_second": ptps, "peer_tokens_per_second": qtps, "ratio": ratio,
                     "accuracy_diff_points": diff, "speed_pass": speed_ok, "accuracy_pass": acc_ok,
-                    "fraction_of_bf16_peak": None if frac is None else frac / 100})
+                    "fraction_of_bf16_peak": None if frac is None else frac / 100,
+                    "fraction_of_fp32_peak": None if pelt_fp32 is None else pelt_fp32 / 100,
+                    "peer_fraction_of_fp32_peak": None if peer_fp32 is None else peer_fp32 / 100})
         if row.get("error"):
             print(f"      error: {row['error'].splitlines()[0]}")
     print()

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from pathlib import Path
@@ -113,16 +114,17 @@ class Service:
             self.app = create_app(service, self.settings, dispatcher=self.dispatcher)
             config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=self.log_level,
                                     lifespan="off", timeout_graceful_shutdown=5)
+            listening = _listen(self.host, self.port)
+            self.port = listening.getsockname()[1]
             self._server = uvicorn.Server(config)
-            self._thread = threading.Thread(target=self._server.run, name="pelt-api", daemon=True)
+            self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [listening]},
+                                            name="pelt-api", daemon=True)
             self._thread.start()
             deadline = time.monotonic() + 30
             while not self._server.started:
                 if not self._thread.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"the API did not start on {self.host}:{self.port} (port taken?)")
+                    raise RuntimeError(f"the API did not start on {self.host}:{self.port}")
                 time.sleep(0.05)
-            if self.port == 0:
-                self.port = self._server.servers[0].sockets[0].getsockname()[1]
         except BaseException:
             self.stop()
             raise
@@ -164,6 +166,22 @@ class Service:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (0: a free port), or an error naming the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host, port))
+        listening.listen(128)
+    except OSError as exc:
+        listening.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror} (PELT_API_HOST, PELT_API_PORT, "
+                           "or --host/--port)") from None
+    listening.set_inheritable(True)
+    return listening
 
 
 __all__ = ["Service", "ensure_local_token", "is_embedded_registry", "token_path"]
