@@ -1,26 +1,32 @@
-"""The dispatcher: drains the registry's queue into warm Ray worker actors, one per CPU slot per node.
+"""The dispatcher: drains the registry's queue into warm Ray worker actors, each with `jobs_per_worker`
+job slots (one CPU slot per job), as many per node as its CPUs hold.
 
-    registry queue ──claim (lease owner = the worker's id)──▶ dispatcher ──run(JobSpec, RegistryLease, sink)──▶ worker
+    registry queue ──claim (owner "<worker>#<slot>")────────▶ dispatcher ──run(JobSpec, RegistryLease, sink)──▶ worker
                                                                                          │ heartbeat + progress
     registry ◀──────────── complete / fail / cancelled / release, through the RegistryLease ┘
 
 - Leases, progress and results go from the worker straight to the registry: the dispatcher claims a
-  job *for* a ready, idle worker (the lease owner is the worker's id) and hands it a `RegistryLease`,
+  job *for* a free slot of a ready worker (the lease owner is "<worker's actor name>#<slot>", unique per
+  running job; just the actor name for a worker with one slot) and hands it a `RegistryLease`,
   a small picklable object that opens a `Registry` on the database URL inside the worker process
   (SQLite's cross-process write gate or PostgreSQL's row locks keep that safe). So a job runs to its
   end, and its outcome is recorded, even while no dispatcher is alive.
 - Cancellation: the worker sees the registry's flag at its heartbeat; the dispatcher also polls the
   flags of its running jobs every `poll_seconds` and pushes `stop(job, "cancel")` to the worker, so a
   cancel takes effect within about a second whatever the heartbeat interval.
-- Placement: a worker keeps its backbones warm; an idle worker first claims jobs on the backbones it
-  holds; work on other backbones goes to a new worker on a free slot (started while there is queued
-  work), and only when no slot is free to a warm worker that then maps another backbone. Each node
-  keeps one shared copy of each backbone (`workers.backbone_store.BackboneHost`).
-- Failures: a worker whose actor dies (SIGKILL, node lost) has its job failed as retryable at once,
-  so the job goes back to the queue after the backoff; if no dispatcher saw the death, the lease
+- Placement: a worker keeps its backbones warm; a worker's free slots first claim jobs on the backbones
+  it holds; work on other backbones goes to a new worker where a node has room for one (started while
+  there is queued work), and only when no node has room to a warm worker that then maps another
+  backbone. Each node keeps one shared copy of each backbone (`workers.backbone_store.BackboneHost`).
+- Job slots: with `jobs_per_worker` N > 1 a worker actor runs up to N jobs at once, each in its own
+  thread, sharing the process's runtime and mapped backbones (what a job costs in memory beyond its
+  activations); it reserves N x `cpus_per_worker` Ray CPUs, and torch runs each job's ops on
+  round(cpus_per_worker) threads (see workers.worker).
+- Failures: a worker whose actor dies (SIGKILL, node lost) has every job it ran failed as retryable at
+  once, so the jobs go back to the queue after the backoff; if no dispatcher saw the death, the lease
   expires and the registry takes the job back. A cancelled job is never retried (registry rule).
 - Restarts: workers and backbone hosts are detached named actors in the Ray namespace, so they
-  survive the dispatcher. A new dispatcher adopts the live workers (their running jobs continue),
+  survive the dispatcher. A new dispatcher adopts the live workers (every running job continues),
   gives back jobs claimed for a live worker that is not running them (claimed, never started), and
   leaves jobs of workers that are gone to lease expiry. One dispatcher per namespace.
 - Delta stores: the worker writes the delta through the `DeltaSink` it is handed (LocalDeltaSink by
@@ -190,8 +196,9 @@ class DispatcherConfig:
     """Knobs of the dispatcher and of the workers it starts."""
 
     namespace: str = "pelt"  # Ray namespace of the workers and backbone hosts (one dispatcher each)
-    cpus_per_worker: float = 1.0  # a worker's CPU slot (Ray CPUs; also its torch threads, rounded)
-    max_workers_per_node: int | None = None  # default: the node's CPUs // cpus_per_worker
+    cpus_per_worker: float = 1.0  # Ray CPUs per job slot (also each job's torch threads, rounded)
+    jobs_per_worker: int = 1  # job slots per worker actor: jobs that share one process (threads)
+    max_workers_per_node: int | None = None  # default: the node's CPUs // (cpus_per_worker * jobs_per_worker)
     poll_seconds: float = 0.5  # loop period: collect outcomes, push cancels, claim for idle workers
     heartbeat_seconds: float | None = None  # default: settings.heartbeat_seconds
     lease_seconds: float | None = None  # default: the registry's lease_seconds
@@ -207,21 +214,48 @@ class DispatcherConfig:
 
 
 @dataclass
+class _Job:
+    """A job running in one slot of a worker, as the dispatcher sees it."""
+
+    job_id: int
+    owner: str  # its lease owner: "<worker id>#<slot>"
+    backbone: str | None = None  # registry name of its backbone
+    task: str | None = None
+    run_ref: Any = None  # the run() call this dispatcher made (None for a job adopted on restart)
+    cancel_pushed: bool = False
+
+
+@dataclass
 class _Worker:
-    """The dispatcher's view of one worker actor."""
+    """The dispatcher's view of one worker actor and its job slots."""
 
     worker_id: str
     node_id: str
     actor: Any
+    slots: int = 1
     ready: bool = False
     started_at: float = field(default_factory=time.monotonic)
-    job_id: int | None = None
-    backbone: str | None = None  # registry name of the running job's backbone
-    task: str | None = None  # the running job's task
-    run_ref: Any = None  # the run() call this dispatcher made (None for a job adopted on restart)
-    poll_ref: Any = None  # a pending info() call (startup, or watching an adopted job)
+    jobs: dict[int, _Job] = field(default_factory=dict)  # slot -> the job running there
+    poll_ref: Any = None  # a pending info() call (startup, or watching adopted jobs)
     backbones: set[str] = field(default_factory=set)  # registry backbone names it keeps warm
-    cancel_pushed: bool = False
+
+    def free_slots(self) -> list[int]:
+        return [slot for slot in range(self.slots) if slot not in self.jobs]
+
+    def owner(self, slot: int) -> str:
+        return slot_owner(self.worker_id, slot, self.slots)
+
+
+def slot_owner(worker_id: str, slot: int, slots: int) -> str:
+    """The lease owner of a worker's job slot: "<worker id>#<slot>", or the worker id itself when the
+    worker has a single slot (as before job slots existed)."""
+    return worker_id if slots == 1 else f"{worker_id}#{slot}"
+
+
+def owner_worker(owner: str) -> tuple[str, int | None]:
+    """(worker id, slot) of a lease owner ("<worker id>#<slot>"; a bare worker id: slot None)."""
+    worker_id, _, slot = owner.partition("#")
+    return worker_id, int(slot) if slot.isdigit() else None
 
 
 class Dispatcher:
@@ -246,6 +280,8 @@ class Dispatcher:
         self.sink: DeltaSink = sink or LocalDeltaSink(self.settings.data_dir / "deltas")
         self.lease_seconds = float(self.config.lease_seconds or self.registry.lease_seconds)
         self.heartbeat_seconds = float(self.config.heartbeat_seconds or self.settings.heartbeat_seconds)
+        if self.config.jobs_per_worker < 1:
+            raise ValueError(f"jobs_per_worker must be at least 1, got {self.config.jobs_per_worker}")
         if self.heartbeat_seconds >= self.lease_seconds:
             raise ValueError(f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than the lease "
                              f"({self.lease_seconds} s)")
@@ -253,6 +289,7 @@ class Dispatcher:
         self.stats: Counter[str] = Counter()
         self._nodes: dict[str, int] = {}  # alive node id -> worker slots
         self._nodes_at = 0.0
+        self._too_small: set[str] = set()  # nodes warned about: fewer CPUs than one worker needs
         self._cooldown: dict[str, float] = {}  # node id -> no new workers there before this time
         self._cancels_at = 0.0
         self._reaped_at = 0.0
@@ -302,21 +339,21 @@ class Dispatcher:
         import ray
 
         self._stop_loop()
-        busy = [w for w in self.workers.values() if w.job_id is not None]
         if not drain:
-            for worker in busy:
-                worker.actor.stop.remote(worker.job_id, "release")
+            for worker in self.workers.values():
+                for job in worker.jobs.values():
+                    worker.actor.stop.remote(job.job_id, "release")
         deadline = time.monotonic() + timeout
-        while any(w.job_id is not None for w in self.workers.values()) and time.monotonic() < deadline:
+        while any(w.jobs for w in self.workers.values()) and time.monotonic() < deadline:
             self._collect(wait=0.2)
             self._watch_adopted()
             time.sleep(0.05)  # (the halted loop's waits return at once)
         released = []
         for worker in self.workers.values():
-            if worker.job_id is not None:  # did not answer in time: give the job back ourselves
+            for job in worker.jobs.values():  # did not answer in time: give the job back ourselves
                 with contextlib.suppress(LeaseLostError, JobStateError):
-                    self.registry.release_job(worker.job_id, worker.worker_id, "the dispatcher shut down")
-                    released.append(worker.job_id)
+                    self.registry.release_job(job.job_id, job.owner, "the dispatcher shut down")
+                    released.append(job.job_id)
         summary = {"stats": dict(self.stats), "released_by_dispatcher": released}
         if kill_workers:
             from workers.backbone_host import host_name
@@ -357,29 +394,39 @@ class Dispatcher:
                 log.warning("not adopting worker %s: %s", name, exc)
         sources = self._source_names()
         for name, (actor, info) in infos.items():
-            worker = _Worker(name, info["node_id"], actor, ready=True, job_id=info["job_id"])
+            worker = _Worker(name, info["node_id"], actor, slots=int(info.get("slots", 1)), ready=True)
             worker.backbones = {sources[src] for src, _ in info["backbones"] if src in sources}
-            if worker.job_id is not None:
+            running = info.get("jobs")
+            if running is None:  # a worker from before job slots
+                running = [] if info["job_id"] is None else [{"job_id": info["job_id"], "owner": name}]
+            for entry in running:  # busy slots, whatever the registry says, until the worker frees them
+                _, slot = owner_worker(entry.get("owner") or "")
+                if slot is None or slot in worker.jobs or slot >= worker.slots:
+                    slot = (worker.free_slots() or [len(worker.jobs)])[0]
+                worker.jobs[slot] = _Job(entry["job_id"], entry.get("owner") or worker.owner(slot))
+            if worker.jobs:
                 worker.poll_ref = actor.info.remote()
             self.workers[name] = worker
             self.stats["workers_adopted"] += 1
         settled: dict[str, list[int]] = {"adopted": [], "released": [], "left_to_lease_expiry": []}
-        for job in self.registry.list_jobs(status="running", limit=100_000):
-            owner = job.lease_owner or ""
+        for record in self.registry.list_jobs(status="running", limit=100_000):
+            owner = record.lease_owner or ""
             if not owner.startswith(WORKER_PREFIX):
                 continue
-            worker = self.workers.get(owner)
-            if worker is not None and worker.job_id == job.id:
-                worker.backbone, worker.task = job.backbone, job.task
-                settled["adopted"].append(job.id)
+            worker = self.workers.get(owner_worker(owner)[0])
+            job = None if worker is None else next(
+                (j for j in worker.jobs.values() if j.job_id == record.id and j.owner == owner), None)
+            if job is not None:
+                job.backbone, job.task = record.backbone, record.task
+                settled["adopted"].append(record.id)
             elif worker is not None:
                 with contextlib.suppress(LeaseLostError, JobStateError):
-                    self.registry.release_job(job.id, owner, "claimed for a worker that never started it")
-                    settled["released"].append(job.id)
+                    self.registry.release_job(record.id, owner, "claimed for a worker that never started it")
+                    settled["released"].append(record.id)
             else:
-                settled["left_to_lease_expiry"].append(job.id)
+                settled["left_to_lease_expiry"].append(record.id)
                 log.warning("job %s: its worker %s is gone; it comes back when its lease expires at %s",
-                            job.id, owner, job.lease_expires_at)
+                            record.id, owner, record.lease_expires_at)
         log.info("reconciled: %d worker(s) adopted, jobs %s", len(infos), settled)
         return settled
 
@@ -415,8 +462,11 @@ class Dispatcher:
     def _collect(self, wait: float) -> None:
         import ray
 
-        refs = {w.run_ref: w for w in self.workers.values() if w.run_ref is not None}
-        refs.update({w.poll_ref: w for w in self.workers.values() if w.poll_ref is not None and not w.ready})
+        refs: dict[Any, tuple[_Worker, int | None]] = {}
+        for worker in self.workers.values():
+            refs.update({job.run_ref: (worker, slot) for slot, job in worker.jobs.items() if job.run_ref is not None})
+            if worker.poll_ref is not None and not worker.ready:
+                refs[worker.poll_ref] = (worker, None)
         if not refs:
             if wait:
                 self._halt.wait(wait)
@@ -425,11 +475,11 @@ class Dispatcher:
         if ready:
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in ready:
-            worker = refs[ref]
-            if ref is worker.run_ref:
-                self._finished(worker, ref)
-            else:
+            worker, slot = refs[ref]
+            if slot is None:
                 self._started(worker, ref)
+            elif worker.jobs.get(slot) is not None and worker.jobs[slot].run_ref is ref:  # (not failed meanwhile)
+                self._finished(worker, slot, ref)
         now = time.monotonic()
         for worker in list(self.workers.values()):
             if not worker.ready and now - worker.started_at > self.config.worker_start_timeout:
@@ -452,37 +502,38 @@ class Dispatcher:
         worker.node_id = info["node_id"] or worker.node_id
         self.stats["workers_started"] += 1
 
-    def _finished(self, worker: _Worker, ref: Any) -> None:
+    def _finished(self, worker: _Worker, slot: int, ref: Any) -> None:
         import ray
         from ray.exceptions import RayActorError
 
-        job_id, backbone, task = worker.job_id, worker.backbone, worker.task
-        worker.run_ref, worker.job_id, worker.backbone, worker.task = None, None, None, None
-        worker.cancel_pushed = False
         try:
             outcome = ray.get(ref)
         except RayActorError as exc:
-            self._worker_died(worker, job_id, exc, task)
+            self._worker_died(worker, exc)
             return
         except Exception as exc:  # run() itself raised: the attempt was not recorded
-            log.error("job %s: worker %s raised: %s", job_id, worker.worker_id, exc)
-            self._fail_for(worker.worker_id, job_id, f"the worker raised: {exc}")
-            self._settle_sink(task, job_id)
+            job = worker.jobs.pop(slot)
+            log.error("job %s: worker %s raised: %s", job.job_id, job.owner, exc)
+            self._fail_for(job.owner, job.job_id, f"the worker raised: {exc}")
+            self._settle_sink(job.task, job.job_id)
             return
+        job = worker.jobs.pop(slot)
         self.stats[outcome.status] += 1
-        self._settle_sink(task, job_id)
-        if outcome.status == "succeeded" and backbone:
-            worker.backbones.add(backbone)
+        self._settle_sink(job.task, job.job_id)
+        if outcome.status == "succeeded" and job.backbone:
+            worker.backbones.add(job.backbone)
             while len(worker.backbones) > self.config.max_backbones_per_worker:
                 worker.backbones.pop()
 
     def _watch_adopted(self) -> None:
-        """Adopted busy workers have no run() reference here: poll info() until their job is done."""
+        """Jobs adopted on restart have no run() reference here: poll the worker's info() until each
+        of them is no longer running there."""
         import ray
         from ray.exceptions import RayActorError
 
         for worker in list(self.workers.values()):
-            if not worker.ready or worker.run_ref is not None or worker.job_id is None:
+            adopted = {slot: job for slot, job in worker.jobs.items() if job.run_ref is None}
+            if not worker.ready or not adopted:
                 continue
             if worker.poll_ref is None:
                 worker.poll_ref = worker.actor.info.remote()
@@ -494,23 +545,32 @@ class Dispatcher:
             try:
                 info = ray.get(ref)
             except RayActorError as exc:
-                self._worker_died(worker, worker.job_id, exc, worker.task)
+                self._worker_died(worker, exc)
                 continue
-            if info["job_id"] != worker.job_id:
-                self.stats[info.get("last_outcome") or "finished"] += 1
-                self._settle_sink(worker.task, worker.job_id)
-                worker.job_id, worker.backbone, worker.task, worker.cancel_pushed = None, None, None, False
+            running = {entry["job_id"] for entry in info.get("jobs", [])}
+            if info.get("jobs") is None and info["job_id"] is not None:  # a worker from before job slots
+                running = {info["job_id"]}
+            outcomes = info.get("outcomes") or {}
+            for slot, job in adopted.items():
+                if job.job_id not in running:
+                    worker.jobs.pop(slot)
+                    self.stats[outcomes.get(job.job_id) or info.get("last_outcome") or "finished"] += 1
+                    self._settle_sink(job.task, job.job_id)
 
-    def _worker_died(self, worker: _Worker, job_id: int | None, exc: BaseException, task: str | None) -> None:
+    def _worker_died(self, worker: _Worker, exc: BaseException) -> None:
+        """The actor is gone (SIGKILL, node lost): every job it ran is failed as retryable."""
         self.stats["worker_deaths"] += 1
-        log.warning("worker %s died%s: %s", worker.worker_id, f" running job {job_id}" if job_id else "",
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        jobs = sorted(worker.jobs.values(), key=lambda job: job.owner)
+        worker.jobs.clear()
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        log.warning("worker %s died%s: %s", worker.worker_id,
+                    f" running job(s) {', '.join(str(j.job_id) for j in jobs)}" if jobs else "",
+                    first_line or type(exc).__name__)
         self._drop(worker)
         self._cool_down(worker.node_id)
-        if job_id is not None:
-            self._fail_for(worker.worker_id, job_id, f"worker {worker.worker_id} died: "
-                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            self._settle_sink(task, job_id)
+        for job in jobs:
+            self._fail_for(job.owner, job.job_id, f"worker {job.owner} died: {type(exc).__name__}: {first_line}")
+            self._settle_sink(job.task, job.job_id)
 
     def _settle_sink(self, task: str | None, job_id: int | None) -> None:
         """After the registry has decided about a job's attempt, let a sink that keeps more than bytes
@@ -553,15 +613,21 @@ class Dispatcher:
             return
         self._nodes_at = now
         nodes = {}
+        per_worker = self.config.cpus_per_worker * self.config.jobs_per_worker
         for node in ray.nodes():
             if not node.get("Alive"):
                 continue
-            slots = int(node.get("Resources", {}).get("CPU", 0) // self.config.cpus_per_worker)
+            cpus = node.get("Resources", {}).get("CPU", 0)
+            slots = int(cpus // per_worker)
+            if not slots and cpus and node["NodeID"] not in self._too_small:
+                self._too_small.add(node["NodeID"])
+                log.warning("node %s has %g CPU(s): too few for a worker of %d job slot(s) x %g CPU(s)",
+                            node["NodeID"][:12], cpus, self.config.jobs_per_worker, self.config.cpus_per_worker)
             if self.config.max_workers_per_node is not None:
                 slots = min(slots, self.config.max_workers_per_node)
             nodes[node["NodeID"]] = slots
         for worker in list(self.workers.values()):  # idle workers on a lost node: forget them
-            if worker.node_id not in nodes and worker.job_id is None and worker.ready:
+            if worker.node_id not in nodes and not worker.jobs and worker.ready:
                 self._drop(worker)
         self._nodes = nodes
 
@@ -570,45 +636,49 @@ class Dispatcher:
         if now - self._cancels_at < self.config.poll_seconds:
             return
         self._cancels_at = now
-        running = {w.job_id: w for w in self.workers.values() if w.job_id is not None and not w.cancel_pushed}
+        running = {job.job_id: (worker, job) for worker in self.workers.values() for job in worker.jobs.values()
+                   if not job.cancel_pushed}
         if not running:
             return
         for job_id in self.registry.cancel_requests(running):
-            worker = running[job_id]
+            worker, job = running[job_id]
             worker.actor.stop.remote(job_id, "cancel")
-            worker.cancel_pushed = True
+            job.cancel_pushed = True
             self.stats["cancels_pushed"] += 1
 
     # --- placement ---------------------------------------------------------------------------------
 
     def _assign(self) -> None:
-        idle = [w for w in self.workers.values() if w.ready and w.job_id is None]
-        if not idle and not self._free_slots():
+        open_ = [w for w in self.workers.values() if w.ready and w.free_slots()]
+        if not open_ and not self._free_slots():
             return
         queued = self.registry.job_counts()["queued"]  # one read; claims (writes) only when there is work
         if not queued:
             return
-        for worker in [w for w in idle if w.backbones]:  # 1. warm: jobs on a backbone it holds
-            if self._claim_for(worker, sorted(worker.backbones)):
-                idle.remove(worker)
+        for worker in [w for w in open_ if w.backbones]:  # 1. warm: jobs on a backbone it holds
+            while worker.free_slots() and queued > 0 and self._claim_for(worker, sorted(worker.backbones)):
                 queued -= 1
-        starting = sum(1 for w in self.workers.values() if not w.ready)
-        fresh = [w for w in idle if not w.backbones]
-        for _ in range(max(0, queued - len(fresh) - starting)):  # 2. more workers while slots are free
+        open_ = [w for w in open_ if w.free_slots()]
+        starting = sum(w.slots for w in self.workers.values() if not w.ready)
+        fresh = [w for w in open_ if not w.backbones]
+        waiting = queued - sum(len(w.free_slots()) for w in fresh) - starting
+        for _ in range(max(0, -(-waiting // self.config.jobs_per_worker))):  # 2. more workers while nodes have room
             node_id = self._node_with_free_slot()
             if node_id is None:
                 break
             self._start_worker(node_id)
         for worker in fresh:  # 3. new workers take anything
-            if not self._claim_for(worker, None):
-                return  # nothing runnable left
-        if self._node_with_free_slot() is None:  # 4. no slot left: warm workers switch backbones
-            for worker in [w for w in idle if w.backbones]:
+            while worker.free_slots():
                 if not self._claim_for(worker, None):
-                    return
+                    return  # nothing runnable left
+        if self._node_with_free_slot() is None:  # 4. no room for a worker: warm workers switch backbones
+            for worker in [w for w in open_ if w.backbones]:
+                while worker.free_slots():
+                    if not self._claim_for(worker, None):
+                        return
 
     def _free(self) -> dict[str, int]:
-        """Free worker slots per usable node (nodes cooling down after a failure excluded)."""
+        """Room for more workers per usable node (nodes cooling down after a failure excluded)."""
         now = time.monotonic()
         used = Counter(w.node_id for w in self.workers.values())
         return {node: slots - used[node] for node, slots in self._nodes.items()
@@ -627,36 +697,40 @@ class Dispatcher:
         from workers.worker import WorkerConfig, worker_actor_class  # torch: only where workers start
 
         worker_id = f"{WORKER_PREFIX}{node_id[:12]}.{secrets.token_hex(4)}"
+        slots = self.config.jobs_per_worker
         config = WorkerConfig(
-            threads=max(1, round(self.config.cpus_per_worker)), heartbeat_seconds=self.heartbeat_seconds,
-            lease_seconds=self.lease_seconds, max_backbones=self.config.max_backbones_per_worker,
-            namespace=self.config.namespace,
+            threads=max(1, round(self.config.cpus_per_worker)), slots=slots,
+            heartbeat_seconds=self.heartbeat_seconds, lease_seconds=self.lease_seconds,
+            max_backbones=self.config.max_backbones_per_worker, namespace=self.config.namespace,
         )
         actor = worker_actor_class().options(
             name=worker_id, namespace=self.config.namespace, lifetime="detached", max_restarts=0,
-            num_cpus=self.config.cpus_per_worker, max_concurrency=4,
+            num_cpus=self.config.cpus_per_worker * slots, max_concurrency=slots + 3,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             runtime_env={"env_vars": dict(self.config.worker_env)} if self.config.worker_env else None,
         ).remote(worker_id, config)
-        worker = _Worker(worker_id, node_id, actor, poll_ref=actor.info.remote())
+        worker = _Worker(worker_id, node_id, actor, slots=slots, poll_ref=actor.info.remote())
         self.workers[worker_id] = worker
-        log.info("starting worker %s on node %s", worker_id, node_id[:12])
+        log.info("starting worker %s (%d job slot(s)) on node %s", worker_id, slots, node_id[:12])
         return worker
 
     def _claim_for(self, worker: _Worker, backbones: list[str] | None) -> bool:
-        job = self.registry.claim_job(worker.worker_id, lease_seconds=self.lease_seconds, backbones=backbones)
-        if job is None:
+        """Claim a job for the worker's first free slot and start it there; False when none is runnable."""
+        slot = worker.free_slots()[0]
+        owner = worker.owner(slot)
+        record = self.registry.claim_job(owner, lease_seconds=self.lease_seconds, backbones=backbones)
+        if record is None:
             return False
         try:
-            spec = self.job_spec(job)
+            spec = self.job_spec(record)
         except Exception as exc:
-            log.exception("job %s: cannot build its spec", job.id)
-            self._fail_for(worker.worker_id, job.id, f"the dispatcher could not prepare the job: {exc}")
+            log.exception("job %s: cannot build its spec", record.id)
+            self._fail_for(owner, record.id, f"the dispatcher could not prepare the job: {exc}")
             return True
-        lease = RegistryLease(self.database_url, job.id, worker.worker_id, self.lease_seconds,
+        lease = RegistryLease(self.database_url, record.id, owner, self.lease_seconds,
                               self.registry.retry_backoff_seconds, self.registry.retry_backoff_max_seconds)
-        worker.job_id, worker.backbone, worker.task, worker.cancel_pushed = job.id, job.backbone, job.task, False
-        worker.run_ref = worker.actor.run.remote(spec, lease, self.sink)
+        worker.jobs[slot] = _Job(record.id, owner, record.backbone, record.task,
+                                 run_ref=worker.actor.run.remote(spec, lease, self.sink))
         self.stats["dispatched"] += 1
         return True
 
@@ -680,7 +754,8 @@ class Dispatcher:
 
     def describe(self) -> list[dict[str, Any]]:
         """The workers as this dispatcher sees them."""
-        return [{"worker_id": w.worker_id, "node_id": w.node_id, "ready": w.ready, "job_id": w.job_id,
+        return [{"worker_id": w.worker_id, "node_id": w.node_id, "ready": w.ready, "slots": w.slots,
+                 "jobs": {w.owner(slot): job.job_id for slot, job in sorted(w.jobs.items())},
                  "backbones": sorted(w.backbones)} for w in self.workers.values()]
 
 
@@ -747,20 +822,25 @@ def _command() -> Any:
     @click.command("dispatcher")
     @click.option("--database-url", default=None, help="registry (default: PELT_DATABASE_URL)")
     @click.option("--namespace", default="pelt", show_default=True, help="Ray namespace of the workers")
-    @click.option("--cpus-per-worker", default=1.0, show_default=True, help="CPU slot of one worker")
-    @click.option("--max-workers-per-node", type=int, default=None, help="default: CPUs // cpus-per-worker")
+    @click.option("--cpus-per-worker", default=1.0, show_default=True,
+                  help="Ray CPUs per job slot (each job's torch threads, rounded)")
+    @click.option("--jobs-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
+                  help="job slots per worker process: jobs that share its runtime and mapped backbones")
+    @click.option("--max-workers-per-node", type=int, default=None,
+                  help="default: CPUs // (cpus-per-worker * jobs-per-worker)")
     @click.option("--num-cpus", type=int, default=None, help="CPUs of a local Ray (without PELT_RAY_ADDRESS)")
     @click.option("--heartbeat-seconds", type=float, default=None, help="default: PELT_HEARTBEAT_SECONDS")
     @click.option("--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them")
     @click.option("--delta-store", type=click.Choice(["local", "mlflow"]), default="local", show_default=True,
                   help="where deltas go: a folder under PELT_DATA_DIR, or MLflow (PELT_MLFLOW_TRACKING_URI)")
     def dispatcher_command(database_url: str | None, namespace: str, cpus_per_worker: float,
-                           max_workers_per_node: int | None, num_cpus: int | None,
+                           jobs_per_worker: int, max_workers_per_node: int | None, num_cpus: int | None,
                            heartbeat_seconds: float | None, drain: bool, delta_store: str) -> None:
         """Drain the job queue into Ray workers (joins PELT_RAY_ADDRESS or starts a local Ray)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         config = DispatcherConfig(namespace=namespace, cpus_per_worker=cpus_per_worker,
-                                  max_workers_per_node=max_workers_per_node, heartbeat_seconds=heartbeat_seconds)
+                                  jobs_per_worker=jobs_per_worker, max_workers_per_node=max_workers_per_node,
+                                  heartbeat_seconds=heartbeat_seconds)
         serve(database_url, config=config, num_cpus=num_cpus, drain=drain, delta_store=delta_store)
 
     return dispatcher_command

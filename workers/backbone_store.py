@@ -9,12 +9,17 @@ fails, which is the point: anything a job trains lives in its own delta.
 bfloat16 has no numpy dtype, so bf16 tensors travel as uint16 and are viewed back as bf16.
 
 Per node, a light `BackboneHost` actor (workers/backbone_host.py) publishes each (backbone, dtype)
-once and owns the copy; `NodeBackbones` is what a worker calls to map its node's copy."""
+once and owns the copy; `NodeBackbones` is what a worker calls to map its node's copy.
+
+Inside one worker process, jobs that train at once (job slots) each get a `replicate`d backbone: another
+module tree over the very same tensors, because pelt_core keeps a forward's routing state on the
+backbone's modules; their shared tokenizer is wrapped in a `SerializedTokenizer`."""
 
 from __future__ import annotations
 
 import functools
 import json
+import threading
 import warnings
 from typing import Any
 
@@ -26,9 +31,9 @@ from pelt_core.backbones import Backbone, resolve_backbone
 from workers.backbone_host import HOST_PREFIX, BackboneHandle, BackboneHost, host_name, node_host
 
 __all__ = [
-    "HOST_PREFIX", "BackboneHandle", "BackboneHost", "LocalBackbones", "NodeBackbones", "assemble",
-    "backbone_tensors", "from_shareable", "host_name", "load_shareable", "materialize", "node_host",
-    "publish_backbone", "to_shareable",
+    "HOST_PREFIX", "BackboneHandle", "BackboneHost", "LocalBackbones", "NodeBackbones", "SerializedTokenizer",
+    "assemble", "backbone_tensors", "from_shareable", "host_name", "load_shareable", "materialize", "node_host",
+    "publish_backbone", "replicate", "to_shareable",
 ]
 
 
@@ -117,6 +122,53 @@ def materialize(handle: BackboneHandle, payload: dict | None = None) -> Backbone
     tensors = from_shareable(payload["arrays"], payload["dtypes"])
     model = assemble(handle.config, tensors, handle.attn_implementation)
     return Backbone(model, load_tokenizer(handle.name), name=handle.name, content_hash=handle.content_hash)
+
+
+def replicate(backbone: Backbone) -> Backbone:
+    """Another Backbone over the same tensors: a new module tree (its own hooks and pelt_core runtime)
+    whose parameters and buffers are the original's tensors, neither copied nor allocated. Two jobs
+    may train at once on two replicas in two threads; the tokenizer is shared (see SerializedTokenizer)."""
+    config = json.loads(backbone.config.to_json_string(use_diff=False))
+    attn = (getattr(backbone.config, "_attn_implementation", None) or "sdpa").removeprefix("pelt_")
+    tensors = {name: tensor.detach() for name, tensor in backbone_tensors(backbone.model).items()}
+    model = assemble(config, tensors, attn)
+    return Backbone(model, backbone.tokenizer, name=backbone.name, content_hash=backbone.content_hash,
+                    source=backbone.source)
+
+
+_TOKENIZER_LOCK = threading.RLock()
+
+
+class SerializedTokenizer:
+    """A tokenizer shared by jobs training in threads of one process: its methods run one call at a
+    time (a Rust fast tokenizer refuses a call while another thread holds it: "Already borrowed").
+    Attributes read and set through to the wrapped tokenizer. pelt_core tokenizes a job's data once,
+    before training, so the lock costs nothing while jobs train."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        object.__setattr__(self, "wrapped", tokenizer)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _TOKENIZER_LOCK:
+            return self.wrapped(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.wrapped, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+
+        @functools.wraps(value)
+        def serialized(*args: Any, **kwargs: Any) -> Any:
+            with _TOKENIZER_LOCK:
+                return value(*args, **kwargs)
+
+        return serialized
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.wrapped, name, value)
+
+    def __len__(self) -> int:
+        return len(self.wrapped)
 
 
 @functools.lru_cache(maxsize=8)

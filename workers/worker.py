@@ -1,7 +1,21 @@
-"""A long-lived worker: one CPU slot, warm backbones, one job at a time, its lease kept alive.
+"""A long-lived worker: warm backbones, up to `slots` jobs at a time (one thread each), their leases kept alive.
 
 `PeltWorker` is a plain class; the dispatcher runs it as a threaded Ray actor (`worker_actor_class`),
-one per CPU slot per node, so `run` trains in one thread while `stop` and `info` answer in others.
+so each `run` trains in its own thread while `stop` and `info` answer in others. A worker has
+`WorkerConfig.slots` job slots (the dispatcher's `jobs_per_worker`, default 1): its jobs share the
+process (one Python/torch/transformers/Ray runtime instead of one per job), its warm backbones (the
+node's shared tensors are mapped once per process) and their tokenizers. Each job has its own PELT
+modules, head and optimizer, built by pelt_core around a *replica* of the backbone: a second module
+tree whose parameters are the same tensors (no copy), so that jobs running at once never share the
+per-forward routing state pelt_core keeps on a backbone's modules (`workers.backbone_store.replicate`).
+A slot keeps its replica warm for the next job on that backbone.
+
+Threads: torch's intra-op thread count is per process, and each training thread runs its ops with that
+many threads (OpenMP gives every calling thread its own team), so a worker sets it to one slot's CPUs
+(`WorkerConfig.threads`) and the dispatcher reserves slots x that many CPUs for the actor. Jobs in one
+process share torch's global random generator: a job's initialisation and dropout depend on its seed
+only when it runs alone in its worker (jobs_per_worker=1).
+
 For each job it:
 
 1. renews the lease from a heartbeat thread every `heartbeat_seconds` (also while the backbone loads
@@ -19,6 +33,7 @@ anything (another worker owns the job).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -28,7 +43,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -49,17 +64,21 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     TrainingError, DataError, ConfigError, SpecError, BackboneError, DeltaError,
 )
 BackboneSource = Callable[[str, str], tuple[Backbone, int]]
+# Jobs in one process load their data one at a time: two threads inside `datasets.Dataset.from_json` at once
+# can break its tqdm progress bars' class-level lock ("type object 'tqdm' has no attribute '_lock'").
+_DATA_LOCK = threading.Lock()
 
 
 class WorkerBusyError(RuntimeError):
-    """A worker runs one job at a time."""
+    """Every job slot of the worker is taken (or the job already runs there)."""
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     """How a worker runs its jobs."""
 
-    threads: int | None = 1  # torch threads (one CPU slot); None leaves torch's default
+    threads: int | None = 1  # torch intra-op threads of every job (one slot's CPUs); None leaves torch's default
+    slots: int = 1  # jobs run at once, each in its own thread, sharing this process and its backbones
     heartbeat_seconds: float = 15.0  # how often the lease is renewed and progress reported
     lease_seconds: float = 60.0  # after this long without a heartbeat getting through, assume the lease lost
     max_backbones: int = 2  # warm backbones kept per worker (least recently used dropped first)
@@ -72,8 +91,9 @@ class _Attempt:
 
     PRIORITY: ClassVar[dict[str, int]] = {"release": 0, "cancel": 1, "lease_lost": 2}
 
-    def __init__(self, job_id: int) -> None:
+    def __init__(self, job_id: int, owner: str) -> None:
         self.job_id = job_id
+        self.owner = owner  # the lease owner, unique per running job (the dispatcher's "<worker>#<slot>")
         self.stopping = threading.Event()
         self.reason: str | None = None
         self.detail = ""
@@ -132,13 +152,25 @@ class _Heartbeat(threading.Thread):
         self.join()
 
 
+class _Warm:
+    """A warm backbone of this process: the shared copy as mapped, and the replicas its slots are not
+    using right now (the mapped copy itself is the first one lent out)."""
+
+    def __init__(self, backbone: Backbone, shared_bytes: int) -> None:
+        self.backbone = backbone
+        self.shared_bytes = shared_bytes
+        self.free: list[Backbone] = [backbone]
+
+
 class PeltWorker:
-    """Runs jobs one at a time on warm, shared backbones (see the module docstring)."""
+    """Runs up to `config.slots` jobs at once on warm, shared backbones (see the module docstring)."""
 
     def __init__(self, worker_id: str, config: WorkerConfig | None = None,
                  backbones: BackboneSource | None = None) -> None:
         self.worker_id = worker_id
         self.config = config or WorkerConfig()
+        if self.config.slots < 1:
+            raise ValueError(f"a worker needs at least one job slot, got {self.config.slots}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         if self.config.threads:
@@ -151,45 +183,53 @@ class PeltWorker:
             backbones = NodeBackbones(self.config.namespace)
             backbones.prestart()
         self._source = backbones
-        self._backbones: OrderedDict[tuple[str, str], tuple[Backbone, int]] = OrderedDict()
+        self._backbones: OrderedDict[tuple[str, str], _Warm] = OrderedDict()
         self._lock = threading.Lock()
-        self._attempt: _Attempt | None = None
+        self._loading: dict[tuple[str, str], threading.Lock] = {}  # one mapping at a time per backbone
+        self._attempts: dict[int, _Attempt] = {}  # running jobs by id, in the order they started
         self._finished: list[JobOutcome] = []
         self._started = time.time()
 
     # --- what the dispatcher calls ----------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        """Who and where this worker is, what it runs and which backbones it keeps warm."""
+        """Who and where this worker is, what it runs and which backbones it keeps warm.
+
+        jobs: every running job ({job_id, owner, progress}); job_id/progress: the first of them (None
+        when idle); outcomes: how the last finished jobs ended, by job id."""
         with self._lock:
-            attempt = self._attempt
+            attempts = list(self._attempts.values())
+            first = attempts[0] if attempts else None
             return {
                 "worker_id": self.worker_id,
                 "node_id": _node_id(),
                 "pid": os.getpid(),
-                "job_id": None if attempt is None else attempt.job_id,
-                "progress": None if attempt is None else attempt.progress,
+                "slots": self.config.slots,
+                "jobs": [{"job_id": a.job_id, "owner": a.owner, "progress": a.progress} for a in attempts],
+                "job_id": None if first is None else first.job_id,
+                "progress": None if first is None else first.progress,
                 "backbones": [list(key) for key in self._backbones],
                 "jobs_done": len(self._finished),
                 "last_outcome": None if not self._finished else self._finished[-1].status,
+                "outcomes": {o.job_id: o.status for o in self._finished},
                 "threads": self.config.threads,
                 "uptime_seconds": round(time.time() - self._started, 1),
             }
 
     def warm(self, backbone: str, dtype: str = "float32") -> dict[str, Any]:
         """Map a backbone now so the next job on it starts at once."""
-        loaded, shared_bytes = self._backbone(backbone, dtype)
-        return {"name": loaded.name, "dtype": dtype, "shared_bytes": shared_bytes,
-                "parameters": loaded.num_parameters}
+        warm = self._warm(backbone, dtype)
+        return {"name": warm.backbone.name, "dtype": dtype, "shared_bytes": warm.shared_bytes,
+                "parameters": warm.backbone.num_parameters}
 
     def stop(self, job_id: int, reason: str = "cancel") -> bool:
-        """Stop the job if it runs here: "cancel" (it ends cancelled) or "release" (it goes back to the
-        queue, not counted as an attempt). True if it was running here."""
+        """Stop one job if it runs here: "cancel" (it ends cancelled) or "release" (it goes back to the
+        queue, not counted as an attempt). The worker's other jobs go on. True if it was running here."""
         if reason not in ("cancel", "release"):
             raise ValueError(f"reason must be cancel or release, got {reason!r}")
         with self._lock:
-            attempt = self._attempt
-        if attempt is None or attempt.job_id != job_id:
+            attempt = self._attempts.get(job_id)
+        if attempt is None:
             return False
         attempt.stop(reason, "cancellation requested" if reason == "cancel" else "released by the dispatcher")
         return True
@@ -202,12 +242,16 @@ class PeltWorker:
         return os.getpid()
 
     def run(self, job: JobSpec, lease: JobLease, sink: DeltaSink) -> JobOutcome:
-        """Train one job under its lease and record how it ended (see the module docstring)."""
-        attempt = _Attempt(job.job_id)
+        """Train one job under its lease in a free slot and record how it ended (see the module
+        docstring). Raises WorkerBusyError when every slot is taken or the job already runs here."""
+        attempt = _Attempt(job.job_id, getattr(lease, "worker_id", None) or self.worker_id)
         with self._lock:
-            if self._attempt is not None:
-                raise WorkerBusyError(f"worker {self.worker_id} is running job {self._attempt.job_id}")
-            self._attempt = attempt
+            if job.job_id in self._attempts:
+                raise WorkerBusyError(f"worker {self.worker_id} is already running job {job.job_id}")
+            if len(self._attempts) >= self.config.slots:
+                raise WorkerBusyError(f"worker {self.worker_id} has {self.config.slots} slot(s), all taken by "
+                                      f"job(s) {', '.join(str(j) for j in self._attempts)}")
+            self._attempts[job.job_id] = attempt
         beat = _Heartbeat(lease, attempt, self.config.heartbeat_seconds, self.config.lease_seconds)
         beat.start()
         try:
@@ -215,12 +259,12 @@ class PeltWorker:
         finally:
             beat.finish()
             with self._lock:
-                self._attempt = None
+                self._attempts.pop(job.job_id, None)
         outcome = replace(outcome, seconds=round(time.monotonic() - attempt.started, 3))
         with self._lock:
             self._finished.append(outcome)
             del self._finished[:-100]
-        log.info("job %s on %s: %s%s", job.job_id, self.worker_id, outcome.status,
+        log.info("job %s on %s: %s%s", job.job_id, attempt.owner, outcome.status,
                  f" ({outcome.error.splitlines()[0]})" if outcome.error else "")
         return outcome
 
@@ -229,11 +273,10 @@ class PeltWorker:
     def _attempt_job(self, job: JobSpec, lease: JobLease, sink: DeltaSink, attempt: _Attempt,
                      beat: _Heartbeat) -> JobOutcome:
         def ended(status: str, **fields: Any) -> JobOutcome:
-            return JobOutcome(job_id=job.job_id, worker_id=self.worker_id, status=status, **fields)
+            return JobOutcome(job_id=job.job_id, worker_id=attempt.owner, status=status, **fields)
 
         try:
-            result, backbone = self._train(job, attempt)
-            stored = self._store(job, sink, result, backbone)
+            result, backbone, stored = self._train_and_store(job, sink, attempt)
             beat.finish()  # no heartbeat may race the final call
             if attempt.reason == "lease_lost":
                 return ended("lease_lost", error=attempt.detail)
@@ -272,7 +315,8 @@ class PeltWorker:
                 return ended("lease_lost", error=str(lost))
             return ended("failed", error=error, retryable=not permanent)
 
-    def _train(self, job: JobSpec, attempt: _Attempt) -> tuple[Any, Backbone]:
+    def _train_and_store(self, job: JobSpec, sink: DeltaSink, attempt: _Attempt) -> tuple[Any, Backbone, Any]:
+        """Train the job on a replica of its backbone lent to this slot, then store its delta."""
         def should_stop() -> bool:
             return attempt.stopping.is_set()
 
@@ -286,18 +330,20 @@ class PeltWorker:
                             "a job needs one to score its delta")
         fields = TaskFields(tuple(task.text_fields), task.label_field, task.problem_type,
                             list(task.label_names or []))
-        train_data, eval_data = load_split(task.train_path), load_split(task.validation_path)
-        backbone, _ = self._backbone(job.backbone, job.backbone_dtype or config.backbone_dtype)
-        expected = (job.backbone_hash or "").removeprefix("sha256:")
-        if expected and expected != backbone.content_hash:
-            raise BackboneError(f"backbone {job.backbone!r} has content hash {backbone.content_hash[:16]}…, "
-                                f"but the registry recorded {expected[:16]}…; register the changed model "
-                                "under a new name")
-        if should_stop():
-            raise TrainingCancelled("stopped before training")
-        result = train(backbone, spec, train_data, eval_data, config, task=fields, progress=attempt.report,
-                       should_stop=should_stop)
-        return result, backbone
+        with _DATA_LOCK:  # `datasets` is not thread-safe while it loads (its progress bars' shared lock)
+            train_data, eval_data = load_split(task.train_path), load_split(task.validation_path)
+        with self._lend(job.backbone, job.backbone_dtype or config.backbone_dtype) as backbone:
+            expected = (job.backbone_hash or "").removeprefix("sha256:")
+            if expected and expected != backbone.content_hash:
+                raise BackboneError(f"backbone {job.backbone!r} has content hash {backbone.content_hash[:16]}…, "
+                                    f"but the registry recorded {expected[:16]}…; register the changed model "
+                                    "under a new name")
+            if should_stop():
+                raise TrainingCancelled("stopped before training")
+            result = train(backbone, spec, train_data, eval_data, config, task=fields, progress=attempt.report,
+                           should_stop=should_stop)
+            stored = self._store(job, sink, result, backbone)
+        return result, backbone, stored
 
     def _store(self, job: JobSpec, sink: DeltaSink, result: Any, backbone: Backbone) -> Any:
         extra = {"job_id": job.job_id, "attempt": job.attempt, "task": job.task.name, "method": job.method,
@@ -309,19 +355,45 @@ class PeltWorker:
 
     # --- backbones ----------------------------------------------------------------------------------
 
-    def _backbone(self, name: str, dtype: str) -> tuple[Backbone, int]:
-        """A warm backbone, or the node's shared copy mapped now (least recently used one dropped)."""
+    def _warm(self, name: str, dtype: str) -> _Warm:
+        """A warm backbone, or the node's shared copy mapped now (least recently used one dropped).
+        Slots asking for the same backbone at once wait for one mapping."""
         key = (resolve_backbone(name)[0], dtype)
         with self._lock:
-            if key in self._backbones:
-                self._backbones.move_to_end(key)
-                return self._backbones[key]
-        loaded = self._source(name, dtype)
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:
+            with self._lock:
+                if key in self._backbones:
+                    self._backbones.move_to_end(key)
+                    return self._backbones[key]
+            warm = _Warm(*self._source(name, dtype))
+            if self.config.slots > 1:  # its jobs may tokenize at the same moment
+                from workers.backbone_store import SerializedTokenizer
+
+                warm.backbone.tokenizer = SerializedTokenizer(warm.backbone.tokenizer)
+            with self._lock:
+                self._backbones[key] = warm
+                while len(self._backbones) > max(self.config.max_backbones, 1):
+                    self._backbones.popitem(last=False)
+        return warm
+
+    @contextlib.contextmanager
+    def _lend(self, name: str, dtype: str) -> Iterator[Backbone]:
+        """A replica of a warm backbone for one job: its own module tree over the shared tensors, so jobs
+        training at once never share pelt_core's per-forward state. The mapped copy is the first replica;
+        more are built when slots train on the same backbone at once, and kept for the next jobs."""
+        warm = self._warm(name, dtype)
         with self._lock:
-            self._backbones[key] = loaded
-            while len(self._backbones) > max(self.config.max_backbones, 1):
-                self._backbones.popitem(last=False)
-        return loaded
+            backbone = warm.free.pop() if warm.free else None
+        if backbone is None:
+            from workers.backbone_store import replicate
+
+            backbone = replicate(warm.backbone)
+        try:
+            yield backbone
+        finally:
+            with self._lock:
+                warm.free.append(backbone)  # dropped with `warm` if it left the cache meanwhile
 
 
 def result_fields(result: Any, backbone: Backbone) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The dispatcher and its worker actors on a local Ray (one node, started the way the service starts it):
-jobs, warm workers, a SIGKILLed worker, cancellation, graceful shutdown and a dispatcher restart.
+jobs, warm workers, a SIGKILLed worker, cancellation, graceful shutdown and a dispatcher restart; and
+the same with two job slots per worker process (jobs_per_worker=2).
 
 Every test uses its own Ray namespace, registry and delta folder, and stops its workers at the end.
 """
@@ -52,7 +53,7 @@ def worker_names(namespace: str) -> list[str]:
 
 
 def worker_pid(dispatcher: Dispatcher, job_id: int) -> int:
-    (worker,) = [w for w in dispatcher.workers.values() if w.job_id == job_id]
+    (worker,) = [w for w in dispatcher.workers.values() if job_id in {j.job_id for j in w.jobs.values()}]
     return ray.get(worker.actor.ping.remote())
 
 
@@ -222,3 +223,132 @@ def test_with_the_mlflow_store_a_job_becomes_one_model_version_and_the_aliases_f
     assert result.mlflow_model_version == version.version and result.delta_uri == version.uri
     assert set(version.aliases) == {"best", "best-lora"}  # moved by the dispatcher once the result was recorded
     assert store.pull("toy").delta is not None
+
+
+# --- two job slots per worker process ------------------------------------------------------------------
+
+
+def training(registry: Registry, job_ids: list[int], steps: int = 10) -> bool:
+    return all(step_of(registry, job_id) >= steps for job_id in job_ids)
+
+
+def one_worker(dispatcher: Dispatcher) -> tuple[str, int]:
+    """(actor name, pid) of the dispatcher's only worker."""
+    (worker,) = dispatcher.workers.values()
+    return worker.worker_id, ray.get(worker.actor.ping.remote())
+
+
+def test_two_slots_train_two_jobs_at_once_in_one_process_each_with_its_own_lease_result_and_delta(
+    local_ray, registry, tmp_path, namespace
+):
+    job_ids = submit(registry, 2, steps=300)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1).start()
+    try:
+        wait_for(lambda: training(registry, job_ids), 60, "both jobs to be training")
+        owners = [registry.get_job(j).lease_owner for j in job_ids]
+        name, pid = one_worker(dispatcher)
+        info = ray.get(dispatcher.workers[name].actor.info.remote())
+        wait_for(lambda: ended(registry, job_ids), 120, "both jobs to finish")
+    finally:
+        dispatcher.shutdown()
+
+    assert sorted(owners) == [f"{name}#0", f"{name}#1"]  # one process, two leases
+    assert info["pid"] == pid and info["slots"] == 2  # that process runs both jobs
+    assert sorted((j["job_id"], j["owner"]) for j in info["jobs"]) == sorted(zip(job_ids, owners, strict=True))
+    for job_id, owner in zip(job_ids, owners, strict=True):
+        job, result = registry.get_job(job_id), registry.get_result(job_id)
+        assert (job.status, job.attempts, result.worker_id) == (JobStatus.SUCCEEDED, 1, owner)
+        folder = Path(result.delta_uri.removeprefix("file://"))
+        assert folder.name == f"job-{job_id}"
+        assert hashlib.sha256((folder / "delta.safetensors").read_bytes()).hexdigest() == result.delta_sha256
+    assert len(delta_folders(tmp_path)) == 2
+    assert not worker_names(namespace)
+
+
+def test_cancelling_one_of_two_jobs_in_a_process_leaves_the_other_running_to_success(
+    local_ray, registry, tmp_path, namespace
+):
+    (cancelled,) = submit(registry, 1, steps=100_000)
+    (kept,) = submit(registry, 1, steps=600, seed0=1)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1,
+                                heartbeat_seconds=5.0).start()  # the dispatcher's push, not the heartbeat
+    try:
+        wait_for(lambda: training(registry, [cancelled, kept]), 60, "both jobs to be training")
+        name, _ = one_worker(dispatcher)
+        requested = time.monotonic()
+        registry.cancel_job(cancelled)
+        wait_for(lambda: registry.get_job(cancelled).status == JobStatus.CANCELLED, 10, "the job to stop")
+        assert time.monotonic() - requested < 5.0
+        still = registry.get_job(kept)
+        assert still.status == JobStatus.RUNNING and step_of(registry, kept) < 600
+        actor = dispatcher.workers[name].actor
+        wait_for(lambda: [j["job_id"] for j in ray.get(actor.info.remote())["jobs"]] == [kept], 10,
+                 "the worker to free the cancelled job's slot")
+        wait_for(lambda: ended(registry, [kept]), 120, "the other job to finish")
+    finally:
+        dispatcher.shutdown()
+
+    job = registry.get_job(cancelled)
+    assert (job.status, job.attempts, registry.get_result(cancelled)) == (JobStatus.CANCELLED, 1, None)
+    job = registry.get_job(kept)
+    assert (job.status, job.attempts, registry.get_result(kept).worker_id) == (JobStatus.SUCCEEDED, 1,
+                                                                                  still.lease_owner)
+    assert delta_folders(tmp_path) == [tmp_path / "deltas" / "toy" / f"job-{kept}"]
+
+
+def test_a_process_with_two_jobs_killed_both_go_back_to_the_queue_and_complete_once(
+    local_ray, registry, tmp_path, namespace
+):
+    job_ids = submit(registry, 2, steps=700)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1).start()
+    try:
+        wait_for(lambda: training(registry, job_ids, 20), 60, "both jobs to be training")
+        owners = {j: registry.get_job(j).lease_owner for j in job_ids}
+        _, pid = one_worker(dispatcher)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: ended(registry, job_ids), 180, "both retried jobs to finish")
+    finally:
+        dispatcher.shutdown()
+
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert dispatcher.stats["worker_deaths"] == 1
+    for job_id in job_ids:
+        job, result = registry.get_job(job_id), registry.get_result(job_id)
+        assert (job.status, job.attempts, result.attempt) == (JobStatus.SUCCEEDED, 2, 2)
+        assert "died" in (job.last_error or "") and result.worker_id != owners[job_id]
+        events = registry.job_events(job_id)
+        assert [(e.from_status, e.to_status) for e in events] == [
+            (None, "queued"), ("queued", "running"), ("running", "queued"), ("queued", "running"),
+            ("running", "succeeded")]
+        assert events[2].worker_id == owners[job_id]  # failed for the slot that ran it
+    assert delta_folders(tmp_path) == sorted(tmp_path / "deltas" / "toy" / f"job-{j}" for j in job_ids)
+
+
+def test_a_restarted_dispatcher_adopts_both_running_jobs_of_a_two_slot_worker(
+    local_ray, registry, tmp_path, namespace
+):
+    job_ids = submit(registry, 2, steps=700)
+    first = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1).start()
+    wait_for(lambda: training(registry, job_ids, 20), 60, "both jobs training")
+    owners = {j: registry.get_job(j).lease_owner for j in job_ids}
+    name, pid = one_worker(first)
+    first.detach()  # the dispatcher goes away; its worker and both jobs go on
+
+    second = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1)
+    settled = second.reconcile()
+    assert settled == {"adopted": sorted(job_ids), "released": [], "left_to_lease_expiry": []}
+    (described,) = second.describe()
+    assert (described["worker_id"], described["slots"]) == (name, 2)
+    assert described["jobs"] == {owner: job_id for job_id, owner in sorted(owners.items(), key=lambda i: i[1])}
+    second.start()
+    try:
+        wait_for(lambda: ended(registry, job_ids), 120, "both jobs to finish")
+        wait_for(lambda: second.stats["succeeded"] == 2, 10, "the dispatcher to see both outcomes")
+        assert one_worker(second) == (name, pid)
+    finally:
+        second.shutdown()
+
+    for job_id in job_ids:  # ran to their end under the new dispatcher, never restarted
+        job, result = registry.get_job(job_id), registry.get_result(job_id)
+        assert (job.status, job.attempts, result.worker_id) == (JobStatus.SUCCEEDED, 1, owners[job_id])
+    assert len(delta_folders(tmp_path)) == 2

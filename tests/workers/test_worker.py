@@ -192,3 +192,46 @@ def test_a_worker_runs_one_job_at_a_time(worker, tiny_backbone, toy_data, tmp_pa
         worker.run(job_spec(tiny_backbone, toy_data, 2), RecordingLease(2), LocalDeltaSink(tmp_path))
     worker.stop(1, "cancel")
     thread.join(10)
+
+
+def test_a_worker_with_two_slots_trains_two_jobs_at_once_and_stops_one_only(tiny_backbone, toy_data, tmp_path):
+    from workers.worker import WorkerBusyError
+
+    source = CountingBackbones()
+    worker = PeltWorker("w2", WorkerConfig(threads=None, slots=2, heartbeat_seconds=0.02, lease_seconds=5),
+                        backbones=source)
+    sink = LocalDeltaSink(tmp_path / "deltas")
+    leases = {job_id: RecordingLease(job_id) for job_id in (1, 2)}
+    leases[1].worker_id, leases[2].worker_id = "w2#0", "w2#1"
+    outcomes: dict[int, Any] = {}
+    steps = {1: 100_000, 2: 400}
+    threads = [threading.Thread(target=lambda j=j: outcomes.__setitem__(j, worker.run(
+        job_spec(tiny_backbone, toy_data, j, steps=steps[j]), leases[j], sink))) for j in (1, 2)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: leases[1].reports and leases[2].reports, 30, "both jobs to be training")
+    running = worker.info()["jobs"]
+    assert sorted((j["job_id"], j["owner"]) for j in running) == [(1, "w2#0"), (2, "w2#1")]
+    with pytest.raises(WorkerBusyError):  # two slots, both taken
+        worker.run(job_spec(tiny_backbone, toy_data, 3), RecordingLease(3), sink)
+    assert worker.stop(1, "cancel") is True
+    threads[0].join(10)
+    assert outcomes[1].status == "cancelled" and leases[1].ends() == ["cancelled"]
+    assert 2 not in outcomes and leases[2].ends() == []  # the other job goes on
+    threads[1].join(120)
+    assert (outcomes[2].status, outcomes[2].worker_id) == ("succeeded", "w2#1")
+    assert leases[2].ends() == ["complete"] and leases[2].reports[-1]["total"] == 400
+    assert source.loads == [tiny_backbone[0]]  # one mapping of the backbone for both jobs
+    assert sorted(p.name for p in (tmp_path / "deltas" / "toy").iterdir()) == ["job-2"]
+    assert worker.info()["jobs"] == [] and worker.info()["outcomes"] == {1: "cancelled", 2: "succeeded"}
+
+
+def test_a_replica_shares_every_tensor_of_its_backbone(tiny_backbone):
+    from workers.backbone_store import backbone_tensors, replicate
+
+    backbone, _ = LocalBackbones()(tiny_backbone[0])
+    twin = replicate(backbone)
+    ours, theirs = backbone_tensors(backbone.model), backbone_tensors(twin.model)
+    assert set(ours) == set(theirs)
+    assert all(ours[name].data_ptr() == theirs[name].data_ptr() for name in ours)
+    assert twin.model is not backbone.model and twin.content_hash == backbone.content_hash
