@@ -213,11 +213,16 @@ class PeltClient:
         """Wait until every job has ended (succeeded, failed or cancelled), showing a progress bar per job
         (step/total, loss, tokens/s). Returns the jobs as they ended; TimeoutError after `timeout` s."""
         ids = _job_ids(jobs)
+        sweep_id = jobs.id if isinstance(jobs, SweepOut) else None
         deadline = None if timeout is None else time.monotonic() + timeout
         bars: dict[int, Any] = {}
         try:
             while True:
-                current = {job_id: self.job(job_id) for job_id in ids}
+                if sweep_id is not None:  # one request per poll for the whole sweep
+                    found = {job.id: job for job in self.jobs(sweep_id=sweep_id, limit=10_000)}
+                    current = {job_id: found[job_id] for job_id in ids}
+                else:
+                    current = {job_id: self.job(job_id) for job_id in ids}
                 if progress:
                     _draw(bars, current)
                 if all(job.status in TERMINAL for job in current.values()):
