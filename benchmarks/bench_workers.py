@@ -14,6 +14,9 @@ Prints numbers and ratios against peers measured in the same run; asserts nothin
     memory it filled (a copy each, e.g. a GGUF model dequantized at load) or a read-only file mapping
     (safetensors loaded by mmap: one copy in the page cache, shared by all peers)).
     Target: 8 concurrent SmolLM2 jobs in at most half the memory of 8 peer processes.
+    `--jobs-per-worker 1,4` measures the service once per setting: N job slots per worker process
+    (8 jobs = 8 workers x 1, or 2 workers x 4: jobs sharing a process share its runtime); the peers
+    are measured once.
 (b) Throughput. 16 LoRA jobs (SST-2, K=100 sampled by seed, 3 epochs, batch 16, fp32, one evaluation
     on the 872-row dev set at the end) submitted to the service with warm workers (one per CPU slot,
     1 torch thread each), wall-clock from submit to the last result; against the same 16 jobs run one
@@ -25,6 +28,7 @@ Prints numbers and ratios against peers measured in the same run; asserts nothin
                                                   # SmolLM2 at 8, throughput of 16 jobs (peak ~10 GB)
     python benchmarks/bench_workers.py --full     # 1,2,4,8 jobs for both backbones (~25 min)
     python benchmarks/bench_workers.py --only memory --backbones smollm2-135m --smollm-counts 1,8 --batch-size 16
+    python benchmarks/bench_workers.py --only memory --backbones smollm2-135m --smollm-counts 8 --jobs-per-worker 1,4,8
     python benchmarks/bench_workers.py --only throughput --jobs 16 --slots 2 --json out.json
 
 Memory jobs use batch 4 by default: at batch 16 a SmolLM2 job's activations (~1.2 GB, backward through
@@ -167,7 +171,8 @@ def mb(value: float) -> str:
 class Service:
     """A local Ray, an SQLite registry with SST-2 and the backbones, and a running dispatcher."""
 
-    def __init__(self, work: Path, slots: int, backbones: list[str], heartbeat_seconds: float = 5.0) -> None:
+    def __init__(self, work: Path, slots: int, backbones: list[str], heartbeat_seconds: float = 5.0,
+                 jobs_per_worker: int = 1) -> None:
         from services.dispatcher import Dispatcher, DispatcherConfig, connect_ray
         from services.registry import Registry, upgrade
         from services.registry.testing import sqlite_url
@@ -189,7 +194,8 @@ class Service:
                                     text_fields=["sentence"])
         for name in backbones:
             self.registry.register_backbone(name, name, content_hash(name, work.parent))
-        config = DispatcherConfig(namespace="bench-workers", max_workers_per_node=slots,
+        config = DispatcherConfig(namespace="bench-workers", jobs_per_worker=jobs_per_worker,
+                                  max_workers_per_node=-(-slots // jobs_per_worker),
                                   heartbeat_seconds=heartbeat_seconds, poll_seconds=0.2)
         self.dispatcher = Dispatcher(self.registry, LocalDeltaSink(work / "deltas"), config=config,
                                      settings=settings).start()
@@ -242,12 +248,14 @@ def content_hash(name: str, cache_folder: Path) -> str:
 # --- (a) memory --------------------------------------------------------------------------------------------
 
 
-def memory_service(backbone: str, counts: list[int], settle: int, batch: int,
-                   work: Path) -> tuple[list[dict[str, Any]], int]:
+def memory_service(backbone: str, counts: list[int], settle: int, batch: int, work: Path,
+                   jobs_per_worker: int = 1) -> tuple[list[dict[str, Any]], int]:
     """Service side of the memory benchmark: ramp concurrent jobs to each count and measure."""
     import ray
 
-    service = Service(work / "service", slots=max(counts), backbones=[backbone], heartbeat_seconds=1.0)
+    slots = -(-max(counts) // jobs_per_worker) * jobs_per_worker  # whole workers
+    service = Service(work / "service", slots=slots, backbones=[backbone], heartbeat_seconds=1.0,
+                      jobs_per_worker=jobs_per_worker)
     rows, job_ids = [], []
     try:
         for count in counts:
@@ -258,12 +266,14 @@ def memory_service(backbone: str, counts: list[int], settle: int, batch: int,
             groups = ray_processes()
             measured = sample(groups)
             store = object_store_resident()
-            row: dict[str, Any] = {"count": count, "workers": len(groups["workers"]), "object_store": store}
+            row: dict[str, Any] = {"count": count, "jobs_per_worker": jobs_per_worker,
+                                   "workers": len(groups["workers"]), "object_store": store}
             for name, values in measured.items():  # PSS outside the object store, by role
                 row[f"{name}_pss"] = values["pss"] - values["plasma_pss"]
                 row[f"{name}_uss"] = values["uss"]
             rows.append(row)
-            print(f"  service  {count} job(s): workers {mb(row['workers_pss'])} MB + host {mb(row['host_pss'])} MB"
+            print(f"  service  {count} job(s) on {row['workers']} worker(s) x {jobs_per_worker} slot(s): "
+                  f"workers {mb(row['workers_pss'])} MB + host {mb(row['host_pss'])} MB"
                   f" + object store {mb(store)} MB (+ Ray system {mb(row['ray_system_pss'])} MB)", flush=True)
         host = ray.get_actor(f"pelt-backbones.{ray.get_runtime_context().get_node_id()}",
                              namespace="bench-workers")
@@ -365,45 +375,60 @@ def weight_placement(model: Any) -> dict[str, int]:
     return placement
 
 
-def run_memory(backbone: str, counts: list[int], settle: int, batch: int, work: Path) -> dict[str, Any]:
+def run_memory(backbone: str, counts: list[int], settle: int, batch: int, work: Path,
+               jobs_per_worker: list[int] | None = None) -> dict[str, Any]:
+    settings = jobs_per_worker or [1]
     print(f"\n(a) memory: {backbone}, concurrent LoRA jobs {counts} (K=100, batch {batch}), measured after "
-          f"{settle} steps each", flush=True)
+          f"{settle} steps each; job slots per worker process: {', '.join(map(str, settings))}", flush=True)
     started = time.perf_counter()
-    service_rows, backbone_bytes = memory_service(backbone, counts, settle, batch, work / f"memory-{backbone}")
-    peer_rows = memory_peers(backbone, counts, settle, batch, work / f"memory-{backbone}")
+    service_rows: list[dict[str, Any]] = []
+    for slots in settings:
+        rows, backbone_bytes = memory_service(backbone, counts, settle, batch, work / f"memory-{backbone}",
+                                              jobs_per_worker=slots)
+        service_rows += rows
+    peer_rows = {row["count"]: row for row in memory_peers(backbone, counts, settle, batch,
+                                                           work / f"memory-{backbone}")}
     table = []
-    for service, peers in zip(service_rows, peer_rows, strict=True):
+    for service in service_rows:
+        peers = peer_rows[service["count"]]
         jobs = service["workers_pss"] + service["host_pss"] + service["object_store"]
         everything = jobs + service["ray_system_pss"]
         table.append({
-            "count": service["count"], "service_jobs": jobs, "service_all": everything, "peers": peers["peers_pss"],
+            "count": service["count"], "jobs_per_worker": service["jobs_per_worker"], "workers": service["workers"],
+            "service_jobs": jobs, "service_all": everything, "peers": peers["peers_pss"],
             "ratio_jobs": jobs / peers["peers_pss"], "ratio_all": everything / peers["peers_pss"],
             "service_backbone_copies": service["object_store"] / backbone_bytes,
             "peer_backbone_copies": (peers["peers_private_weights"] + peers["peers_file_weights"]) / backbone_bytes,
             "service_pss_per_worker": service["workers_pss"] / max(service["workers"], 1),
             "service_uss_per_worker": service["workers_uss"] / max(service["workers"], 1),
+            "service_pss_per_job": service["workers_pss"] / service["count"],
             "host_pss": service["host_pss"], "ray_system_pss": service["ray_system_pss"],
             "peer_pss_per_process": peers["peers_pss"] / service["count"],
             "peer_uss_per_process": peers["peers_uss"] / service["count"],
         })
     print(f"backbone {backbone}: {mb(backbone_bytes)} MB of weights (fp32). MB = total PSS (object store: resident bytes)")
-    print(f"{'jobs':>5} {'service jobs':>13} {'+Ray system':>12} {'peers':>8} {'jobs/peers':>11} {'all/peers':>10}"
-          f" {'backbone copies: service':>25} {'peers':>6} {'MB/worker':>10} {'MB/peer':>8}")
+    print(f"{'jobs':>5} {'workers x slots':>16} {'service jobs':>13} {'+Ray system':>12} {'peers':>8}"
+          f" {'jobs/peers':>11} {'all/peers':>10} {'backbone copies: service':>25} {'peers':>6}"
+          f" {'MB/worker':>10} {'MB/job':>7} {'MB/peer':>8}")
     for row in table:
-        print(f"{row['count']:>5} {mb(row['service_jobs']):>13} {mb(row['service_all']):>12} {mb(row['peers']):>8}"
-              f" {row['ratio_jobs']:>11.2f} {row['ratio_all']:>10.2f} {row['service_backbone_copies']:>25.2f}"
-              f" {row['peer_backbone_copies']:>6.1f} {mb(row['service_pss_per_worker']):>10}"
+        shape = f"{row['workers']} x {row['jobs_per_worker']}"
+        print(f"{row['count']:>5} {shape:>16} {mb(row['service_jobs']):>13} {mb(row['service_all']):>12}"
+              f" {mb(row['peers']):>8} {row['ratio_jobs']:>11.2f} {row['ratio_all']:>10.2f}"
+              f" {row['service_backbone_copies']:>25.2f} {row['peer_backbone_copies']:>6.1f}"
+              f" {mb(row['service_pss_per_worker']):>10} {mb(row['service_pss_per_job']):>7}"
               f" {mb(row['peer_pss_per_process']):>8}")
     last = table[-1]
     print(f"  (service jobs = worker actors + the node's backbone host {mb(last['host_pss'])} MB + the object store;"
           f" Ray's own processes add {mb(last['ray_system_pss'])} MB per node)")
-    if backbone == SMOLLM2 and last["count"] == 8:
-        print(f"target (8 concurrent SmolLM2 jobs in <= 1/2 the memory of 8 peers): "
-              f"{'met' if last['ratio_jobs'] <= 0.5 else 'NOT met'} for the jobs ({last['ratio_jobs']:.2f}), "
-              f"{'met' if last['ratio_all'] <= 0.5 else 'NOT met'} counting Ray's processes ({last['ratio_all']:.2f})")
+    for row in table:
+        if backbone == SMOLLM2 and row["count"] == 8:
+            print(f"target (8 concurrent SmolLM2 jobs in <= 1/2 the memory of 8 peers), {row['workers']} worker(s) x "
+                  f"{row['jobs_per_worker']} slot(s): "
+                  f"{'met' if row['ratio_jobs'] <= 0.5 else 'NOT met'} for the jobs ({row['ratio_jobs']:.2f}), "
+                  f"{'met' if row['ratio_all'] <= 0.5 else 'NOT met'} counting Ray's processes ({row['ratio_all']:.2f})")
     print(f"[{time.perf_counter() - started:.0f} s]", flush=True)
     return {"backbone": backbone, "backbone_bytes": backbone_bytes, "settle_steps": settle, "batch_size": batch,
-            "rows": table}
+            "jobs_per_worker": settings, "rows": table}
 
 
 # --- (b) throughput -----------------------------------------------------------------------------------------
@@ -554,6 +579,8 @@ def main() -> None:
                         help="measure memory once every job took this many steps (8: every batch of K=100 seen)")
     parser.add_argument("--batch-size", type=int, default=4,
                         help="batch size of the memory benchmark's jobs (16: 8 SmolLM2 peers need ~18 GB)")
+    parser.add_argument("--jobs-per-worker", default="1",
+                        help="job slots per worker process, one or more settings (memory; e.g. 1,4)")
     parser.add_argument("--jobs", type=int, default=16, help="jobs (throughput)")
     parser.add_argument("--slots", type=int, default=os.cpu_count() or 2, help="worker slots (throughput)")
     parser.add_argument("--k", type=int, default=100)
@@ -586,7 +613,8 @@ def main() -> None:
             chosen = counts
             if backbone == SMOLLM2 and (args.smollm_counts or not args.full):
                 chosen = [int(c) for c in (args.smollm_counts or "8").split(",")]
-            report["memory"].append(run_memory(backbone, chosen, args.settle_steps, args.batch_size, work))
+            report["memory"].append(run_memory(backbone, chosen, args.settle_steps, args.batch_size, work,
+                                               [int(n) for n in args.jobs_per_worker.split(",")]))
     if args.only in (None, "throughput"):
         report["throughput"] = run_throughput(args.jobs, args.slots, args.k, args.epochs, work)
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}; total {time.perf_counter() - started:.0f} s")
