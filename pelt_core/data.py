@@ -60,6 +60,8 @@ def load_table(path: str | Path, split: str | None = None):
             return datasets.Dataset.from_parquet(str(p))
     except DataError:
         raise
+    except (ImportError, AttributeError, RuntimeError, MemoryError):
+        raise  # not the file's fault (an import, a bug, memory): no DataError, which would end the job for good
     except Exception as exc:  # the readers raise many types; the user needs the file and the reason
         raise DataError(f"{path}: cannot read it as {p.suffix or 'a datasets folder'}: {exc}") from exc
     raise DataError(f"{path}: unsupported file type {p.suffix!r}; use .jsonl, .json, .csv, .tsv, .parquet "

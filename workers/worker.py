@@ -177,6 +177,8 @@ class PeltWorker:
             import torch
 
             torch.set_num_threads(self.config.threads)
+        if self.config.slots > 1:
+            _import_eagerly()
         if backbones is None:
             from workers.backbone_store import NodeBackbones
 
@@ -394,6 +396,23 @@ class PeltWorker:
         finally:
             with self._lock:
                 warm.free.append(backbone)  # dropped with `warm` if it left the cache meanwhile
+
+
+def _import_eagerly() -> None:
+    """Import what jobs use before they run in threads: transformers resolves its names lazily on first
+    access, and two threads doing that at once can see a half-initialised module ("module 'transformers'
+    has no attribute 'PreTrainedTokenizerBase'"), measured with two slots in a fresh worker."""
+    import datasets  # noqa: F401
+    import transformers
+    from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: F401
+
+    import pelt_core.data
+    import pelt_core.delta
+    import pelt_core.metrics
+    import pelt_core.model
+    import pelt_core.train  # noqa: F401
+
+    transformers.modeling_utils  # noqa: B018 - touching it finishes its lazy import
 
 
 def result_fields(result: Any, backbone: Backbone) -> dict[str, Any]:
