@@ -104,6 +104,7 @@ def demo_command(methods: str, k_shot: int, epochs: float, validation_size: int,
                    f"({model.info.method}, sha256 {model.sha256[:12]}…)")
         for sentence, prediction in zip(DEMO_SENTENCES, model.predict(DEMO_SENTENCES), strict=True):
             click.echo(f"  {prediction['label']:<9}{prediction['score']:.2f}  {sentence}")
-    click.echo(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
+    click.echo(f"\ndemo finished in {time.perf_counter() - started:.0f} s. Everything stays in {settings.data_dir}: "
+               f"run `pelt serve`, then e.g. `pelt leaderboard {task.name}` or `pelt pull {task.name} -o delta/`")
     if failed:
         raise SystemExit(1)
