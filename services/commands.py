@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from services.api.schemas import DEFAULT_BACKBONE
 from services.client import PeltAPIError, PeltClient
 
 
@@ -36,15 +37,19 @@ def _client_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def _values(assignments: tuple[str, ...]) -> dict[str, Any]:
     """`--set key=value` pairs; values are read as JSON when they parse (2e-3, 8, true, [1, 2]), else text."""
+    from pelt_core.config import parse_assignments
+    from pelt_core.spec import SpecError
+
+    try:
+        pairs = parse_assignments(assignments)
+    except SpecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--set") from None
     values: dict[str, Any] = {}
-    for item in assignments:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(f"{item!r}: expected key=value", param_hint="--set")
+    for key, raw in pairs.items():
         try:
-            values[key.strip()] = json.loads(raw)
+            values[key] = json.loads(raw)
         except json.JSONDecodeError:
-            values[key.strip()] = raw
+            values[key] = raw
     return values
 
 
@@ -189,7 +194,7 @@ def task_show(name: str) -> None:
 @click.command("submit")
 @click.argument("task")
 @click.argument("method")
-@click.option("--backbone", default="all-minilm-l6-v2", show_default=True)
+@click.option("--backbone", default=DEFAULT_BACKBONE, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--k-shot", type=int, default=None, help="K training examples (default: the full training set)")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
@@ -213,7 +218,7 @@ def submit_command(task: str, method: str, backbone: str, seed: int, k_shot: int
 @click.option("--methods", required=True, help="comma-separated, e.g. lora,bitfit,prefix")
 @click.option("--seeds", default="0", show_default=True, help="comma-separated")
 @click.option("--k", "k_values", default="full", show_default=True, help="comma-separated K values; 'full': all rows")
-@click.option("--backbone", default="all-minilm-l6-v2", show_default=True)
+@click.option("--backbone", default=DEFAULT_BACKBONE, show_default=True)
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="applies to every job")
 @click.option("--priority", default=0, show_default=True)
 @click.option("--watch", is_flag=True, help="then show the jobs' progress until they end")

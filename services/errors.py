@@ -35,18 +35,27 @@ class ErrorView:
         return {"error": {"status": self.status, "type": self.type, "field": self.field, "message": self.message}}
 
 
-def classify(exc: BaseException) -> ErrorView | None:
-    """The HTTP view of an expected error (None: unexpected, a 500)."""
+def expected_errors() -> tuple[type[Exception], ...]:
+    """The error classes the service raises on purpose: the API answers them with `classify`'s view
+    (imported late: pelt_core pulls in torch)."""
     from pelt_core.backbones import BackboneError
     from pelt_core.compose import CompositionError
     from pelt_core.config import ConfigError
     from pelt_core.data import DataError
     from pelt_core.delta import DeltaError
     from pelt_core.spec import SpecError
+    from services.delta_store.errors import DeltaStoreError
+    from services.registry.errors import RegistryError
+
+    return (ServiceError, RegistryError, DeltaStoreError, CompositionError, DeltaError, BackboneError, ConfigError,
+            SpecError, DataError)
+
+
+def classify(exc: BaseException) -> ErrorView | None:
+    """The HTTP view of an expected error (None: unexpected, a 500)."""
     from services.delta_store.errors import (
         DeltaIntegrityError,
         DeltaNotFoundError,
-        DeltaStoreError,
         StoreNotReadyError,
     )
     from services.registry.errors import (
@@ -54,6 +63,7 @@ def classify(exc: BaseException) -> ErrorView | None:
         IdempotencyConflictError,
         JobStateError,
         NotFoundError,
+        RegistryError,
     )
 
     kind = type(exc).__name__
@@ -75,10 +85,9 @@ def classify(exc: BaseException) -> ErrorView | None:
         return ErrorView(503, kind, str(exc))
     if isinstance(exc, DeltaIntegrityError):
         return ErrorView(500, kind, str(exc))
-    if isinstance(exc, DeltaStoreError | CompositionError | DeltaError | BackboneError | ConfigError | SpecError
-                  | DataError):
+    if isinstance(exc, expected_errors()) and not isinstance(exc, RegistryError):  # pelt_core/store: bad input
         return ErrorView(422, kind, str(exc), getattr(exc, "field", None))
     return None
 
 
-__all__ = ["ErrorView", "ServiceError", "TooLargeError", "classify"]
+__all__ = ["ErrorView", "ServiceError", "TooLargeError", "classify", "expected_errors"]

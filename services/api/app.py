@@ -46,7 +46,7 @@ from services.api.schemas import (
     TaskOut,
     VersionOut,
 )
-from services.errors import ErrorView, ServiceError, classify
+from services.errors import ErrorView, ServiceError, classify, expected_errors
 from services.registry import ApiTokenRecord, JobStatus
 from services.service import PeltService, Upload
 from services.settings import Settings
@@ -69,9 +69,9 @@ bearer = HTTPBearer(auto_error=False, description="a token from `pelt token crea
 
 def authenticated(request: Request,
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> ApiTokenRecord:
-    """The route's caller: an active token, else 401 (a missing, unknown and revoked token look alike)."""
-    service: PeltService = request.app.state.service
-    token = service.registry.authenticate(credentials.credentials) if credentials else None
+    """The route's caller: the token the gate (`Gate`) already checked for this request; 401 without one.
+    (The bearer scheme is declared here so that the OpenAPI schema shows it.)"""
+    token = request.scope.get("state", {}).get("token")
     if token is None:
         raise ServiceError(UNAUTHORIZED, status=401, field="Authorization")
     return token
@@ -319,21 +319,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         return respond(ErrorView(500, "InternalError", f"internal error ({type(exc).__name__}); see the service log"))
 
 
-def expected_errors() -> tuple[type[Exception], ...]:
-    """The error classes the service raises on purpose (see services.errors.classify)."""
-    from pelt_core.backbones import BackboneError
-    from pelt_core.compose import CompositionError
-    from pelt_core.config import ConfigError
-    from pelt_core.data import DataError
-    from pelt_core.delta import DeltaError
-    from pelt_core.spec import SpecError
-    from services.delta_store.errors import DeltaStoreError
-    from services.registry import RegistryError
-
-    return (ServiceError, RegistryError, DeltaStoreError, CompositionError, DeltaError, BackboneError, ConfigError,
-            SpecError, DataError)
-
-
 class Gate:
     """Before the app reads any of a request's body: refuse a /v1 request without a valid token (401), so
     nobody without one can make the service read an upload, and a body above its bound (413), by
@@ -348,11 +333,14 @@ class Gate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if scope["path"].startswith("/v1/") and not await self._authenticated(headers.get(b"authorization")):
-            view = ErrorView(401, "ServiceError", UNAUTHORIZED, "Authorization")
-            await JSONResponse(view.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
-                scope, receive, send)
-            return
+        if scope["path"].startswith("/v1/"):
+            token = await self._authenticated(headers.get(b"authorization"))
+            if token is None:
+                view = ErrorView(401, "ServiceError", UNAUTHORIZED, "Authorization")
+                await JSONResponse(view.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send)
+                return
+            scope.setdefault("state", {})["token"] = token  # the routes' `authenticated` dependency reads it
         limit = self.upload_limit if scope["path"] in UPLOAD_PATHS else self.limit
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -382,12 +370,11 @@ class Gate:
 
         await self.app(scope, bounded, guarded_send)
 
-    async def _authenticated(self, header: bytes | None) -> bool:
+    async def _authenticated(self, header: bytes | None) -> ApiTokenRecord | None:
         scheme, _, secret = (header or b"").decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
-            return False
-        token = await anyio.to_thread.run_sync(self.service.registry.authenticate, secret.strip())
-        return token is not None
+            return None
+        return await anyio.to_thread.run_sync(self.service.registry.authenticate, secret.strip())
 
 
 def _too_large(limit: int) -> JSONResponse:

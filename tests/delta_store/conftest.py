@@ -48,6 +48,19 @@ WORKER = "worker-1"
 POSITIVE = ["good", "great", "fun", "very good", "a great film", "the movie was fun", "great fun", "very great"]
 NEGATIVE = ["bad", "awful", "boring", "very bad", "an awful film", "the movie was boring", "not fun", "very awful"]
 TOPICS = {"w1": "sports", "w2": "music", "w3": "news"}
+SST2_TEXTS = ["the movie was good", "an awful film", "very boring , not fun", "great"]
+
+
+def logits_of(backbone: Backbone, delta: Any, texts: list[str] = SST2_TEXTS) -> Any:
+    """The logits a delta gives on its backbone, computed here from the in-memory delta (no store)."""
+    import torch
+
+    from pelt_core.model import PeltModel
+
+    batch = backbone.tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        return PeltModel(backbone, delta).eval()(batch["input_ids"], batch["attention_mask"],
+                                                 batch.get("token_type_ids"))
 
 
 # --------------------------------------------------------------------------------------------------

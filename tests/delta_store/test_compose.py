@@ -12,23 +12,13 @@ from pelt_core.compose import FoldedModel, MultiTaskModel
 from services.delta_store import DeltaStoreError
 from services.delta_store.store import TAG_OP, TAG_SOURCES
 
-from .conftest import run_job
+from .conftest import SST2_TEXTS, logits_of, run_job
 
-SST2_TEXTS = ["the movie was good", "an awful film", "very boring , not fun", "great"]
 TOPIC_TEXTS = ["w1 the w10", "w2 a w11", "w3 is w12", "w1 was"]
 
 
 def lora_delta_weights(delta) -> dict:
     return {key: ops.parallel_x[0].delta_weight().detach() for key, ops in delta.linear_ops.items()}
-
-
-def logits_of(backbone, delta, texts=SST2_TEXTS) -> torch.Tensor:
-    from pelt_core.model import PeltModel
-
-    batch = backbone.tokenizer(texts, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        return PeltModel(backbone, delta).eval()(batch["input_ids"], batch["attention_mask"],
-                                                 batch.get("token_type_ids"))
 
 
 def test_a_linear_merge_of_two_pulled_loras_is_the_weighted_sum_of_their_delta_w(store, registry, trained, backbone):

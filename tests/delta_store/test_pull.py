@@ -11,16 +11,7 @@ from pelt_core.testing import tiny_bert
 from services.delta_store import DeltaIntegrityError, DeltaNotFoundError, MlflowDeltaStore
 from services.delta_store.store import TAG_SHA256
 
-from .conftest import run_job
-
-TEXTS = ["the movie was good", "an awful film", "very boring , not fun", "great"]
-
-
-def trained_logits(backbone, delta) -> torch.Tensor:
-    batch = backbone.tokenizer(TEXTS, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        return PeltModel(backbone, delta).eval()(batch["input_ids"], batch["attention_mask"],
-                                                 batch.get("token_type_ids"))
+from .conftest import SST2_TEXTS, logits_of, run_job
 
 
 def test_pull_by_task_name_returns_the_trained_models_logits(store, registry, trained, backbone):
@@ -30,15 +21,15 @@ def test_pull_by_task_name_returns_the_trained_models_logits(store, registry, tr
 
     best = store.pull("sst2")  # the `best` alias: the bitfit job
     assert (best.info.method, best.version, "best" in best.info.aliases) == ("bitfit", "2", True)
-    torch.testing.assert_close(best.logits(TEXTS), trained_logits(backbone, trained["bitfit-0"].delta))
-    expected = predict(PeltModel(backbone, trained["bitfit-0"].delta).eval(), TEXTS)
-    assert [p["label"] for p in best.predict(TEXTS)] == [p["label"] for p in expected]
+    torch.testing.assert_close(best.logits(SST2_TEXTS), logits_of(backbone, trained["bitfit-0"].delta))
+    expected = predict(PeltModel(backbone, trained["bitfit-0"].delta).eval(), SST2_TEXTS)
+    assert [p["label"] for p in best.predict(SST2_TEXTS)] == [p["label"] for p in expected]
 
     by_method = store.pull("sst2", method="lora")  # best-lora: the second lora job (0.70 > 0.60)
     assert by_method.version == "3"
-    torch.testing.assert_close(by_method.logits(TEXTS), trained_logits(backbone, trained["lora-1"].delta))
+    torch.testing.assert_close(by_method.logits(SST2_TEXTS), logits_of(backbone, trained["lora-1"].delta))
     by_version = store.pull("sst2", version=1)
-    torch.testing.assert_close(by_version.logits(TEXTS), trained_logits(backbone, trained["lora-0"].delta))
+    torch.testing.assert_close(by_version.logits(SST2_TEXTS), logits_of(backbone, trained["lora-0"].delta))
 
     # the same picks as strings: "task@alias", "task/version"
     assert store.pull("sst2@best-lora").version == "3" and store.pull("sst2/1").version == "1"
@@ -51,7 +42,7 @@ def test_pull_loads_the_backbone_its_manifest_names(tracking, store, registry, t
     pulled = fresh.pull("sst2")
     assert pulled.manifest["backbone"]["name"] == str(backbone_dir)
     assert pulled.backbone is not store._backbones[pulled.backbone.content_hash]  # loaded anew, from the folder
-    torch.testing.assert_close(pulled.logits(TEXTS), store.pull("sst2").logits(TEXTS))
+    torch.testing.assert_close(pulled.logits(SST2_TEXTS), store.pull("sst2").logits(SST2_TEXTS))
     assert fresh.pull("sst2").backbone is pulled.backbone  # loaded once per store
 
 
