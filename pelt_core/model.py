@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pelt_core.backbones import Backbone
+from pelt_core.dropout import attention_with_dropout, use_backbone_dropout
 from pelt_core.layers import Bottleneck, Gate, NormDelta, PrefixEncoder, PrefixParams
 from pelt_core.spec import WEIGHT_REPRESENTATIONS, MethodSpec
 
@@ -320,6 +321,7 @@ class Runtime:
                 self.handles.append(norm.register_forward_hook(self._norm_hook(i, sublayer)))
             _ATTENTION_OWNERS[backbone.attention(i)] = (self, i)
         _install_attention(backbone.model)
+        use_backbone_dropout(backbone.model)  # same p, cheaper random numbers (pelt_core.dropout)
 
     def _map_routes(self, output: torch.Tensor, fn) -> torch.Tensor | None:
         """Apply fn(route, rows_of_output) per route; None when no route changed anything."""
@@ -460,6 +462,8 @@ def _install_attention(model: nn.Module) -> None:
             if runtime is not None and runtime.routes is not None:
                 key, value, attention_mask = runtime.extend_with_prefix(module, query, key, value, attention_mask,
                                                                         is_eager=False)
+                if _cheap_dropout_applies(query, kwargs):
+                    return _sdpa_with_cheap_dropout(module, query, key, value, attention_mask, **kwargs)
             return sdpa(module, query, key, value, attention_mask, **kwargs)
 
         def pelt_eager(module, query, key, value, attention_mask, **kwargs):
@@ -481,6 +485,27 @@ def _install_attention(model: nn.Module) -> None:
     if current not in ("sdpa", "eager"):
         raise ValueError(f"attention implementation {current!r} is not supported; use sdpa or eager")
     model.config._attn_implementation = f"pelt_{current}"
+
+
+def _cheap_dropout_applies(query: torch.Tensor, kwargs: dict) -> bool:
+    """Attention dropout on the CPU, with nothing sdpa-specific asked for (paged cache, position bias)."""
+    return (kwargs.get("dropout") or 0.0) > 0.0 and query.device.type == "cpu" and not any(
+        kwargs.get(name) is not None for name in ("cache", "position_bias", "softcap"))
+
+
+def _sdpa_with_cheap_dropout(module, query, key, value, attention_mask, dropout: float, scaling=None,
+                             is_causal=None, **_):
+    """transformers' sdpa attention while training on the CPU: the same inputs and result, with
+    pelt_core.dropout's keep mask instead of sdpa's math fallback (which draws one number per weight)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    output = attention_with_dropout(query, key, value, attention_mask, dropout, scaling, is_causal)
+    return output.transpose(1, 2).contiguous(), None
 
 
 # --------------------------------------------------------------------------------------------------

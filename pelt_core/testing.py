@@ -19,13 +19,13 @@ def tiny_tokenizer(tmp_dir: str | None = None):
 
 
 def tiny_bert(tmp_dir: str, seed: int = 0, attn_implementation: str = "sdpa", **overrides) -> Backbone:
-    """A 2-layer BERT (hidden 32, 4 heads) with random weights and its tokenizer."""
+    """A 2-layer BERT (hidden 32, 4 heads) with random weights and its tokenizer; no dropout unless overridden."""
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
+    settings = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **overrides}
     config = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, **overrides)
+                        intermediate_size=64, max_position_embeddings=64, **settings)
     config._attn_implementation = attn_implementation
     model = BertModel(config, add_pooling_layer=False).eval()
     return Backbone(model, tiny_tokenizer(tmp_dir), name=f"tiny-bert-{seed}")
