@@ -77,7 +77,13 @@ class Bottleneck(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.to(self.down.weight.dtype)
-        delta = self.up(self.act(self.down(self.dropout(x)))) * self.scale
+        hidden = self.act(self.down(self.dropout(x)))
+        if self.spec.composition == "scaled" or self.spec.learned_scale:
+            # s·(h W_upᵀ + b) = h (s·W_up)ᵀ + s·b: scale the small weight, not the (batch, tokens, d) output
+            bias = None if self.up.bias is None else self.up.bias * self.scale
+            delta = F.linear(hidden, self.up.weight * self.scale, bias)
+        else:
+            delta = self.up(hidden)
         if self.gate is not None:
             delta = delta * self.gate(x)
         return delta.to(dtype)

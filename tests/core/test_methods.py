@@ -131,3 +131,26 @@ def test_unsupported_architecture_lists_the_supported_ones():
 
     with pytest.raises(BackboneError, match=r"bert.*llama"):
         architecture_for("t5")
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_a_scaled_bottleneck_adds_s_times_the_unscaled_delta_and_a_learned_scale_trains(learned):
+    from pelt_core.layers import Bottleneck
+    from pelt_core.spec import ModuleSpec
+
+    plain = ModuleSpec(form="bottleneck", representation="ffn", insertion="parallel", composition="add", size=4,
+                       nonlinearity="relu", init="near_identity", init_std=0.5)
+    scaled = ModuleSpec(form="bottleneck", representation="ffn", insertion="parallel", composition="scaled",
+                        scale=4.0, size=4, nonlinearity="relu", init="near_identity", init_std=0.5,
+                        learned_scale=learned)
+    torch.manual_seed(0)
+    unscaled_module, scaled_module = Bottleneck(plain, 6, 6), Bottleneck(scaled, 6, 6)
+    scaled_module.load_state_dict(unscaled_module.state_dict(), strict=False)
+    with torch.no_grad():
+        scaled_module.up.bias.fill_(0.3)
+        unscaled_module.up.bias.fill_(0.3)
+    x = torch.randn(2, 3, 6)
+    out = scaled_module(x)
+    torch.testing.assert_close(out, 4.0 * unscaled_module(x))
+    out.sum().backward()
+    assert (scaled_module.scale.grad is not None) == learned
