@@ -24,7 +24,8 @@ SCALED_PARALLEL_ADAPTER = MethodSpec(
     modules={"adapter": ModuleSpec(composition="scaled", scale=4.0, **_PA)},
     description="parallel bottleneck adapter at the FFN, scaled by s = 4",
     reference="He et al. Towards a Unified View of Parameter-Efficient Transfer Learning. ICLR 2022",
-    defaults={"learning_rate": 5e-4},
+    # s = 4 multiplies every update's effect: at 5e-4 SST-2 (MiniLM, K=500) stayed at chance, at 1e-4 it reached 79%
+    defaults={"learning_rate": 1e-4},
 )
 
 PRESETS = [PARALLEL_ADAPTER, SCALED_PARALLEL_ADAPTER]
