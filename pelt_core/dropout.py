@@ -3,9 +3,9 @@
 The backbone keeps its dropout while a job trains (BERT: 0.1 on hidden states and on attention
 probabilities), as the PELT papers and their reference implementations do. On a CPU, torch draws one
 Mersenne-Twister number per element for `bernoulli_`, and `scaled_dot_product_attention` with dropout
-leaves its fused kernel for a math path that does so too: on RTE-length sequences that was a third of a
+leaves its fused kernel for a math path that does so too: on RTE-length sequences that was ~30% of a
 LoRA training step. Here one 64-bit draw from torch's generator gives four 16-bit numbers, so the keep
-mask costs about a tenth, and attention with dropout runs as plain matmul → softmax → masked matmul.
+mask costs about a sixth, and attention with dropout runs as plain matmul → softmax → masked matmul.
 
 Semantics stay those of `torch.nn.Dropout`: each element is kept with probability 1 - p and scaled by
 1 / (1 - p), p rounded to a multiple of 1/65536 (0.1 → 0.100006); attention applies the 1 / (1 - p) to
