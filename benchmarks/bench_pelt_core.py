@@ -164,14 +164,18 @@ def write_rows(task: str, k: int, seed: int, folder: Path) -> tuple[Path, Path]:
 def combine_runs(runs: list[dict]) -> dict:
     """Several seeds of one side as one: tokens, examples and seconds summed (so tok/s is over all runs),
     accuracy the mean, each seed's accuracy kept under `accuracies`."""
-    combined = dict(runs[0])
-    for key in ("tokens", "padded_tokens", "examples", "train_seconds", "wall_seconds", "steps"):
+    combined = {key: value for key, value in runs[0].items() if key != "reported_tokens_per_second"}
+    for key in ("tokens", "padded_tokens", "examples", "train_seconds", "train_seconds_with_eval", "wall_seconds",
+                "steps"):
         if all(key in run for run in runs):
             combined[key] = sum(run[key] for run in runs)
+    if all("reported_tokens_per_second" in run for run in runs):  # pelt's own clock, over all runs
+        combined["reported_tokens_per_second"] = combined["tokens"] / sum(
+            run["tokens"] / run["reported_tokens_per_second"] for run in runs)
     accuracies = [run.get("accuracy") for run in runs]
     combined["accuracies"] = accuracies
     combined["accuracy"] = None if None in accuracies else sum(accuracies) / len(accuracies)
-    combined["seeds"] = len(runs)
+    combined["seeds"] = [run["seed"] for run in runs]
     return combined
 
 
@@ -325,7 +329,7 @@ def main() -> None:
                            "--method", method, "--k", str(args.k), "--pelt-bf16", args.pelt_bf16,
                            "--backbone-dtype", args.backbone_dtype, "--seed", str(seed), *common]
                     try:
-                        pelt_runs.append(run_json(cmd))
+                        pelt_runs.append(run_json(cmd) | {"seed": seed})
                         print(f"{stamp()} {task} {method} seed {seed}: pelt "
                               f"{pelt_runs[-1]['tokens'] / pelt_runs[-1]['train_seconds']:.0f} tok/s, "
                               f"acc {pelt_runs[-1]['accuracy']:.3f}", flush=True)
@@ -346,13 +350,17 @@ def main() -> None:
                     if args.adapters_stock_configs:
                         cmd.append("--stock-configs")
                     try:
-                        peer_runs.append(run_json(cmd))
+                        peer_runs.append(run_json(cmd) | {"seed": seed})
                         print(f"{stamp()} {task} {method} seed {seed}: {lib} "
                               f"{peer_runs[-1]['tokens'] / peer_runs[-1]['train_seconds']:.0f} tok/s, "
                               f"acc {peer_runs[-1]['accuracy']:.3f}", flush=True)
                     except Exception as exc:
                         errors.append(f"peer seed {seed}: {exc}")
                         print(f"{stamp()} {task} {method} seed {seed}: {lib} failed", flush=True)
+                if not args.no_peers:  # a verdict only over the seeds that both sides finished
+                    both = {run["seed"] for run in pelt_runs} & {run["seed"] for run in peer_runs}
+                    pelt_runs = [run for run in pelt_runs if run["seed"] in both]
+                    peer_runs = [run for run in peer_runs if run["seed"] in both]
                 if pelt_runs:
                     row["pelt"] = combine_runs(pelt_runs)
                     row["n_nonembedding"] = row["pelt"]["n_nonembedding"]

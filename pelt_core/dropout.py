@@ -27,13 +27,18 @@ RESOLUTION = 1 << 16  # p is a multiple of 1/RESOLUTION
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device | str = "cpu",
               generator: torch.Generator | None = None) -> torch.Tensor:
     """A boolean mask of `shape`, each element True (kept) with probability 1 - p (p rounded to 1/65536)."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    threshold = round(p * RESOLUTION) if 0.0 <= p < 1.0 else RESOLUTION
+    if threshold >= RESOLUTION:
+        raise ValueError(f"dropout probability must be in [0, 1 - 2**-17), got {p}")
     count = math.prod(shape)
     bits = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
     bits.random_(-(1 << 63), (1 << 63) - 1, generator=generator)  # the full 64 bits (plain random_() leaves the top one 0)
-    # four signed 16-bit numbers per draw, uniform over [-32768, 32767]: keep when at or above the threshold
-    return bits.view(torch.int16)[:count].view(shape) >= round(p * RESOLUTION) - RESOLUTION // 2
+    return keep_from_int16(bits.view(torch.int16)[:count].view(shape), threshold)
+
+
+def keep_from_int16(values: torch.Tensor, threshold: int) -> torch.Tensor:
+    """Uniform 16-bit numbers -> keep flags: exactly 65536 - threshold of the 65536 possible values keep."""
+    return values >= threshold - RESOLUTION // 2
 
 
 def keep_scale(p: float) -> float:
@@ -41,11 +46,16 @@ def keep_scale(p: float) -> float:
     return RESOLUTION / (RESOLUTION - round(p * RESOLUTION))
 
 
+def _cheap(x: torch.Tensor, p: float) -> bool:
+    """Whether the 16-bit masks serve: on the CPU, for p that does not round to 1 (torch's dropout does the rest)."""
+    return x.device.type == "cpu" and round(p * RESOLUTION) < RESOLUTION
+
+
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """`F.dropout` with the cheap keep mask on the CPU."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu":
+    if not _cheap(x, p):
         return F.dropout(x, p, training=True)
     # a float mask and a multiply: on the CPU cheaper forward and backward than torch.where or masked_fill
     return x * keep_mask(x.shape, p, x.device).to(x.dtype).mul_(keep_scale(p))
@@ -82,7 +92,8 @@ def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.
     to (B, H, Q, K), boolean (True = attend) or additive; returns (B, H, Q, D). A row with nothing to attend
     to gets uniform weights instead of NaN (padding rows only; their outputs are never read)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scale)
+    # scores and softmax in fp32 whatever the inputs (bf16 autocast, a bf16 backbone), as sdpa's math path does
+    scores = torch.matmul(query, key.transpose(-1, -2)).float().mul_(scale)
     lowest = torch.finfo(scores.dtype).min
     if is_causal:
         q_len, k_len = scores.shape[-2], scores.shape[-1]
@@ -91,12 +102,12 @@ def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, lowest)
-        else:
-            scores = scores + attention_mask.to(scores.dtype)
+        else:  # additive; -inf (some models' masks) clamped so a fully masked row gets uniform weights, not NaN
+            scores = scores + attention_mask.to(scores.dtype).clamp(min=lowest)
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
     if p == 0.0:
         return torch.matmul(weights, value)
-    if query.device.type != "cpu":
+    if not _cheap(weights, p):
         return torch.matmul(F.dropout(weights, p, training=True), value)
     kept = weights * keep_mask(weights.shape, p, weights.device).to(weights.dtype)
     return torch.matmul(kept, value).mul_(keep_scale(p))  # 1/(1-p) on the (smaller) output, not the weights

@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 from pelt_core import dropout as cheap
 from pelt_core import get_method
-from pelt_core.dropout import BackboneDropout, attention_with_dropout, keep_mask, keep_scale
+from pelt_core.dropout import BackboneDropout, attention_with_dropout, keep_from_int16, keep_mask, keep_scale
 from pelt_core.model import JobDelta, PeltModel
 from pelt_core.testing import tiny_bert, tiny_llama
 from tests.core.conftest import encode
@@ -38,10 +38,30 @@ def test_keep_mask_is_reproducible_from_torch_seed_and_differs_between_seeds():
     assert not torch.equal(first, other)
 
 
-def test_keep_mask_refuses_a_probability_outside_0_1():
-    with pytest.raises(ValueError, match="dropout probability"):
-        keep_mask((3,), 1.0)
+@pytest.mark.parametrize("threshold", [0, 1, 6554, 32768, 65535])
+def test_exactly_65536_minus_threshold_of_all_16_bit_values_keep(threshold):
+    every_value = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    assert int(keep_from_int16(every_value, threshold).sum()) == 65536 - threshold
+
+
+def test_keep_mask_refuses_a_probability_outside_0_1_and_dropout_hands_those_to_torch():
+    for p in (1.0, 1.0 - 1e-6, -0.1):
+        with pytest.raises(ValueError, match="dropout probability"):
+            keep_mask((3,), p)
     assert torch.all(keep_mask((100,), 0.0))
+    assert torch.equal(cheap.dropout(torch.ones(10), 1.0), torch.zeros(10))  # nn.Dropout(p=1) zeroes everything
+
+
+def test_attention_in_bf16_computes_its_softmax_in_fp32():
+    q, k, v = _qkv()
+    mask = torch.zeros(2, 1, 5, 7)
+    mask[..., 4:] = float("-inf")  # an additive mask with -inf, as some models build it
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ours = attention_with_dropout(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16(), 0.0)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), reference, atol=3e-2, rtol=3e-2)
+    everything_masked = torch.full((2, 1, 5, 7), float("-inf"))
+    assert torch.isfinite(attention_with_dropout(q, k, v, everything_masked, 0.0)).all()
 
 
 def _qkv(q_len=5, k_len=7):
