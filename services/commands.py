@@ -99,7 +99,7 @@ def _cell(value: Any) -> str:
 @click.option("--num-cpus", type=int, default=None, help="CPUs of the local Ray (without PELT_RAY_ADDRESS)")
 @click.option("--upgrade/--no-upgrade", default=None,
               help="create/upgrade the registry schema at start (default: only for the embedded SQLite)")
-@click.option("--jobs-per-worker", type=int, default=1, show_default=True,
+@click.option("--jobs-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
               help="job slots per worker process (more jobs share one runtime: less memory per job)")
 @click.option("--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them")
 def serve_command(host: str | None, port: int | None, dispatcher: bool, num_cpus: int | None,
@@ -108,8 +108,6 @@ def serve_command(host: str | None, port: int | None, dispatcher: bool, num_cpus
     from services.api.server import Service, token_path
     from services.dispatcher import DispatcherConfig
 
-    if jobs_per_worker < 1:
-        raise click.BadParameter("must be at least 1", param_hint="--jobs-per-worker")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     service = Service(host=host, port=port, dispatcher=dispatcher, num_cpus=num_cpus, upgrade=upgrade,
                       dispatcher_config=DispatcherConfig(jobs_per_worker=jobs_per_worker),

@@ -252,6 +252,14 @@ def slot_owner(worker_id: str, slot: int, slots: int) -> str:
     return worker_id if slots == 1 else f"{worker_id}#{slot}"
 
 
+def running_jobs(info: dict[str, Any], worker_id: str) -> list[dict[str, Any]]:
+    """The jobs a worker's info() says it runs ([{job_id, owner}]); a worker from before job slots
+    reports a single `job_id`, owned by the worker itself."""
+    if info.get("jobs") is not None:
+        return info["jobs"]
+    return [] if info.get("job_id") is None else [{"job_id": info["job_id"], "owner": worker_id}]
+
+
 def owner_worker(owner: str) -> tuple[str, int | None]:
     """(worker id, slot) of a lease owner ("<worker id>#<slot>"; a bare worker id: slot None)."""
     worker_id, _, slot = owner.partition("#")
@@ -396,10 +404,7 @@ class Dispatcher:
         for name, (actor, info) in infos.items():
             worker = _Worker(name, info["node_id"], actor, slots=int(info.get("slots", 1)), ready=True)
             worker.backbones = {sources[src] for src, _ in info["backbones"] if src in sources}
-            running = info.get("jobs")
-            if running is None:  # a worker from before job slots
-                running = [] if info["job_id"] is None else [{"job_id": info["job_id"], "owner": name}]
-            for entry in running:  # busy slots, whatever the registry says, until the worker frees them
+            for entry in running_jobs(info, name):  # busy slots, whatever the registry says, until the worker frees them
                 _, slot = owner_worker(entry.get("owner") or "")
                 if slot is None or slot in worker.jobs or slot >= worker.slots:
                     slot = (worker.free_slots() or [len(worker.jobs)])[0]
@@ -547,9 +552,7 @@ class Dispatcher:
             except RayActorError as exc:
                 self._worker_died(worker, exc)
                 continue
-            running = {entry["job_id"] for entry in info.get("jobs", [])}
-            if info.get("jobs") is None and info["job_id"] is not None:  # a worker from before job slots
-                running = {info["job_id"]}
+            running = {entry["job_id"] for entry in running_jobs(info, worker.worker_id)}
             outcomes = info.get("outcomes") or {}
             for slot, job in adopted.items():
                 if job.job_id not in running:
