@@ -1,5 +1,5 @@
 # The two set-up commands of the README:  `make demo`  and  `make test`.
-# Both build the virtual environment first (torch's CPU build first, pinned, then the rest).
+# Both build the virtual environment first (deploy/install.sh: torch's CPU build first, pinned, then the rest).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
@@ -10,11 +10,8 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+$(VENV)/.installed: pyproject.toml constraints.txt deploy/install.sh
+	bash deploy/install.sh $(VENV)
 	touch $@
 
 demo: install

