@@ -4,17 +4,35 @@ An `Architecture` names, per transformer layer, the linear maps that PELT module
 (q, k, v, o, FFN in/out), the LayerNorms, and the attention module. Supported families: BERT
 (bert, roberta, xlm-roberta) and Llama (llama, mistral, qwen2). Everything else is refused with
 the list of supported model types.
+
+Before anything is built, `Backbone.load` checks the model's config against `pelt_core.limits`
+(`BACKBONE_CONFIG` ranges, an estimated parameter count at most `MAX_BACKBONE_PARAMETERS` or a lower
+bound given) and the size of its weight files against that estimate, so a config that describes a
+huge model is refused instead of allocated.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+
+from pelt_core.limits import (
+    BACKBONE_CONFIG,
+    BACKBONE_WEIGHT_BYTES_ALLOWANCE,
+    MAX_BACKBONE_CONFIG_BYTES,
+    MAX_BACKBONE_PARAMETERS,
+    MAX_BACKBONE_WEIGHT_BYTES_PER_PARAMETER,
+    REQUIRED_BACKBONE_CONFIG,
+    LimitError,
+)
 
 
 class BackboneError(ValueError):
@@ -154,6 +172,116 @@ def resolve_backbone(name: str) -> tuple[str, str, str | None]:
     )
 
 
+# --- the config checked before anything is built --------------------------------------------------------
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def read_backbone_config(path: str, gguf: str | None, name: str) -> Any:
+    """The model's transformers config, read without weights and checked: a config.json is at most
+    MAX_BACKBONE_CONFIG_BYTES and its sizes are checked as written (before transformers reads it); then
+    the parsed config's sizes, architecture and estimated parameter count (`check_backbone_config`)."""
+    from transformers import AutoConfig
+
+    if gguf is None:
+        file = Path(path) / "config.json"
+        try:
+            size = file.stat().st_size
+            if size > MAX_BACKBONE_CONFIG_BYTES:
+                raise BackboneError(f"backbone {name!r}: config.json holds {size:,} bytes, more than the "
+                                    f"{MAX_BACKBONE_CONFIG_BYTES:,} a model config may")
+            raw = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise BackboneError(f"backbone {name!r}: config.json cannot be read: {exc}") from None
+        if not isinstance(raw, dict):
+            raise BackboneError(f"backbone {name!r}: config.json must hold a JSON object")
+        check_config_values(raw, name, required=())
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        raise BackboneError(f"backbone {name!r}: its config cannot be read: {exc}") from None
+    architecture_for(config.model_type)  # refuse unsupported models before anything else
+    return config
+
+
+def check_config_values(values: Mapping[str, Any], name: str,
+                        required: tuple[str, ...] = REQUIRED_BACKBONE_CONFIG) -> None:
+    """Every size in `values` (a config.json object or a config's attributes) within BACKBONE_CONFIG;
+    the `required` ones present. A BackboneError names the field and its range."""
+    for field in required:
+        if values.get(field) is None:
+            raise BackboneError(f"backbone {name!r}: its config lacks {field}")
+    for field, allowed in BACKBONE_CONFIG.items():
+        if values.get(field) is not None:
+            try:
+                allowed.check(values[field], f"config.{field}")
+            except LimitError as exc:
+                raise BackboneError(f"backbone {name!r}: {exc}") from None
+
+
+def estimate_parameters(config: Any) -> int:
+    """The base model's parameter count as its config describes it (embeddings, attention and FFN
+    matrices, per-layer vectors), within a few percent of the built model's."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or max(hidden // heads, 1)
+    arch = architecture_for(config.model_type)
+    embeddings = config.vocab_size * hidden
+    if arch.family == "bert":
+        positions = getattr(config, "max_position_embeddings", None) or 0
+        embeddings += (positions + (getattr(config, "type_vocab_size", None) or 0)) * hidden
+    attention = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
+    ffn = (3 if arch.family == "llama" else 2) * hidden * config.intermediate_size
+    return embeddings + config.num_hidden_layers * (attention + ffn + 10 * hidden)
+
+
+def check_backbone_config(config: Any, name: str, max_parameters: int | None = None) -> int:
+    """Refuse a config whose sizes are out of range or whose estimated parameter count is above
+    MAX_BACKBONE_PARAMETERS (or `max_parameters`, when lower); return the estimate."""
+    architecture_for(config.model_type)
+    check_config_values({field: getattr(config, field, None) for field in BACKBONE_CONFIG}, name)
+    estimate = estimate_parameters(config)
+    bound = MAX_BACKBONE_PARAMETERS if max_parameters is None else min(max_parameters, MAX_BACKBONE_PARAMETERS)
+    if estimate > bound:
+        raise BackboneError(f"backbone {name!r}: its config describes about {estimate:,} parameters, more than "
+                            f"the limit {bound:,}")
+    return estimate
+
+
+def check_weight_files(path: str, gguf: str | None, estimate: int, name: str) -> int:
+    """The bytes of the backbone's weight files: some, and at most what `estimate` parameters need
+    (MAX_BACKBONE_WEIGHT_BYTES_PER_PARAMETER each, plus BACKBONE_WEIGHT_BYTES_ALLOWANCE)."""
+    folder = Path(path)
+    files = [folder / gguf] if gguf else [f for f in folder.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    if not size:
+        raise BackboneError(f"backbone {name!r} holds no weights (model.safetensors, pytorch_model.bin or a .gguf "
+                            "file)")
+    bound = estimate * MAX_BACKBONE_WEIGHT_BYTES_PER_PARAMETER + BACKBONE_WEIGHT_BYTES_ALLOWANCE
+    if size > bound:
+        raise BackboneError(f"backbone {name!r}: its weight files hold {size:,} bytes, more than its config's "
+                            f"about {estimate:,} parameters take ({bound:,} bytes at most)")
+    return size
+
+
+def backbone_facts(config: Any, num_parameters: int) -> dict[str, Any]:
+    """The shape facts a registry keeps of a backbone (hyperparameters are checked against them)."""
+    heads = config.num_attention_heads
+    return {
+        "model_type": config.model_type,
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_hidden_layers,
+        "num_heads": heads,
+        "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "intermediate_size": config.intermediate_size,
+        "max_positions": getattr(config, "max_position_embeddings", None),
+        "vocab_size": config.vocab_size,
+        "num_parameters": num_parameters,
+    }
+
+
 def state_dict_hash(model: nn.Module) -> str:
     """sha256 over every tensor's name, dtype, shape and bytes: the backbone's identity for deltas."""
     digest = hashlib.sha256()
@@ -214,6 +342,11 @@ class Backbone:
         return sum(p.numel() for p in self.model.parameters())
 
     @property
+    def facts(self) -> dict[str, Any]:
+        """Its shape (`backbone_facts`): what the registry keeps of it."""
+        return backbone_facts(self.config, self.num_parameters)
+
+    @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
@@ -244,21 +377,24 @@ class Backbone:
         }
 
     @classmethod
-    def load(cls, name: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> Backbone:
-        """Load a packaged model by alias, a local model directory or a .gguf file, offline."""
+    def load(cls, name: str, dtype: str = "float32", attn_implementation: str = "sdpa",
+             max_parameters: int | None = None) -> Backbone:
+        """Load a packaged model by alias, a local model directory or a .gguf file, offline. Its config
+        is checked first (`read_backbone_config`, `check_backbone_config`, `check_weight_files`):
+        nothing is built for a model out of range or above `max_parameters` (estimated)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoConfig, AutoModel, AutoTokenizer
+        from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         canonical, path, gguf = resolve_backbone(name)
         kwargs = {"gguf_file": gguf} if gguf else {}
-        config = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
-        architecture_for(config.model_type)  # refuse unsupported models before loading weights
+        config = read_backbone_config(path, gguf, name)
+        check_weight_files(path, gguf, check_backbone_config(config, name, max_parameters), name)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
-        model, info = AutoModel.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, attn_implementation=attn_implementation,
-            output_loading_info=True, **kwargs
+        model, info = AutoModel.from_pretrained(  # built from the config checked above
+            path, config=config, local_files_only=True, dtype=torch.float32,
+            attn_implementation=attn_implementation, output_loading_info=True, **kwargs
         )
         missing = sorted(info.get("missing_keys", []))
         if missing and all(key.startswith("pooler.") for key in missing) and hasattr(model, "pooler"):

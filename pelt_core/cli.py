@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from pelt_core.config import ConfigError, TrainConfig, parse_assignments, split_overrides
+from pelt_core.config import ConfigError, TrainConfig, parse_assignments, parse_settings, split_overrides
+from pelt_core.limits import LimitError, backbone_facts, check_against_backbone
 from pelt_core.spec import SpecError
 
 
@@ -85,14 +86,16 @@ def train_command(backbone, train_path, validation_path, method, settings, text_
     from pelt_core.train import TrainingError, train
 
     try:
-        train_overrides, spec_overrides = split_overrides(parse_assignments(settings))
+        train_overrides, spec_overrides = split_overrides(parse_settings(parse_assignments(settings)))
         config = TrainConfig.from_dict(train_overrides)
         spec = resolve_method(method, spec_overrides)
         train_data = load_split(train_path)
         eval_data = load_split(validation_path) if validation_path else None
         task = infer_task_fields(train_data, text_fields or None, label_field, problem_type)
         loaded = Backbone.load(backbone, dtype=config.backbone_dtype)
-    except (SpecError, ConfigError, DataError, BackboneError) as exc:
+        if "max_length" in train_overrides:  # given: refused above the backbone's positions (else cut to them)
+            check_against_backbone({"max_length": config.max_length}, {}, backbone_facts(loaded))
+    except (SpecError, ConfigError, DataError, BackboneError, LimitError) as exc:
         _fail(str(exc))
 
     bar = None if quiet else tqdm(total=0, unit="step", file=sys.stderr, dynamic_ncols=True)
@@ -108,7 +111,7 @@ def train_command(backbone, train_path, validation_path, method, settings, text_
     try:
         result = train(loaded, spec, train_data, eval_data, config, task=task, progress=progress,
                        on_epoch_end=lambda r: click.echo(json.dumps(r), err=True))
-    except (TrainingError, DataError) as exc:
+    except (TrainingError, DataError, SpecError, ConfigError) as exc:  # SpecError: a rank above the backbone
         _fail(str(exc))
     finally:
         if bar is not None:

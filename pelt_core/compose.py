@@ -71,6 +71,7 @@ from torch import nn
 from pelt_core.backbones import Backbone
 from pelt_core.delta import SavedDelta, save_delta
 from pelt_core.layers import Bottleneck
+from pelt_core.limits import COMPOSE_RANGES, LimitError
 from pelt_core.model import JobDelta, PeltModel
 from pelt_core.spec import MethodSpec, ModuleSpec
 
@@ -83,7 +84,55 @@ Deltas = Sequence[JobDelta] | Mapping[str, JobDelta]
 
 
 class CompositionError(ValueError):
-    """Deltas that cannot be composed together, or a composition argument out of range."""
+    """Deltas that cannot be composed together, or a composition argument out of range (`field`: its name)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+OPTIONS = {  # the keyword options each operation takes (besides its deltas and backbone)
+    "merge": ("weights", "how", "density", "seed", "scale", "combine", "lora_rank"),
+    "average": ("lora_rank",),
+    "merge_lora_svd": ("weights", "rank"),
+    "multi_task": (),
+}
+
+
+def check_options(op: str, options: Mapping[str, Any], sources: int) -> None:
+    """An operation's options before any delta is loaded: known to `op`, of the right type, within the
+    ranges of `limits.COMPOSE_RANGES`, one weight per source. A CompositionError names the option (`field`).
+    The bounds that depend on the deltas (a rank at most what their matrices hold) are checked by the
+    operations themselves, still before anything is allocated."""
+    if op not in OPTIONS:
+        raise CompositionError(f"op must be one of {', '.join(OPTIONS)}, got {op!r}", field="op")
+    for name, value in options.items():
+        if name not in OPTIONS[op]:
+            raise CompositionError(f"{name}: not an option of {op}; its options: {', '.join(OPTIONS[op]) or '(none)'}",
+                                   field=name)
+        if name == "how" and value not in MERGE_METHODS:
+            raise CompositionError(f"how must be one of {', '.join(MERGE_METHODS)}, got {value!r}", field=name)
+        if name == "combine" and value not in DARE_COMBINES:
+            raise CompositionError(f"combine must be one of {', '.join(DARE_COMBINES)}, got {value!r}", field=name)
+        if name == "weights" and value is not None:
+            if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+                raise CompositionError(f"weights must be a list of {sources} numbers, got {value!r}", field=name)
+            if len(value) != sources:
+                raise CompositionError(f"{len(value)} weights for {sources} deltas; give one weight per delta",
+                                       field=name)
+            for index, weight in enumerate(value):
+                _in_range("weights", weight, f"weights[{index}]")
+        elif name in COMPOSE_RANGES and not (value is None and name in ("lora_rank", "density")):
+            _in_range(name, value, name)
+    if op == "merge_lora_svd" and options.get("rank") is None:
+        raise CompositionError("rank: merge_lora_svd needs the rank of its result", field="rank")
+
+
+def _in_range(name: str, value: Any, field: str) -> None:
+    try:
+        COMPOSE_RANGES[name].check(value, field)
+    except LimitError as exc:
+        raise CompositionError(str(exc), field=field) from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,9 +236,10 @@ def merge(
     w = _weights(weights, len(views), default=1.0 if uses_ties else 1.0 / len(views), positive=uses_ties)
     scale = _finite(scale, "scale")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise CompositionError(f"seed must be a whole number >= 0, got {seed!r}")
+        raise CompositionError(f"seed must be a whole number >= 0, got {seed!r}", field="seed")
     if lora_rank is not None:
         _check_rank(lora_rank, "lora_rank")
+        _check_rank_fits(lora_rank, "lora_rank", views)
     if how != "linear":
         density = DEFAULT_DENSITY[how] if density is None else density
         _check_density(density)
@@ -250,6 +300,7 @@ def merge_lora_svd(deltas: Deltas, weights: Sequence[float] | None, rank: int, *
     _check_rank(rank, "rank")
     views = _views(deltas, "merge_lora_svd")
     _check_compatible(views, backbone, "merge_lora_svd", same_ranks=False)
+    _check_rank_fits(rank, "rank", views)
     spec = views[0].delta.method
     low_roles = _low_rank_roles(spec)
     if not low_roles:
@@ -658,18 +709,33 @@ def _weights(weights: Sequence[float] | None, n: int, default: float, positive: 
 
 def _finite(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise CompositionError(f"{name} must be a finite number, got {value!r}")
+        raise CompositionError(f"{name} must be a finite number, got {value!r}", field=name)
     return float(value)
 
 
 def _check_density(density: Any) -> None:
     if isinstance(density, bool) or not isinstance(density, int | float) or not 0.0 < density <= 1.0:
-        raise CompositionError(f"density must be in (0, 1], got {density!r}")
+        raise CompositionError(f"density must be in (0, 1], got {density!r}", field="density")
 
 
 def _check_rank(rank: Any, name: str) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise CompositionError(f"{name} must be a whole number >= 1, got {rank!r}")
+        raise CompositionError(f"{name} must be a whole number >= 1, got {rank!r}", field=name)
+    _in_range(name, rank, name)
+
+
+def _check_rank_fits(rank: int, name: str, views: list[_View]) -> None:
+    """Before anything of that rank is allocated: at most the larger of min(d_in, d_out) of the LoRA
+    matrices (the rank at which the result is exact) and the sources' summed rank (a linear merge's own)."""
+    matrices = [factors for view in views for factors in view.low_rank.values()]
+    if not matrices:
+        return  # no LoRA module: the rank is not used
+    exact = max(min(f.down.shape[1], f.up_scaled.shape[0]) for f in matrices)
+    summed = max(sum(v.low_rank[path].down.shape[0] for v in views) for path in views[0].low_rank)
+    bound = max(exact, summed)
+    if rank > bound:
+        raise CompositionError(f"{name}: must be at most {bound}, the larger of min(d_in, d_out) of the LoRA "
+                               f"matrices ({exact}) and the sources' summed rank ({summed}), got {rank}", field=name)
 
 
 def _tokenize(tokenizer, texts: list, max_length: int, device) -> dict[str, torch.Tensor]:
@@ -710,10 +776,12 @@ def _predictions(problem_type: str, label_names: list[str] | None, logits: torch
 __all__ = [
     "DEFAULT_DENSITY",
     "MERGE_METHODS",
+    "OPTIONS",
     "CompositionError",
     "FoldedModel",
     "MultiTaskModel",
     "average",
+    "check_options",
     "dare_sparsify",
     "fold_lora",
     "is_low_rank",

@@ -1,4 +1,5 @@
-"""Training hyperparameters of one job, validated with errors that name the field."""
+"""Training hyperparameters of one job, validated against the table of limits (pelt_core/limits.py) with
+errors that name the field; and the reading of command-line `--set key=value` text through that table."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pelt_core.spec import SpecError
+from pelt_core.limits import SPEC_RANGES, TRAIN_RANGES, LimitError
+from pelt_core.spec import SpecError, as_bool
 
 
 class ConfigError(ValueError):
@@ -40,31 +42,18 @@ class TrainConfig:
         return float(method_defaults.get("learning_rate", 1e-3))
 
     def validate(self) -> None:
+        """Every number within its range of `limits.TRAIN_RANGES` (finite, of its kind); the choices known."""
         def bad(name: str, message: str) -> ConfigError:
             return ConfigError(f"{name}: {message}")
 
-        if self.learning_rate is not None and not self.learning_rate > 0:
-            raise bad("learning_rate", f"must be > 0, got {self.learning_rate!r}")
-        if not self.epochs > 0:
-            raise bad("epochs", f"must be > 0, got {self.epochs!r}")
-        for name in ("batch_size", "eval_batch_size", "max_length"):
+        for name, bound in TRAIN_RANGES.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(name, f"must be a whole number >= 1, got {value!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise bad("seed", f"must be a whole number >= 0, got {self.seed!r}")
-        if self.k_shot is not None and (not isinstance(self.k_shot, int) or self.k_shot < 1):
-            raise bad("k_shot", f"must be a whole number >= 1 or null, got {self.k_shot!r}")
-        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
-            raise bad("max_steps", f"must be a whole number >= 1 or null, got {self.max_steps!r}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise bad("warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio!r}")
-        if self.weight_decay < 0:
-            raise bad("weight_decay", f"must be >= 0, got {self.weight_decay!r}")
-        if not self.max_grad_norm > 0:
-            raise bad("max_grad_norm", f"must be > 0, got {self.max_grad_norm!r}")
-        if not 0.0 <= self.head_dropout < 1.0:
-            raise bad("head_dropout", f"must be in [0, 1), got {self.head_dropout!r}")
+            if value is None and name in OPTIONAL_FIELDS:
+                continue
+            try:
+                bound.check(value, name)
+            except LimitError as exc:
+                raise ConfigError(str(exc)) from None
         if self.bf16 not in ("auto", "true", "false"):
             raise bad("bf16", f"must be auto, true or false, got {self.bf16!r}")
         if self.backbone_dtype not in ("float32", "bfloat16"):
@@ -74,7 +63,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """Build and validate from JSON-ish values; strings (from `--set key=value`) are converted."""
+        """Build and validate from JSON-ish values; strings (from `--set key=value`) are read through the
+        table of limits (no "inf", "nan" or "1e400"). The service refuses strings for numbers before this."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(fields))
         if unknown:
@@ -89,7 +79,11 @@ class TrainConfig:
 
 
 TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+OPTIONAL_FIELDS = frozenset({"learning_rate", "k_shot", "max_steps"})  # None: the method's default / all / epochs
 ALIASES = {"lr": "learning_rate", "k": "k_shot", "K": "k_shot", "bs": "batch_size"}
+SPEC_ALIASES = {"r": "size", "rank": "size", "bottleneck": "size", "prefix_length": "size", "l": "size"}
+SPEC_BOOLEANS = frozenset({"proj_bias", "learned_scale", "gate", "bias", "layer_norm"})
+NULLS = ("none", "null")
 
 
 def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -118,20 +112,51 @@ def parse_assignments(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     return result
 
 
+def parse_settings(pairs: dict[str, str]) -> dict[str, Any]:
+    """Command-line `--set` text as values, keys unchanged: numbers of training hyperparameters and of
+    method-spec fields (`lr`, `epochs`, `r`, `q.size`, `layers=0,1`, ...) through the table of limits
+    (a ConfigError naming the key for "inf", "nan", "1e400" or a value out of range), `none`/`null` for
+    optional ones, booleans (`true`/`false`); anything else stays text (checked where it is used)."""
+    values: dict[str, Any] = {}
+    for key, text in pairs.items():
+        train_name = ALIASES.get(key, key)
+        spec_name = key.rsplit(".", 1)[-1]
+        spec_name = SPEC_ALIASES.get(spec_name, spec_name)
+        stripped = text.strip()
+        try:
+            if train_name in TRAIN_RANGES:
+                optional = train_name in OPTIONAL_FIELDS and stripped.lower() in NULLS
+                values[key] = None if optional else TRAIN_RANGES[train_name].parse(stripped, key)
+            elif train_name == "eval_every_epoch" or spec_name in SPEC_BOOLEANS:
+                values[key] = as_bool(stripped, key)
+            elif spec_name == "layers":
+                values[key] = (None if stripped.lower() in ("", "all", *NULLS) else
+                               [SPEC_RANGES["layers"].parse(part, key) for part in stripped.split(",")])
+            elif spec_name in SPEC_RANGES:
+                optional = spec_name in ("alpha", "reparam_hidden") and stripped.lower() in NULLS
+                values[key] = None if optional else SPEC_RANGES[spec_name].parse(stripped, key)
+            else:
+                values[key] = text
+        except (LimitError, SpecError) as exc:
+            raise ConfigError(str(exc) if str(exc).startswith(f"{key}:") else f"{key}: {exc}") from None
+    return values
+
+
 def _convert(name: str, annotation: Any, value: Any) -> Any:
     if not isinstance(value, str):
         if "float" in str(annotation) and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
+            return float(value) if abs(value) < 2**1000 else value  # too large for a float: the range refuses it
         return value
     text = value.strip()
     kind = str(annotation)
     if "None" in kind and text.lower() in ("none", "null", ""):
         return None
+    if name in TRAIN_RANGES:
+        try:
+            return TRAIN_RANGES[name].parse(text, name)
+        except LimitError as exc:
+            raise ConfigError(str(exc)) from None
     try:
-        if kind.startswith("float"):
-            return float(text)
-        if kind.startswith("int"):
-            return int(text)
         if kind.startswith("bool"):
             if text.lower() in ("true", "1", "yes"):
                 return True

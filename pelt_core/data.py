@@ -12,6 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from pelt_core.labels import class_names, label_index
+from pelt_core.limits import dev_split_rows
+from pelt_core.saved_dataset import SavedDatasetError, load_saved_dataset
+
 # GLUE-style names, most specific first: (text fields, ...)
 TEXT_FIELD_CANDIDATES = (
     ("sentence1", "sentence2"),
@@ -32,7 +36,9 @@ class DataError(ValueError):
 
 
 def load_table(path: str | Path, split: str | None = None):
-    """Read a JSON Lines, JSON, CSV or Parquet file, or a `datasets` folder (save_to_disk), as a Dataset."""
+    """Read a JSON Lines, JSON, CSV or Parquet file, or a `datasets` folder (save_to_disk), as a Dataset.
+
+    A folder is checked first (`pelt_core.saved_dataset`): it may only name its own Arrow files."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -41,7 +47,10 @@ def load_table(path: str | Path, split: str | None = None):
         raise DataError(f"{path}: no such file or folder")
     try:
         if p.is_dir():
-            loaded = datasets.load_from_disk(str(p))
+            try:
+                loaded = load_saved_dataset(p)
+            except SavedDatasetError as exc:
+                raise DataError(f"{path}: {exc}") from None
             if isinstance(loaded, datasets.DatasetDict):
                 if split is None:
                     raise DataError(f"{path}: a DatasetDict with splits {', '.join(loaded)}; name one (e.g. {path}:train)")
@@ -136,14 +145,28 @@ def infer_task_fields(dataset, text_fields=None, label_field=None, problem_type:
         return TaskFields(texts, label, problem_type, [])
     if label_names:
         names = [str(n) for n in label_names]
-    else:
+    else:  # the distinct values, as the registry infers them (pelt_core.labels)
         flat = [x for v in values for x in (v if isinstance(v, list) else [v]) if x is not None]
-        if all(isinstance(x, (int, np.integer)) or (isinstance(x, float) and x.is_integer()) for x in flat):
-            top = int(max(flat)) if flat else 0
-            names = [str(i) for i in range(top + 1)]
-        else:
-            names = sorted({str(x) for x in flat})
+        try:
+            names = class_names({_hashable(x) for x in flat})
+        except ValueError as exc:
+            raise DataError(f"label field {label!r}: {exc}") from None
     return TaskFields(texts, label, problem_type, names)
+
+
+def _hashable(value: Any) -> Any:
+    return value if isinstance(value, str | int | float | bool | np.generic) else repr(value)
+
+
+def hold_out_dev_split(dataset, seed: int):
+    """(train, dev) for a task without a validation split: `dev_split_rows(len(dataset))` rows (10%
+    capped at 1,000, at least 1) drawn by seed, the rest for training; K-shot samples are then drawn
+    from the rest only, so they never overlap the dev split."""
+    if len(dataset) < 2:
+        raise DataError(f"the training data has {len(dataset)} row(s); holding out a dev split needs at least 2")
+    held_out = set(random.Random(f"dev-split-{seed}").sample(range(len(dataset)), dev_split_rows(len(dataset))))
+    rest = [i for i in range(len(dataset)) if i not in held_out]
+    return dataset.select(rest), dataset.select(sorted(held_out))
 
 
 def sample_k_shot(dataset, k: int | None, seed: int):
@@ -180,17 +203,12 @@ def encode_labels(values: list[Any], task: TaskFields, where: str) -> np.ndarray
             raise DataError(f"{where}: label field {task.label_field!r} must hold numbers for regression") from exc
     index = {name: i for i, name in enumerate(task.label_names)}
 
-    def one(value: Any) -> int:
-        if isinstance(value, (int, np.integer)) or (isinstance(value, float) and value.is_integer()):
-            position = int(value)
-            if not 0 <= position < len(task.label_names):
-                raise DataError(f"{where}: label {value!r} in field {task.label_field!r} is outside 0.."
-                                f"{len(task.label_names) - 1}")
-            return position
-        if str(value) in index:
-            return index[str(value)]
-        raise DataError(f"{where}: label {value!r} in field {task.label_field!r} is not one of "
-                        f"{', '.join(task.label_names)}")
+    def one(value: Any) -> int:  # by name, else a whole number as a position (pelt_core.labels)
+        position = label_index(value, task.label_names, index)
+        if position is None:
+            raise DataError(f"{where}: label {value!r} in field {task.label_field!r} is not one of "
+                            f"{', '.join(task.label_names)} (nor a position 0..{len(task.label_names) - 1})")
+        return position
 
     if task.problem_type == "multi_label_classification":
         hot = np.zeros((len(values), len(task.label_names)), dtype=np.float32)

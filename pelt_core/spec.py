@@ -28,6 +28,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pelt_core.limits import MAX_MODULES, SPEC_RANGES, LimitError
+
 FORMS = ("bottleneck", "prefix")
 SUBLAYER_REPRESENTATIONS = ("attn", "ffn")
 WEIGHT_REPRESENTATIONS = ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.in", "ffn.out")
@@ -84,18 +86,16 @@ class ModuleSpec:
             raise bad("nonlinearity", f"{self.nonlinearity!r} is not one of {', '.join(NONLINEARITIES)}")
         if self.init not in INITS:
             raise bad("init", f"{self.init!r} is not one of {', '.join(INITS)}")
-        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
-            raise bad("size", f"must be a whole number >= 1, got {self.size!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise bad("dropout", f"must be in [0, 1), got {self.dropout!r}")
-        if self.init_std <= 0:
-            raise bad("init_std", f"must be > 0, got {self.init_std!r}")
-        if self.alpha is not None and self.alpha <= 0:
-            raise bad("alpha", f"must be > 0, got {self.alpha!r}")
-        if self.layers is not None and any((not isinstance(i, int)) or i < 0 for i in self.layers):
-            raise bad("layers", f"must be a list of layer indices >= 0, got {self.layers!r}")
-        if self.reparam_hidden is not None and self.reparam_hidden < 1:
-            raise bad("reparam_hidden", f"must be >= 1 or null, got {self.reparam_hidden!r}")
+        for name in ("size", "scale", "alpha", "init_std", "dropout", "reparam_hidden"):
+            value = getattr(self, name)
+            if value is None and name in ("alpha", "reparam_hidden"):
+                continue
+            _check_range(name, value, where)
+        if self.layers is not None:
+            if not isinstance(self.layers, tuple | list) or len(self.layers) > SPEC_RANGES["layers"].high + 1:
+                raise bad("layers", f"must be a list of layer indices or null, got {self.layers!r}")
+            for index in self.layers:
+                _check_range("layers", index, where)
         if self.form == "prefix":
             if self.representation != "attn.heads":
                 raise bad("representation", "a prefix modifies the attention heads: use 'attn.heads'")
@@ -156,6 +156,8 @@ class MethodSpec:
             raise SpecError("name: a method needs a non-empty name")
         if not self.modules and not self.bias and not self.layer_norm:
             raise SpecError(f"{self.name}: a method must train something (modules, bias or layer_norm)")
+        if len(self.modules) > MAX_MODULES:
+            raise SpecError(f"{self.name}.modules: at most {MAX_MODULES} modules, got {len(self.modules)}")
         for role, module in self.modules.items():
             if not role.isidentifier():
                 raise SpecError(f"{self.name}.modules: role {role!r} must be an identifier (letters, digits, _)")
@@ -257,6 +259,19 @@ def _alias_targets(key: str, modules: dict[str, ModuleSpec]) -> tuple[str, list[
     return key, []
 
 
+def _check_range(name: str, value: Any, where: str) -> None:
+    """A module field within its range of `limits.SPEC_RANGES`, else a SpecError naming `where.name`."""
+    try:
+        SPEC_RANGES[name].check(value, f"{where}.{name}")
+    except LimitError as exc:
+        raise SpecError(str(exc)) from None
+
+
+def as_bool(value: Any, key: str) -> bool:
+    """A boolean, or its command-line text (true/false, 1/0, yes/no, on/off); else a SpecError naming `key`."""
+    return _as_bool(value, key)
+
+
 def _as_bool(value: Any, key: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -268,30 +283,20 @@ def _as_bool(value: Any, key: str) -> bool:
 
 
 def _coerce_like(current: Any, value: Any, key: str, field_name: str) -> Any:
-    """Turn a command-line string into the type of the field it overrides."""
+    """Turn a command-line string into the type of the field it overrides (numbers via the table of limits)."""
     if not isinstance(value, str):
         return value
-    if field_name == "layers":
-        if value.lower() in ("", "all", "none", "null"):
+    try:
+        if field_name == "layers":
+            if value.lower() in ("", "all", "none", "null"):
+                return None
+            return [SPEC_RANGES["layers"].parse(part, key) for part in value.split(",")]
+        if field_name in ("alpha", "reparam_hidden") and value.lower() in ("none", "null"):
             return None
-        try:
-            return [int(part) for part in value.split(",")]
-        except ValueError as exc:
-            raise SpecError(f"{key}: expected comma-separated layer indices, got {value!r}") from exc
-    if field_name in ("size", "reparam_hidden"):
-        if value.lower() in ("none", "null") and field_name == "reparam_hidden":
-            return None
-        try:
-            return int(value)
-        except ValueError as exc:
-            raise SpecError(f"{key}: expected a whole number, got {value!r}") from exc
-    if field_name in ("scale", "alpha", "init_std", "dropout"):
-        if field_name == "alpha" and value.lower() in ("none", "null"):
-            return None
-        try:
-            return float(value)
-        except ValueError as exc:
-            raise SpecError(f"{key}: expected a number, got {value!r}") from exc
+        if field_name in SPEC_RANGES:  # read through the table (no "inf", "nan", "1e400"); validate() bounds it
+            return SPEC_RANGES[field_name].read(value, key)
+    except LimitError as exc:
+        raise SpecError(str(exc)) from None
     if field_name in ("proj_bias", "learned_scale", "gate"):
         return _as_bool(value, key)
     return value

@@ -20,7 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from pelt_core.backbones import Backbone
-from pelt_core.config import TrainConfig
+from pelt_core.config import ConfigError, TrainConfig
 from pelt_core.data import (
     Encoded,
     TaskFields,
@@ -30,6 +30,7 @@ from pelt_core.data import (
     length_grouped_batches,
     sample_k_shot,
 )
+from pelt_core.limits import LimitError, check_train_steps
 from pelt_core.metrics import compute_metrics
 from pelt_core.model import JobDelta, PeltModel
 from pelt_core.spec import MethodSpec
@@ -117,6 +118,13 @@ def evaluate(model: PeltModel, data: Encoded, task: TaskFields, batch_size: int,
     return metrics
 
 
+def fitted_max_length(max_length: int, backbone: Backbone) -> int:
+    """Tokens kept per example: `max_length`, cut to the backbone's positions (the service refuses a
+    max_length above them when it is given explicitly, and cuts the task's default the same way)."""
+    positions = getattr(backbone.model.config, "max_position_embeddings", None)
+    return min(max_length, positions) if isinstance(positions, int) and positions > 0 else max_length
+
+
 def train(
     backbone: Backbone,
     method: MethodSpec,
@@ -149,11 +157,15 @@ def train(
 
     # -- data: tokenised once, padded per batch ----------------------------------------------------------
     tokenizer = backbone.tokenizer
-    train_set = encode(train_data, tokenizer, task, config.max_length, where="training data")
-    eval_set = encode(eval_data, tokenizer, task, config.max_length, where="evaluation data") \
+    max_length = fitted_max_length(config.max_length, backbone)
+    train_set = encode(train_data, tokenizer, task, max_length, where="training data")
+    eval_set = encode(eval_data, tokenizer, task, max_length, where="evaluation data") \
         if eval_data is not None else None
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
-    total_steps = config.max_steps or max(1, math.ceil(config.epochs * steps_per_epoch))
+    try:
+        total_steps = check_train_steps({**config.to_dict(), "k_shot": None}, len(train_set))  # K already drawn
+    except LimitError as exc:
+        raise ConfigError(str(exc)) from None
     warmup_steps = int(config.warmup_ratio * total_steps)
 
     # -- optimiser and schedule ---------------------------------------------------------------------------

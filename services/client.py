@@ -31,6 +31,7 @@ import httpx
 
 from services.api.schemas import (
     DEFAULT_BACKBONE,
+    AuditEventOut,
     BackboneOut,
     ComposeOut,
     EventOut,
@@ -319,6 +320,11 @@ class PeltClient:
         body = {"op": op, "sources": sources if isinstance(sources, Mapping) else list(sources), "into": into,
                 "options": options, "aliases": list(aliases), "description": description}
         return ComposeOut.model_validate(self._post("/v1/compose", body))
+
+    def audit(self, limit: int = 100, offset: int = 0) -> list[AuditEventOut]:
+        """Who registered, submitted, cancelled, composed, created or revoked what, newest first (an admin
+        token)."""
+        return [AuditEventOut.model_validate(e) for e in self._get("/v1/audit", limit=limit, offset=offset)]
 
 
 # --- helpers --------------------------------------------------------------------------------------

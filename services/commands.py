@@ -1,6 +1,7 @@
 """The service's `pelt` commands: `serve`, and the client commands over the HTTP API (`task`, `submit`,
-`sweep`, `jobs`, `watch`, `cancel`, `leaderboard`, `pull`, `compose`), plus `token` (run next to the
-registry: tokens are made and revoked there, never over the API).
+`sweep`, `jobs`, `watch`, `cancel`, `leaderboard`, `pull`, `compose`, `audit`), plus `token` (run next
+to the registry: tokens are made and revoked there, never over the API; each has a scope: read, write
+or admin).
 
 The client commands talk to PELT_API_URL (default http://127.0.0.1:8000) with PELT_API_TOKEN, or with
 the token `pelt serve` left in PELT_DATA_DIR/api_token.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import signal
 import threading
 from collections.abc import Callable
@@ -35,22 +37,43 @@ def _client_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _values(assignments: tuple[str, ...]) -> dict[str, Any]:
-    """`--set key=value` pairs; values are read as JSON when they parse (2e-3, 8, true, [1, 2]), else text."""
-    from pelt_core.config import parse_assignments
+def _values(assignments: tuple[str, ...], *, compose: bool = False) -> dict[str, Any]:
+    """`--set key=value` pairs. Numbers of known fields are read through the table of limits
+    (pelt_core/limits.py: hyperparameters and method-spec fields, or `compose`'s options), so "inf", "nan"
+    or a value out of range is refused here, naming the key; other values are read as JSON when they parse
+    (true, [1, 2]; never NaN or Infinity), else kept as text."""
+    from pelt_core.config import ConfigError, parse_assignments, parse_settings
+    from pelt_core.limits import COMPOSE_RANGES, LimitError
     from pelt_core.spec import SpecError
 
     try:
         pairs = parse_assignments(assignments)
-    except SpecError as exc:
+        if not compose:
+            parsed = parse_settings(pairs)
+            return {key: _json_or_text(raw) if parsed[key] is raw else parsed[key] for key, raw in pairs.items()}
+        values: dict[str, Any] = {}
+        for key, raw in pairs.items():
+            if key == "weights":
+                parts = raw.strip().strip("[]").split(",")
+                values[key] = [COMPOSE_RANGES["weights"].parse(part, f"weights[{i}]") for i, part in enumerate(parts)]
+            elif key in COMPOSE_RANGES:
+                values[key] = COMPOSE_RANGES[key].parse(raw, key)
+            else:
+                values[key] = _json_or_text(raw)
+        return values
+    except (SpecError, ConfigError, LimitError) as exc:
         raise click.BadParameter(str(exc), param_hint="--set") from None
-    values: dict[str, Any] = {}
-    for key, raw in pairs.items():
-        try:
-            values[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            values[key] = raw
-    return values
+
+
+def _json_or_text(raw: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise ValueError(constant)
+
+    try:
+        value = json.loads(raw, parse_constant=refuse)
+    except ValueError:  # JSONDecodeError too
+        return raw
+    return raw if isinstance(value, float) and not math.isfinite(value) else value  # 1e400: text, refused later
 
 
 def _ints(text: str | None, option: str, allow_full: bool = False) -> list[Any]:
@@ -107,7 +130,9 @@ def serve_command(host: str | None, port: int | None, dispatcher: bool, num_cpus
     """Run the service: HTTP API + dispatcher + Ray + registry + MLflow store (embedded by default)."""
     from services.api.server import Service, token_path
     from services.dispatcher import DispatcherConfig
+    from services.filemodes import private_files
 
+    private_files()  # what the service and its local Ray write is for its user only (0600 / 0700)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     service = Service(host=host, port=port, dispatcher=dispatcher, num_cpus=num_cpus, upgrade=upgrade,
                       dispatcher_config=DispatcherConfig(jobs_per_worker=jobs_per_worker),
@@ -116,7 +141,8 @@ def serve_command(host: str | None, port: int | None, dispatcher: bool, num_cpus
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     settings = service.settings
-    click.echo(f"pelt serving on {service.url} (OpenAPI: {service.url}/docs)")
+    docs = f"{service.url}/docs" if settings.api_docs else "/openapi.json with a token; PELT_API_DOCS=true for /docs"
+    click.echo(f"pelt serving on {service.url} (OpenAPI: {docs})")
     click.echo(f"  registry:     {settings.database_url}")
     click.echo(f"  mlflow store: {settings.mlflow_tracking_uri}")
     click.echo(f"  ray:          {settings.ray_address or 'local (127.0.0.1)'}"
@@ -348,7 +374,7 @@ def compose_command(op: str, sources: tuple[str, ...], into: str, assignments: t
     named = dict(s.split("=", 1) for s in sources) if op == "multi_task" and all("=" in s for s in sources) else None
     with PeltClient() as client:
         composed = client.compose(op, named if named is not None else list(sources), into, aliases=aliases,
-                                  **_values(assignments))
+                                  **_values(assignments, compose=True))
     click.echo(f"{composed.task} version {composed.version}: {op} of {', '.join(sources)} (sha256 {composed.sha256})")
 
 
@@ -360,41 +386,55 @@ def token_group() -> None:
     """API tokens, made and revoked in the registry (PELT_DATABASE_URL); only their SHA-256 is stored."""
 
 
+def _cli_actor() -> str:
+    """Who the audit trail names for a `pelt token` command: the operating-system user."""
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "cli"
+
+
 @token_group.command("create")
 @click.argument("name")
-def token_create(name: str) -> None:
+@click.option("--scope", type=click.Choice(["read", "write", "admin"]), default="write", show_default=True,
+              help="read: every GET; write: read + submit, cancel, register tasks and methods, compose; "
+                   "admin: write + register backbones, full job errors, the audit trail")
+def token_create(name: str, scope: str) -> None:
     """Create a token and print its secret (shown once)."""
-    from services.registry import Registry, RegistryValidationError
+    from services.registry import Registry, RegistryValidationError, acting_as
 
-    with Registry() as registry:
+    with Registry() as registry, acting_as(_cli_actor()):
         try:
-            record, secret = registry.create_api_token(name)
+            record, secret = registry.create_api_token(name, scope=scope)
         except RegistryValidationError as exc:
             raise click.ClickException(str(exc)) from None
-    click.echo(f"token {record.name} created; its secret (shown only now):", err=True)
+    click.echo(f"token {record.name} ({record.scope}) created; its secret (shown only now):", err=True)
     click.echo(secret)
 
 
 @token_group.command("list")
 def token_list() -> None:
-    """Every token: name, prefix, created, last used, revoked."""
+    """Every token: name, scope, prefix, created, last used, revoked."""
     from services.registry import Registry
 
     with Registry() as registry:
-        rows = [{"name": t.name, "prefix": t.prefix + "…", "created": t.created_at.isoformat(timespec="seconds"),
+        rows = [{"name": t.name, "scope": t.scope, "prefix": t.prefix + "…",
+                 "created": t.created_at.isoformat(timespec="seconds"),
                  "last used": t.last_used_at and t.last_used_at.isoformat(timespec="seconds"),
                  "revoked": t.revoked_at and t.revoked_at.isoformat(timespec="seconds")}
                 for t in registry.list_api_tokens()]
-    _table(rows, ["name", "prefix", "created", "last used", "revoked"])
+    _table(rows, ["name", "scope", "prefix", "created", "last used", "revoked"])
 
 
 @token_group.command("revoke")
 @click.argument("name")
 def token_revoke(name: str) -> None:
     """Revoke a token: every request with it is refused from now on."""
-    from services.registry import Registry, RegistryValidationError
+    from services.registry import Registry, RegistryValidationError, acting_as
 
-    with Registry() as registry:
+    with Registry() as registry, acting_as(_cli_actor()):
         try:
             registry.revoke_api_token(name)
         except RegistryValidationError as exc:
@@ -402,5 +442,21 @@ def token_revoke(name: str) -> None:
     click.echo(f"token {name} revoked")
 
 
+# --- audit ----------------------------------------------------------------------------------------
+
+
+@click.command("audit")
+@click.option("--limit", default=50, show_default=True)
+@click.option("--offset", default=0, show_default=True)
+@_client_errors
+def audit_command(limit: int, offset: int) -> None:
+    """Who registered, submitted, cancelled, composed, created or revoked what, newest first (an admin token)."""
+    with PeltClient() as client:
+        events = client.audit(limit=limit, offset=offset)
+    rows = [{"at": e.at.isoformat(timespec="seconds"), "actor": e.actor, "action": e.action, "target": e.target,
+             "detail": json.dumps(e.detail, sort_keys=True)[:80] if e.detail else None} for e in events]
+    _table(rows, ["at", "actor", "action", "target", "detail"])
+
+
 SERVICE_COMMANDS = [serve_command, task_group, submit_command, sweep_command, jobs_command, watch_command,
-                    cancel_command, leaderboard_command, pull_command, compose_command, token_group]
+                    cancel_command, leaderboard_command, pull_command, compose_command, token_group, audit_command]

@@ -62,8 +62,10 @@ def demo_command(methods: str, k_shot: int, epochs: float, validation_size: int,
     the best delta by task name and classify a few sentences."""
     from services.api.server import Service
     from services.client import PeltClient
+    from services.filemodes import private_files
     from services.settings import get_settings
 
+    private_files()  # the embedded service's files are for this user only (0600 / 0700)
     if fast:
         k_shot, epochs, validation_size = 32, 1.0, 64
     started = time.perf_counter()

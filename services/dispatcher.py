@@ -55,17 +55,18 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.registry import JobStateError, LeaseLostError, Registry
 from services.registry.records import JobRecord, TaskRecord
+from services.registry.task_data import EVALUATION_SPLITS  # none of them: each job holds out a dev split
 from services.settings import Settings, get_settings
 from workers.job import DeltaSink, JobSpec, LeaseLost, LocalDeltaSink, TaskSpec
 
 log = logging.getLogger("pelt.dispatcher")
 
 WORKER_PREFIX = "pelt-worker."
-EVALUATION_SPLITS = ("validation", "dev", "test")
 
 
 # --- Ray -------------------------------------------------------------------------------------------
@@ -79,7 +80,8 @@ def connect_ray(settings: Settings | None = None, *, namespace: str = "pelt", nu
     already initialised in this process or an existing cluster was joined. Token authentication
     stays on: a new local Ray turns it on and creates ~/.ray/auth_token if missing; joining by
     address turns it on here (Ray would not), so the token must be in RAY_AUTH_TOKEN or
-    ~/.ray/auth_token. Only an explicit RAY_AUTH_MODE=disabled turns it off (with a warning).
+    ~/.ray/auth_token. Only an explicit RAY_AUTH_MODE=disabled turns it off (with a warning). The token
+    file is made 0600 (`private_ray_token`): whoever reads it can join the cluster and run code.
     """
     import ray
 
@@ -95,11 +97,32 @@ def connect_ray(settings: Settings | None = None, *, namespace: str = "pelt", nu
         if mode is None:
             require_token_auth()
         ray.init(address=settings.ray_address, namespace=namespace, **init_kwargs)
+        private_ray_token()
         return False
     loopback_only()
     # address="local": always a new local Ray, never one that happens to run on this machine already
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace, **init_kwargs)
+    private_ray_token()
     return True
+
+
+def private_ray_token() -> Path | None:
+    """Make Ray's auth token file (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token) readable by its owner only.
+
+    Ray writes it with the process's umask, 0644 by default, so any local user could read the token,
+    join the cluster and run code as this service. Returns the file (None when there is none, e.g. the
+    token came in RAY_AUTH_TOKEN)."""
+    given = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if given:
+        path = Path(given).expanduser()
+    else:
+        from ray._private.authentication.authentication_token_setup import _get_default_token_path
+
+        path = _get_default_token_path()
+    if not path.is_file():
+        return None
+    path.chmod(0o600)
+    return path
 
 
 def loopback_only() -> None:
@@ -840,6 +863,9 @@ def _command() -> Any:
                            jobs_per_worker: int, max_workers_per_node: int | None, num_cpus: int | None,
                            heartbeat_seconds: float | None, drain: bool, delta_store: str) -> None:
         """Drain the job queue into Ray workers (joins PELT_RAY_ADDRESS or starts a local Ray)."""
+        from services.filemodes import private_files
+
+        private_files()  # what the dispatcher and its local Ray write is for its user only (0600 / 0700)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         config = DispatcherConfig(namespace=namespace, cpus_per_worker=cpus_per_worker,
                                   jobs_per_worker=jobs_per_worker, max_workers_per_node=max_workers_per_node,
@@ -853,4 +879,4 @@ dispatcher_command = _command()
 
 
 __all__ = ["Dispatcher", "DispatcherConfig", "RegistryLease", "connect_ray", "loopback_only",
-           "require_token_auth", "serve", "task_spec"]
+           "private_ray_token", "require_token_auth", "serve", "task_spec"]

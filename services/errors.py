@@ -6,6 +6,7 @@ the offending input when there is one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.registry.errors import RegistryValidationError
@@ -30,6 +31,7 @@ class ErrorView:
     type: str
     message: str
     field: str | None = None
+    headers: dict[str, str] | None = None  # e.g. Retry-After on a 503
 
     def body(self) -> dict:
         return {"error": {"status": self.status, "type": self.type, "field": self.field, "message": self.message}}
@@ -63,6 +65,8 @@ def classify(exc: BaseException) -> ErrorView | None:
         IdempotencyConflictError,
         JobStateError,
         NotFoundError,
+        QuotaExceededError,
+        RegistryBusyError,
         RegistryError,
     )
 
@@ -75,14 +79,18 @@ def classify(exc: BaseException) -> ErrorView | None:
         return ErrorView(404, kind, str(exc), exc.field)
     if isinstance(exc, AlreadyExistsError | IdempotencyConflictError):
         return ErrorView(409, kind, str(exc), exc.field)
+    if isinstance(exc, QuotaExceededError):
+        return ErrorView(429, kind, str(exc), exc.field)
     if isinstance(exc, RegistryValidationError):
         return ErrorView(422, kind, str(exc), exc.field)
     if isinstance(exc, JobStateError):
         return ErrorView(409, kind, str(exc), "job_id")
+    if isinstance(exc, RegistryBusyError):  # other writers held the database: nothing was written, try again
+        return ErrorView(503, kind, str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
     if isinstance(exc, DeltaNotFoundError):
         return ErrorView(404, kind, str(exc), getattr(exc, "field", None))
-    if isinstance(exc, StoreNotReadyError):
-        return ErrorView(503, kind, str(exc))
+    if isinstance(exc, StoreNotReadyError):  # its message names the store's URI: for the operator's log only
+        return ErrorView(503, kind, "the delta store is not ready: an operator runs `pelt mlflow upgrade`")
     if isinstance(exc, DeltaIntegrityError):
         return ErrorView(500, kind, str(exc))
     if isinstance(exc, expected_errors()) and not isinstance(exc, RegistryError):  # pelt_core/store: bad input

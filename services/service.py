@@ -1,28 +1,35 @@
 """The service layer under the HTTP API: every route is one call of `PeltService`.
 
-It joins the registry (tasks, methods, backbones, jobs, results, tokens), the uploaded datasets (kept
-under PELT_DATA_DIR/datasets, content-addressed) and the MLflow delta store (versions, downloads,
+It joins the registry (tasks, methods, backbones, jobs, results, tokens), the uploaded datasets
+(`services.uploads`: kept under PELT_DATA_DIR/datasets, content-addressed) and the MLflow delta store (versions, downloads,
 composition). It holds no HTTP types: the API turns its errors into status codes (`services.errors`).
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import io
 import logging
-import shutil
-import tarfile
 import tempfile
 import threading
-import uuid
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from services.errors import ServiceError, TooLargeError
+from services.backbones import (
+    BackboneSource,
+    SubprocessBackboneLoader,
+    locate_backbone,
+    public_message,
+    same_source,
+    shown_source,
+)
+from services.errors import ServiceError
 from services.registry import (
+    AlreadyExistsError,
+    AuditEventRecord,
     BackboneRecord,
     JobEventRecord,
     JobRecord,
@@ -35,28 +42,18 @@ from services.registry import (
     TaskRecord,
     UnknownBackboneError,
 )
-from services.registry.dataset_probe import FILE_FORMATS
+from services.registry.validation import check_json_numbers
 from services.settings import Settings, get_settings
+from services.uploads import TaskUploads, Upload
 
 log = logging.getLogger("pelt.service")
 
-SPLITS = ("train", "validation", "test")
-ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar")
-CHUNK = 1 << 20
 COMPOSE_OPTIONS = {  # the keyword options of pelt_core.compose's functions a request may set
     "merge": ("weights", "how", "density", "seed", "scale", "combine", "lora_rank"),
     "average": ("lora_rank",),
     "merge_lora_svd": ("weights", "rank"),
     "multi_task": (),
 }
-
-
-@dataclass(frozen=True)
-class Upload:
-    """One uploaded file: the name the client gave it and a binary stream of its bytes."""
-
-    filename: str
-    stream: IO[bytes]
 
 
 @dataclass(frozen=True)
@@ -72,8 +69,9 @@ class PeltService:
     """Tasks, methods, backbones, jobs, leaderboards and deltas for the API (and for tests, directly).
 
     registry: the registry (owned by the caller). store: the MLflow delta store, or None when the
-    service runs without one (deltas routes then answer 503). backbone_loader: name -> Backbone, for
-    registering a backbone by name (default `pelt_core.backbones.Backbone.load`).
+    service runs without one (deltas routes then answer 503). backbone_loader: source -> an object with
+    `content_hash` and `facts` (a `pelt_core.backbones.Backbone`, say), for registering a backbone
+    (default `services.backbones.SubprocessBackboneLoader`: in a child process under the settings' limits).
     """
 
     def __init__(self, registry: Registry, store: Any = None, *, settings: Settings | None = None,
@@ -83,70 +81,16 @@ class PeltService:
         self.settings = settings or get_settings()
         self._backbone_loader = backbone_loader
         self._backbone_lock = threading.Lock()
-        self._upload_lock = threading.Lock()
+        self.uploads = TaskUploads(registry, self.settings)
 
     # --- tasks -----------------------------------------------------------------------------------
 
     def register_task(self, name: str, files: Mapping[str, Upload], definition: Mapping[str, Any]) -> TaskRecord:
         """Register a task from uploaded data: files keyed by split (train required; validation, test
         optional) in JSON Lines, CSV/TSV or Parquet, or one `dataset` archive (.zip/.tar.gz) of a folder
-        written by `datasets`' save_to_disk. The files are kept under PELT_DATA_DIR/datasets/<sha256>;
-        when the registry refuses the task, nothing is kept."""
-        from services.registry.validation import check_name
-
-        check_name(name)
-        unknown = set(files) - {*SPLITS, "dataset"}
-        if unknown:
-            raise RegistryValidationError(sorted(unknown)[0], f"unexpected file field; send {', '.join(SPLITS)} "
-                                          "(train required) or one 'dataset' archive")
-        if "dataset" in files and len(files) > 1:
-            raise RegistryValidationError("dataset", "send either a dataset archive or split files, not both")
-        if not files:
-            raise RegistryValidationError("train", "no data: send a train file (and validation, test) or a "
-                                          "dataset archive")
-        if "dataset" not in files and "train" not in files:
-            raise RegistryValidationError("train", "a train file is required")
-        root = self.settings.data_dir / "datasets"
-        root.mkdir(parents=True, exist_ok=True)
-        staging = root / f".upload-{uuid.uuid4().hex}"
-        staging.mkdir()
-        try:
-            manifest = []  # (split, suffix, size, sha256) of every file: what the folder is named after
-            budget = [self.settings.max_upload_bytes]
-            if "dataset" in files:
-                manifest.append(_extract_archive(files["dataset"], staging / "dataset", budget,
-                                                 self.settings.max_upload_bytes))
-            else:
-                for split in sorted(files):
-                    upload = files[split]
-                    suffix = _table_suffix(upload.filename, split)
-                    size, digest = _save_stream(upload.stream, staging / f"{split}{suffix}", budget, split)
-                    manifest.append(f"{split}{suffix}:{size}:{digest}")
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        final = root / hashlib.sha256("\n".join(manifest).encode()).hexdigest()[:32]
-        with self._upload_lock:  # one upload at a time settles its folder and its task
-            created = False
-            try:
-                staging.rename(final)
-                created = True
-            except OSError:  # the same data were uploaded before: keep that folder
-                shutil.rmtree(staging, ignore_errors=True)
-            try:
-                if "dataset" in files:
-                    source: Any = str(final / "dataset")
-                else:
-                    source = {p.stem: str(p) for p in sorted(final.iterdir())}
-                return self.registry.register_task(name, source, **_task_definition(definition))
-            except BaseException:
-                if created and not self._dataset_in_use(final):
-                    shutil.rmtree(final, ignore_errors=True)
-                raise
-
-    def _dataset_in_use(self, folder: Path) -> bool:
-        prefix = str(folder)
-        return any(path.startswith(prefix) for task in self.registry.list_tasks() for path in task.source.values())
+        written by `datasets`' save_to_disk, unpacked within bounds (`services.uploads`). The files are
+        kept under PELT_DATA_DIR/datasets/<sha256>; when the registry refuses the task, nothing is kept."""
+        return self.uploads.register_task(name, files, definition)
 
     def get_task(self, name: str) -> TaskRecord:
         return self.registry.get_task(name)
@@ -166,30 +110,39 @@ class PeltService:
         return self.registry.register_method(spec, replace=replace)
 
     def list_backbones(self) -> list[BackboneRecord]:
-        return self.registry.list_backbones()
+        """Every backbone, its source as users see it (`services.backbones.shown_source`)."""
+        return [self._shown(record) for record in self.registry.list_backbones()]
 
     def get_backbone(self, name: str) -> BackboneRecord:
-        return self.registry.get_backbone(name)
+        return self._shown(self.registry.get_backbone(name))
 
     def register_backbone(self, name: str, source: str | None = None) -> BackboneRecord:
         """Register a backbone under `name`: a packaged alias (all-minilm-l6-v2, smollm2-135m) or a model
-        folder on the service's machine (`source`, default: the name). Its weights are loaded once to
-        compute their content hash, which every delta trained on it records."""
+        folder inside one of PELT_BACKBONE_DIRS (`source`: relative to it or absolute; default: the name;
+        never under PELT_DATA_DIR). It is loaded once, in a child process with a memory limit, for its
+        content hash (which every delta trained on it records) and its facts. The name registered again
+        with no source or the same one returns it; with another source it is a conflict."""
         from services.registry.validation import check_name
 
         check_name(name)
-        source = source or name
-        try:
-            return self.registry.get_backbone(name)
-        except UnknownBackboneError:
-            pass
-        with self._backbone_lock:
+        if source is None:
             try:
-                return self.registry.get_backbone(name)
+                return self._shown(self.registry.get_backbone(name))
             except UnknownBackboneError:
                 pass
-            loaded = self._load_backbone(source)
-            return self.registry.register_backbone(name, source, loaded.content_hash)
+        location = locate_backbone(source or name, self.settings)
+        with self._backbone_lock:
+            try:
+                existing = self.registry.get_backbone(name)
+            except UnknownBackboneError:
+                loaded = self._load_backbone(location)
+                return self._shown(self.registry.register_backbone(
+                    name, location.stored, loaded.content_hash, facts=getattr(loaded, "facts", None)))
+        if not same_source(existing.source, location.stored):
+            raise AlreadyExistsError("source", f"backbone {name!r} is registered from another source "
+                                     f"({self._shown(existing).source!r}); register {location.shown!r} under a new "
+                                     "name")
+        return self._shown(existing)
 
     def ensure_backbone(self, name: str) -> None:
         """Jobs name their backbone; a packaged alias not registered yet is registered on first use."""
@@ -202,14 +155,22 @@ class PeltService:
                 raise
             self.register_backbone(name)
 
-    def _load_backbone(self, source: str) -> Any:
-        from pelt_core.backbones import Backbone, BackboneError
+    def _load_backbone(self, location: BackboneSource) -> Any:
+        """The loaded backbone at a located source; a failure is a 422 on `source` without server paths."""
+        from pelt_core.backbones import BackboneError
 
-        loader = self._backbone_loader or Backbone.load
+        loader = self._backbone_loader or SubprocessBackboneLoader(self.settings)
         try:
-            return loader(source)
+            return loader(location.stored)
         except (BackboneError, OSError, ValueError) as exc:
-            raise RegistryValidationError("source", f"cannot load backbone {source!r}: {exc}") from None
+            message = public_message(str(exc), location, self.settings)
+            if not message.startswith(("backbone ", "loading backbone ", "the process loading")):
+                message = f"cannot load backbone {location.shown!r}: {message}"
+            raise RegistryValidationError("source", message) from None
+
+    def _shown(self, record: BackboneRecord) -> BackboneRecord:
+        """The record with its source as users see it, never a server path."""
+        return dataclasses.replace(record, source=shown_source(record.source, self.settings))
 
     # --- jobs ------------------------------------------------------------------------------------
 
@@ -218,6 +179,7 @@ class PeltService:
                    idempotency_key: str | None = None) -> JobRecord:
         self.registry.get_task(task)  # unknown task: that error first, before any backbone is loaded
         self.registry.get_method(method)
+        check_json_numbers(hyperparameters)  # a JSON request's numbers are numbers, never text to parse
         self.ensure_backbone(backbone)
         return self.registry.submit_job(task, method, backbone, hyperparameters, seed=seed, k_shot=k_shot,
                                         priority=priority, max_attempts=max_attempts,
@@ -230,6 +192,9 @@ class PeltService:
         self.registry.get_task(task)
         for method in methods:
             self.registry.get_method(method)
+        check_json_numbers(hyperparameters)
+        for values in (method_hyperparameters or {}).values():
+            check_json_numbers(values)
         self.ensure_backbone(backbone)
         return self.registry.submit_sweep(task, methods, seeds, k_values, backbone, hyperparameters,
                                           method_hyperparameters=method_hyperparameters, priority=priority,
@@ -262,6 +227,9 @@ class PeltService:
 
     def leaderboard(self, task: str, k_shot: int | None = None, backbone: str | None = None) -> list[LeaderboardRow]:
         return self.registry.leaderboard(task, k_shot, backbone=backbone)
+
+    def audit_events(self, *, limit: int = 100, offset: int = 0) -> list[AuditEventRecord]:
+        return self.registry.audit_events(limit=limit, offset=offset)
 
     # --- deltas ----------------------------------------------------------------------------------
 
@@ -310,108 +278,11 @@ class PeltService:
             if key not in allowed:
                 raise RegistryValidationError(f"options.{key}", f"not an option of {op}; its options: "
                                               f"{', '.join(allowed) or '(none)'}")
-        return self._store().compose(op, sources, into=into, aliases=aliases, description=description, **options)
-
-
-# --- uploads --------------------------------------------------------------------------------------
-
-
-def _task_definition(definition: Mapping[str, Any]) -> dict[str, Any]:
-    allowed = ("text_fields", "label_field", "problem_type", "metric", "metric_direction", "label_names",
-               "max_length", "description")
-    unknown = [key for key in definition if key not in allowed]
-    if unknown:
-        raise RegistryValidationError(unknown[0], f"unknown task field; known: {', '.join(allowed)}")
-    if "text_fields" not in definition:
-        raise RegistryValidationError("text_fields", "required: the column(s) holding the text, e.g. ['sentence']")
-    return {key: value for key, value in definition.items() if value is not None}
-
-
-def _table_suffix(filename: str, split: str) -> str:
-    name = (filename or "").lower()
-    for suffix in FILE_FORMATS:
-        if name.endswith(suffix):
-            return suffix
-    raise RegistryValidationError(split, f"{filename!r}: unsupported file type; use one of "
-                                  f"{', '.join(FILE_FORMATS)} (or a 'dataset' archive of a datasets folder)")
-
-
-def _save_stream(stream: IO[bytes], path: Path, budget: list[int], field: str) -> tuple[int, str]:
-    """Copy a stream to `path` within the shared upload budget (TooLargeError beyond); (size, sha256)."""
-    digest, size = hashlib.sha256(), 0
-    with path.open("wb") as out:
-        while chunk := stream.read(CHUNK):
-            budget[0] -= len(chunk)
-            if budget[0] < 0:
-                raise TooLargeError(field, "the upload is larger than PELT_MAX_UPLOAD_BYTES")
-            digest.update(chunk)
-            size += len(chunk)
-            out.write(chunk)
-    if size == 0:
-        raise RegistryValidationError(field, "the file is empty")
-    return size, digest.hexdigest()
-
-
-def _extract_archive(upload: Upload, target: Path, budget: list[int], limit: int) -> str:
-    """Unpack a .zip/.tar(.gz) of a save_to_disk folder into `target`, refusing links and paths that
-    leave it; an archive holding one folder is that folder."""
-    name = (upload.filename or "").lower()
-    if not name.endswith(ARCHIVE_SUFFIXES):
-        raise RegistryValidationError("dataset", f"{upload.filename!r}: send a {', '.join(ARCHIVE_SUFFIXES)} "
-                                      "archive of a folder written by datasets' save_to_disk")
-    raw = target.parent / ".archive"
-    size, digest = _save_stream(upload.stream, raw, budget, "dataset")
-    target.mkdir()
-    unpacked = 0
-    try:
-        if name.endswith(".zip"):
-            with zipfile.ZipFile(raw) as archive:
-                for member in archive.infolist():
-                    if member.is_dir():
-                        continue
-                    destination = _inside(target, member.filename)
-                    unpacked += member.file_size
-                    if unpacked > limit:
-                        raise TooLargeError("dataset", "the unpacked archive is larger than PELT_MAX_UPLOAD_BYTES")
-                    destination.parent.mkdir(parents=True, exist_ok=True)
-                    with archive.open(member) as source, destination.open("wb") as out:
-                        shutil.copyfileobj(source, out, CHUNK)
-        else:
-            with tarfile.open(raw) as archive:
-                for member in archive:
-                    if member.isdir():
-                        continue
-                    if not member.isfile():
-                        raise RegistryValidationError("dataset", f"{member.name!r}: links and devices are refused")
-                    destination = _inside(target, member.name)
-                    unpacked += member.size
-                    if unpacked > limit:
-                        raise TooLargeError("dataset", "the unpacked archive is larger than PELT_MAX_UPLOAD_BYTES")
-                    destination.parent.mkdir(parents=True, exist_ok=True)
-                    source = archive.extractfile(member)
-                    assert source is not None
-                    with source, destination.open("wb") as out:
-                        shutil.copyfileobj(source, out, CHUNK)
-        entries = list(target.iterdir())
-        if not entries:
-            raise RegistryValidationError("dataset", "the archive is empty")
-        if len(entries) == 1 and entries[0].is_dir():  # the archive holds one folder: that is the dataset
-            inner = entries[0].rename(target.parent / ".inner")  # aside first: it may hold its own name
-            for item in list(inner.iterdir()):
-                item.rename(target / item.name)
-            inner.rmdir()
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as exc:
-        raise RegistryValidationError("dataset", f"{upload.filename!r} is not a readable archive: {exc}") from None
-    finally:
-        raw.unlink(missing_ok=True)
-    return f"dataset:{size}:{digest}"
-
-
-def _inside(root: Path, member: str) -> Path:
-    destination = (root / member).resolve()
-    if not destination.is_relative_to(root.resolve()):
-        raise RegistryValidationError("dataset", f"{member!r} would be written outside the dataset folder")
-    return destination
+        composed = self._store().compose(op, sources, into=into, aliases=aliases, description=description,
+                                         **options)
+        self.registry.record_audit("delta.compose", f"{composed.task} version {composed.version}",
+                                   {"op": op, "sources": sources, "aliases": list(aliases)})
+        return composed
 
 
 __all__ = ["DeltaArchive", "PeltService", "Upload"]

@@ -9,17 +9,41 @@ PELT_RAY_ADDRESS          unset: start a local Ray
 PELT_API_URL, PELT_API_TOKEN   client side (the token also from <data_dir>/api_token, which `pelt serve` writes)
 PELT_API_HOST, PELT_API_PORT   where `pelt serve` listens (default 127.0.0.1:8000)
 PELT_MAX_REQUEST_BYTES, PELT_MAX_UPLOAD_BYTES   bounds on a JSON body and on a dataset upload
+PELT_MAX_DATASET_ROWS     rows one split of a task's data may hold (default 5,000,000); beyond: 413
+PELT_MAX_DATASET_BYTES    bytes a task's data may decode or unpack to (archives, Parquet; default 4 GiB); beyond: 413
+PELT_MAX_ARCHIVE_ENTRIES  files and folders one dataset archive may hold (default 1,000); beyond: 413
+PELT_MAX_ARCHIVE_EXPANSION   unpacked bytes per archive byte (default 50; an archive may always unpack to
+                          16 MiB); counted while it unpacks, beyond: 413
+PELT_BACKBONE_DIRS        folders whose model folders may be registered as backbones (os.pathsep-separated
+                          or a JSON list; default none: only the packaged backbones); never PELT_DATA_DIR
+PELT_MAX_BACKBONE_PARAMETERS   largest backbone registered, in parameters estimated from its config
+PELT_BACKBONE_LOAD_MEMORY_BYTES, PELT_BACKBONE_LOAD_TIMEOUT_SECONDS   limits of the child process that
+                          loads a backbone being registered
+PELT_API_DOCS             serve /docs and /redoc (assets from a CDN) and an open /openapi.json (default off:
+                          /openapi.json then needs a token)
+PELT_API_HEADER_TIMEOUT_SECONDS   close a connection whose request head is not complete within this time
+PELT_API_MAX_CONNECTIONS  connections (and requests in progress) `pelt serve` takes; beyond: 503
+PELT_MAX_QUEUED_JOBS_PER_TOKEN   queued jobs one API token may have at once; a submit beyond: 429
+PELT_MAX_SWEEP_JOBS       jobs one sweep may queue (methods x seeds x K values); beyond: 422
+PELT_WORKER_MEMORY_BYTES  a worker's memory for one job: a job whose estimate (backbone, parameters with AdamW
+                          state, activations; pelt_core.limits.estimate_job_memory) is above it is refused
 PELT_LEASE_SECONDS, PELT_HEARTBEAT_SECONDS, PELT_MAX_ATTEMPTS,
 PELT_RETRY_BACKOFF_SECONDS, PELT_RETRY_BACKOFF_MAX_SECONDS, PELT_DB_BUSY_TIMEOUT_SECONDS   queue knobs
 """
 
 from __future__ import annotations
 
+import json
+import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from pelt_core import limits
+from pelt_core.limits import DEFAULT_MAX_SWEEP_JOBS, DEFAULT_WORKER_MEMORY_BYTES, MAX_BACKBONE_PARAMETERS
 
 
 class Settings(BaseSettings):
@@ -43,6 +67,56 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8000, ge=0, le=65535, description="port `pelt serve` listens on")
     max_request_bytes: int = Field(default=1 << 20, gt=0, description="largest JSON request body")
     max_upload_bytes: int = Field(default=1 << 30, gt=0, description="largest dataset upload (all files)")
+    max_dataset_rows: int = Field(
+        default=limits.MAX_DATASET_ROWS, gt=0, description="rows one split of a task's data may hold"
+    )
+    max_dataset_bytes: int = Field(
+        default=limits.MAX_DATASET_BYTES, gt=0,
+        description="bytes a task's data may decode to: an unpacked archive, decoded Parquet (all splits)",
+    )
+    max_archive_entries: int = Field(
+        default=limits.MAX_ARCHIVE_ENTRIES, gt=0, description="files and folders one dataset archive may hold"
+    )
+    max_archive_expansion: float = Field(
+        default=limits.MAX_ARCHIVE_EXPANSION, gt=0,
+        description="unpacked bytes per archive byte (an archive may always unpack to "
+        "limits.ARCHIVE_EXPANSION_FLOOR_BYTES), counted while it unpacks",
+    )
+    backbone_dirs: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="folders whose model folders may be registered as backbones (os.pathsep-separated or a JSON "
+                    "list); nothing under data_dir ever is",
+    )
+    max_backbone_parameters: int = Field(
+        default=MAX_BACKBONE_PARAMETERS, ge=1, le=MAX_BACKBONE_PARAMETERS,
+        description="largest backbone registered, in parameters estimated from its config",
+    )
+    backbone_load_memory_bytes: int = Field(
+        default=8 << 30, gt=0, description="address-space limit of the child process that loads a backbone"
+    )
+    backbone_load_timeout_seconds: float = Field(
+        default=600.0, gt=0, description="time limit of the child process that loads a backbone"
+    )
+    api_docs: bool = Field(
+        default=False, description="serve /docs and /redoc (assets from a CDN) and /openapi.json without a token"
+    )
+    api_header_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="close a connection whose request head is not complete within this time"
+    )
+    api_max_connections: int = Field(
+        default=1000, ge=1, description="connections and requests in progress the API takes; beyond them: 503"
+    )
+    max_queued_jobs_per_token: int = Field(
+        default=10_000, ge=1, description="queued jobs one API token may have at once; a submit beyond them: 429"
+    )
+    max_sweep_jobs: int = Field(
+        default=DEFAULT_MAX_SWEEP_JOBS, ge=1, le=100_000,
+        description="jobs one sweep may queue (its insert holds SQLite's write lock: keep it short)",
+    )
+    worker_memory_bytes: int = Field(
+        default=DEFAULT_WORKER_MEMORY_BYTES, ge=1 << 20,
+        description="a worker's memory for one job; a job estimated above it is refused at submission",
+    )
 
     lease_seconds: float = Field(default=60.0, gt=0, description="how long a claim lasts without a heartbeat")
     heartbeat_seconds: float = Field(default=15.0, gt=0, description="how often a worker renews its lease")
@@ -55,9 +129,20 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="SQLite: wait this long for a lock"
     )
 
+    @field_validator("backbone_dirs", mode="before")
+    @classmethod
+    def _split_path_list(cls, value: Any) -> Any:
+        """PELT_BACKBONE_DIRS as a path list (`/srv/models:/opt/models`) or a JSON list."""
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        return [part for part in value.split(os.pathsep) if part.strip()]
+
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:
         self.data_dir = self.data_dir.expanduser().resolve()
+        self.backbone_dirs = [folder.expanduser().resolve() for folder in self.backbone_dirs]
         if not self.database_url:
             self.database_url = f"sqlite:///{self.data_dir / 'registry.db'}"
         if not self.mlflow_tracking_uri:

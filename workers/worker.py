@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 
 from pelt_core.backbones import Backbone, BackboneError, resolve_backbone
 from pelt_core.config import ConfigError, TrainConfig
-from pelt_core.data import DataError, TaskFields, load_split
+from pelt_core.data import DataError, TaskFields, hold_out_dev_split, load_split
 from pelt_core.delta import DeltaError, save_delta
 from pelt_core.methods import get_method
 from pelt_core.spec import SpecError
@@ -267,7 +267,7 @@ class PeltWorker:
             self._finished.append(outcome)
             del self._finished[:-100]
         log.info("job %s on %s: %s%s", job.job_id, attempt.owner, outcome.status,
-                 f" ({outcome.error.splitlines()[0]})" if outcome.error else "")
+                 f" ({outcome.error.strip().splitlines()[-1]})" if outcome.error else "")  # a traceback's message
         return outcome
 
     # --- one attempt ------------------------------------------------------------------------------
@@ -309,6 +309,8 @@ class PeltWorker:
             beat.finish()
             permanent = isinstance(exc, PERMANENT_ERRORS)
             error = f"{type(exc).__name__}: {exc}" if permanent else traceback.format_exc()
+            if not permanent:  # the registry keeps the message for the job, the traceback for admins
+                log.error("job %s on %s failed", job.job_id, attempt.owner, exc_info=exc)
             if attempt.reason == "lease_lost":
                 return ended("lease_lost", error=error)
             try:
@@ -327,13 +329,14 @@ class PeltWorker:
         config = TrainConfig.from_dict(job.train_config)
         spec = get_method(job.method_spec)
         task = job.task
-        if not task.validation_path:
-            raise DataError(f"task {task.name!r} has no evaluation split (validation, dev or test); "
-                            "a job needs one to score its delta")
         fields = TaskFields(tuple(task.text_fields), task.label_field, task.problem_type,
                             list(task.label_names or []))
         with _DATA_LOCK:  # `datasets` is not thread-safe while it loads (its progress bars' shared lock)
-            train_data, eval_data = load_split(task.train_path), load_split(task.validation_path)
+            train_data = load_split(task.train_path)
+            if task.validation_path:
+                eval_data = load_split(task.validation_path)
+            else:  # no evaluation split: a dev split held out from the training rows by the job's seed
+                train_data, eval_data = hold_out_dev_split(train_data, config.seed)
         with self._lend(job.backbone, job.backbone_dtype or config.backbone_dtype) as backbone:
             expected = (job.backbone_hash or "").removeprefix("sha256:")
             if expected and expected != backbone.content_hash:

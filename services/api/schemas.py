@@ -4,13 +4,18 @@ a 422 naming it rather than a setting silently ignored. Responses mirror the reg
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pelt_core.limits import MAX_COMPOSE_ALIASES, MAX_COMPOSE_SOURCES, SEED, SWEEP_LIST_LENGTH, TRAIN_RANGES
 
 ID = Field(ge=1, le=2**31 - 1)
 NAME = Field(min_length=1, max_length=100)
 DEFAULT_BACKBONE = "all-minilm-l6-v2"
+# simple bounds from the table of limits (pelt_core/limits.py); the registry applies the whole table
+Seed = Annotated[int, Field(ge=SEED.low, le=SEED.high)]
+KShot = Annotated[int, Field(ge=TRAIN_RANGES["k_shot"].low, le=TRAIN_RANGES["k_shot"].high)]
 
 
 class Request(BaseModel):
@@ -46,7 +51,8 @@ class MethodIn(Request):
 class BackboneIn(Request):
     name: str = NAME
     source: str | None = Field(default=None, max_length=1000,
-                               description="packaged alias or model folder on the service's machine; default: name")
+                               description="a packaged alias, or a model folder inside one of the service's backbone "
+                                           "folders (PELT_BACKBONE_DIRS), relative to it or absolute; default: name")
 
 
 class JobIn(Request):
@@ -55,8 +61,8 @@ class JobIn(Request):
     backbone: str = Field(default=DEFAULT_BACKBONE, min_length=1, max_length=100)
     hyperparameters: dict[str, Any] = Field(default_factory=dict,
                                             description="training settings and method overrides, e.g. lr, epochs, r")
-    seed: int = Field(default=0, ge=0, le=2**31 - 1)
-    k_shot: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    seed: Seed = 0
+    k_shot: KShot | None = None
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     max_attempts: int | None = Field(default=None, ge=1, le=100)
     idempotency_key: str | None = Field(default=None, max_length=200)
@@ -64,10 +70,10 @@ class JobIn(Request):
 
 class SweepIn(Request):
     task: str = NAME
-    methods: list[str] = Field(min_length=1, max_length=1000)
+    methods: list[str] = Field(min_length=1, max_length=SWEEP_LIST_LENGTH)
     backbone: str = Field(default=DEFAULT_BACKBONE, min_length=1, max_length=100)
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, max_length=1000)
-    k_values: list[int | None] = Field(default_factory=lambda: [None], min_length=1, max_length=1000)
+    seeds: list[Seed] = Field(default_factory=lambda: [0], min_length=1, max_length=SWEEP_LIST_LENGTH)
+    k_values: list[KShot | None] = Field(default_factory=lambda: [None], min_length=1, max_length=SWEEP_LIST_LENGTH)
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
     method_hyperparameters: dict[str, dict[str, Any]] = Field(default_factory=dict)
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
@@ -78,11 +84,12 @@ class SweepIn(Request):
 class ComposeIn(Request):
     op: Literal["merge", "average", "merge_lora_svd", "multi_task"]
     sources: list[str] | dict[str, str] = Field(
+        min_length=1, max_length=MAX_COMPOSE_SOURCES,
         description='delta references: "task" (its best), "task@alias", "task/3"; multi_task: {route: ref}')
     into: str = Field(min_length=1, max_length=100, description="the task whose new version the result becomes")
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="merge: weights, how (linear|ties|dare), density, seed, ...")
-    aliases: list[str] = Field(default_factory=list, max_length=20)
+    aliases: list[str] = Field(default_factory=list, max_length=MAX_COMPOSE_ALIASES)
     description: str = Field(default="", max_length=10_000)
 
 
@@ -118,9 +125,13 @@ class MethodOut(Response):
 class BackboneOut(Response):
     id: int
     name: str
-    source: str
+    source: str = Field(description="the packaged alias, or the model folder relative to its backbone folder")
     content_hash: str
     created_at: datetime
+    facts: dict[str, Any] | None = Field(
+        default=None, description="its shape: hidden_size, num_layers, num_heads, num_kv_heads, head_dim, "
+        "intermediate_size, max_positions, vocab_size, num_parameters, model_type (null: registered before facts "
+        "were kept)")
 
 
 class JobOut(Response):
@@ -141,7 +152,8 @@ class JobOut(Response):
     progress: float | None
     progress_detail: dict[str, Any] | None
     cancel_requested: bool
-    last_error: str | None
+    last_error: str | None = Field(description="the last attempt's error: one line, no server paths")
+    submitted_by: str | None = Field(default=None, description="the name of the token that submitted the job")
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None
@@ -200,6 +212,18 @@ class EventOut(Response):
     to_status: str
     reason: str
     worker_id: str | None
+    detail: str | None = Field(default=None, description="the full error behind reason (a traceback); admin tokens "
+                               "only, null for the others")
+
+
+class AuditEventOut(Response):
+    id: int
+    at: datetime
+    actor: str | None = Field(description="the token's name (cli:<user> for `pelt token` commands)")
+    action: str = Field(description="task.register, method.register, backbone.register, job.submit, sweep.submit, "
+                        "job.cancel, sweep.cancel, delta.compose, token.create, token.revoke")
+    target: str
+    detail: dict[str, Any]
 
 
 class LeaderboardRowOut(Response):

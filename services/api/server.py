@@ -5,8 +5,10 @@ Embedded by default: SQLite registry and MLflow store under PELT_DATA_DIR, a loc
 PELT_DATABASE_URL (PostgreSQL), PELT_MLFLOW_TRACKING_URI (an MLflow server) and PELT_RAY_ADDRESS (a
 Ray cluster); the API can also run without a dispatcher (`--no-dispatcher`) next to `pelt dispatcher`.
 
-Tokens: on its first start a service with no active token creates one ("local") and writes its secret
-to PELT_DATA_DIR/api_token (mode 0600), where the client and the CLI on this machine find it.
+Tokens: on its first start a service with no active token creates one ("local", admin scope) and
+writes its secret to PELT_DATA_DIR/api_token (mode 0600), where the client and the CLI on this machine
+find it. PELT_DATA_DIR is made 0700 at start (`services.filemodes`). Connections: a deadline for each
+request's head and a cap on connections (`services.api.connections`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.filemodes import secure_data_dir
 from services.settings import Settings, get_settings
 
 log = logging.getLogger("pelt.serve")
@@ -35,7 +38,8 @@ def token_path(settings: Settings) -> Path:
 
 def ensure_local_token(registry: Any, settings: Settings) -> str | None:
     """The secret in PELT_DATA_DIR/api_token if it is an active token; else, when the registry has no
-    active token at all, a new one (written there, mode 0600). None: tokens exist, none of them local."""
+    active token at all, a new admin token (written there, mode 0600). None: tokens exist, none of them
+    local."""
     path = token_path(settings)
     if path.exists():
         secret = path.read_text().strip()
@@ -45,7 +49,7 @@ def ensure_local_token(registry: Any, settings: Settings) -> str | None:
         return None
     taken = {token.name for token in registry.list_api_tokens()}
     name = next(n for n in ("local", *(f"local-{i}" for i in range(2, 10_000))) if n not in taken)
-    _, secret = registry.create_api_token(name)
+    _, secret = registry.create_api_token(name, scope="admin")
     path.parent.mkdir(parents=True, exist_ok=True)
     fresh = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     descriptor = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # a new file: mode 0600 whatever
@@ -97,11 +101,12 @@ class Service:
         import uvicorn
 
         from services.api.app import create_app
+        from services.api.connections import uvicorn_connection_options
         from services.delta_store import MlflowDeltaStore
         from services.registry import Registry, upgrade
         from services.service import PeltService
 
-        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        secure_data_dir(self.settings.data_dir)
         if self.upgrade:
             upgrade(self.settings.database_url)
         try:
@@ -113,7 +118,8 @@ class Service:
             service = PeltService(self.registry, store, settings=self.settings)
             self.app = create_app(service, self.settings, dispatcher=self.dispatcher)
             config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=self.log_level,
-                                    lifespan="off", timeout_graceful_shutdown=5)
+                                    lifespan="off", timeout_graceful_shutdown=5,
+                                    **uvicorn_connection_options(self.settings))
             listening = _listen(self.host, self.port)
             self.port = listening.getsockname()[1]
             self._server = uvicorn.Server(config)

@@ -6,7 +6,11 @@ from collections.abc import Iterable
 
 
 class DeltaStoreError(Exception):
-    """Something about the MLflow delta store went wrong."""
+    """Something about the MLflow delta store went wrong (`field`: the request field at fault, if any)."""
+
+    def __init__(self, *args: object, field: str | None = None) -> None:
+        super().__init__(*args)
+        self.field = field
 
 
 class StoreNotReadyError(DeltaStoreError):

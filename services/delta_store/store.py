@@ -102,6 +102,8 @@ TAG_SOURCES = "pelt.composition.sources"
 
 NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,49}$")
 TASK_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")  # the registry's task names
+# an alias MLflow takes: not "latest" and not v<digits> (its version references), any case
+ALIAS_PATTERN = re.compile(r"^(?!(?i:latest|v[0-9]+)$)[A-Za-z0-9_-]{1,100}$")
 BUNDLE_KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 MAX_PARAM_CHARS = 6000  # mlflow's limit on a param value
 MAX_TAG_CHARS = 5000  # mlflow's limit on a model version tag value
@@ -604,16 +606,26 @@ class MlflowDeltaStore:
         aliases: set on the new version (e.g. ["soup"]); `best`/`best-*` of a registry task are the
         registry's to set and are refused here."""
         from pelt_core import compose as pelt_compose
+        from pelt_core.limits import MAX_COMPOSE_ALIASES, MAX_COMPOSE_SOURCES
 
+        # the whole request is checked before anything is pulled or written
         if op not in COMPOSE_OPS:
-            raise DeltaStoreError(f"op must be one of {', '.join(COMPOSE_OPS)}, got {op!r}")
+            raise DeltaStoreError(f"op must be one of {', '.join(COMPOSE_OPS)}, got {op!r}", field="op")
         if op == "multi_task" and options:
-            raise DeltaStoreError(f"multi_task takes no options, got {', '.join(options)}")
+            raise DeltaStoreError(f"multi_task takes no options, got {', '.join(options)}", field="options")
         _check_task(into)
-        for name in aliases:
-            if name == BEST or name.startswith(METHOD_ALIAS_PREFIX):
-                raise DeltaStoreError(f"alias {name!r} is set by sync_aliases from the registry's results; "
-                                      "give the composed version another alias")
+        if isinstance(aliases, str) or len(aliases) > MAX_COMPOSE_ALIASES:
+            raise DeltaStoreError(f"aliases: give a list of at most {MAX_COMPOSE_ALIASES} names", field="aliases")
+        for index, name in enumerate(aliases):
+            _check_alias(name, f"aliases[{index}]")
+        count = len(sources) if isinstance(sources, Sequence | Mapping) and not isinstance(sources, str) else 1
+        if count > MAX_COMPOSE_SOURCES:
+            raise DeltaStoreError(f"sources: at most {MAX_COMPOSE_SOURCES} deltas per composition, got {count}",
+                                  field="sources")
+        try:
+            pelt_compose.check_options(op, options, count)
+        except pelt_compose.CompositionError as exc:
+            raise _option_error(exc) from None
         named = self._named_sources(sources, bundle=op == "multi_task")
         pulled = {name: self.pull(ref, backbone=backbone) for name, ref in named.items()}
         first = next(iter(pulled.values()))
@@ -641,7 +653,11 @@ class MlflowDeltaStore:
                             "merge_lora_svd": pelt_compose.merge_lora_svd}[op]
                 if op == "merge_lora_svd":
                     options.setdefault("weights", None)
-                composed_delta = function({n: p.delta for n, p in pulled.items()}, backbone=backbone_obj, **options)
+                try:  # a rank above what the deltas' matrices hold is refused before it is allocated
+                    composed_delta = function({n: p.delta for n, p in pulled.items()}, backbone=backbone_obj,
+                                              **options)
+                except pelt_compose.CompositionError as exc:
+                    raise _option_error(exc) from None
                 saved = pelt_compose.save_composed(composed_delta, backbone_obj, out,
                                                    extra={"sources": sources_tag})
                 provenance = dict(composed_delta.provenance)
@@ -660,10 +676,16 @@ class MlflowDeltaStore:
             params = {"op": op, "sources": json.dumps([str(named[n]) for n in named]),
                       **{k: json.dumps(v) for k, v in options.items()}}
             text = description or f"{tags[TAG_OP]} of " + ", ".join(f"{s['task']}/{s['version']}" for s in sources_tag)
-            stored = self._register_folder(into, out, sha, tags, params, text, run_name=f"compose-{op}",
-                                           extra_artifacts={"provenance.json": provenance})
-        for name in aliases:
-            self.client.set_registered_model_alias(self.model_name(into), name, stored.model_version)
+            new_model = not self._model_exists(into)
+            stored = None
+            try:  # all or nothing: a failure once the version exists takes it back (and a model made for it)
+                stored = self._register_folder(into, out, sha, tags, params, text, run_name=f"compose-{op}",
+                                               extra_artifacts={"provenance.json": provenance})
+                for name in aliases:
+                    self.client.set_registered_model_alias(self.model_name(into), name, stored.model_version)
+            except BaseException:
+                self._take_back(into, stored, new_model)
+                raise
         return Composed(into, str(stored.model_version), stored, provenance, composed_delta, source_infos)
 
     def register(self, task: str, delta_dir: str | Path, *, aliases: Sequence[str] = (), description: str = "",
@@ -713,8 +735,32 @@ class MlflowDeltaStore:
             if not _is_missing(exc):
                 raise
             task = model[len(self.namespace) + 1:]
-            raise DeltaNotFoundError("task", task, self.list_tasks(),
-                                     where=f"in the MLflow store {display_uri(self.tracking_uri)}") from None
+            # no URI in the message: it reaches API users, and where the store lives is the server's business
+            raise DeltaNotFoundError("task", task, self.list_tasks(), where="in the delta store") from None
+
+    def _model_exists(self, task: str) -> bool:
+        try:
+            self.client.get_registered_model(self.model_name(task))
+            return True
+        except Exception as exc:
+            if not _is_missing(exc):
+                raise
+            return False
+
+    def _take_back(self, task: str, stored: StoredDelta | None, new_model: bool) -> None:
+        """Undo a composition's writes after a failure: its model version and run, and the registered
+        model when the composition created it (best effort: the failure itself is what the caller sees)."""
+        model = self.model_name(task)
+        if stored is not None:
+            with contextlib.suppress(Exception):
+                self.client.delete_model_version(model, str(stored.model_version))
+            if stored.run_id:
+                with contextlib.suppress(Exception):
+                    self.client.delete_run(stored.run_id)
+        if new_model:
+            with contextlib.suppress(Exception):
+                if not self.client.search_model_versions(f"name = '{model}'"):
+                    self.client.delete_registered_model(model)
 
     def _ensure_model(self, task: str, metric: str | None = None, direction: str | None = None) -> str:
         model = self.model_name(task)
@@ -1045,6 +1091,27 @@ def _ref(ref: str | DeltaRef, *, method: str | None, version: str | int | None, 
     if (parsed.version, parsed.method, parsed.alias) != (None, None, None):
         raise DeltaStoreError(f"{ref!r} already names a version or alias; do not also pass method/version/alias")
     return DeltaRef(parsed.task, version=version, method=method, alias=alias)
+
+
+def _check_alias(name: object, field: str) -> None:
+    """An alias a caller may set: letters, digits, '_' and '-' (at most 100), not one MLflow reserves
+    ("latest", v<digits>) and not one the registry's results set (best, best-<method>)."""
+    if not isinstance(name, str) or not ALIAS_PATTERN.match(name):
+        raise DeltaStoreError(f"{field}: {name!r} is not an alias: letters, digits, '_' and '-' (at most 100), "
+                              "and not 'latest' or v<digits> (MLflow's version references)", field=field)
+    if name == BEST or name.startswith(METHOD_ALIAS_PREFIX):
+        raise DeltaStoreError(f"{field}: alias {name!r} is set by sync_aliases from the registry's results; "
+                              "give the composed version another alias", field=field)
+
+
+def _option_error(exc: Exception) -> Exception:
+    """pelt_core's error about a composition option, naming it as the request does (`options.<name>`)."""
+    field = getattr(exc, "field", None)
+    if not field or field in ("op",):
+        return exc
+    message = str(exc)
+    message = f"options.{message}" if message.startswith(field) else f"options.{field}: {message}"
+    return type(exc)(message, field=f"options.{field}")
 
 
 def _check_task(task: str) -> None:

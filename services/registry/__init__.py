@@ -9,6 +9,7 @@
 Only this package speaks SQL; everything else calls `Registry`.
 """
 
+from services.registry.actor import acting_as, current_actor
 from services.registry.db import check_schema_current, downgrade, head_revision, make_engine, upgrade
 from services.registry.errors import (
     AlreadyExistsError,
@@ -16,6 +17,8 @@ from services.registry.errors import (
     JobStateError,
     LeaseLostError,
     NotFoundError,
+    QuotaExceededError,
+    RegistryBusyError,
     RegistryError,
     RegistryValidationError,
     SchemaOutOfDateError,
@@ -29,6 +32,7 @@ from services.registry.leaderboard import LeaderboardRow
 from services.registry.models import JobStatus
 from services.registry.records import (
     ApiTokenRecord,
+    AuditEventRecord,
     BackboneRecord,
     JobEventRecord,
     JobRecord,
@@ -42,6 +46,7 @@ from services.registry.service import Registry
 __all__ = [
     "AlreadyExistsError",
     "ApiTokenRecord",
+    "AuditEventRecord",
     "BackboneRecord",
     "IdempotencyConflictError",
     "JobEventRecord",
@@ -52,7 +57,9 @@ __all__ = [
     "LeaseLostError",
     "MethodRecord",
     "NotFoundError",
+    "QuotaExceededError",
     "Registry",
+    "RegistryBusyError",
     "RegistryError",
     "RegistryValidationError",
     "ResultRecord",
@@ -64,7 +71,9 @@ __all__ = [
     "UnknownMethodError",
     "UnknownSweepError",
     "UnknownTaskError",
+    "acting_as",
     "check_schema_current",
+    "current_actor",
     "downgrade",
     "head_revision",
     "make_engine",

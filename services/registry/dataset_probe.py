@@ -1,4 +1,4 @@
-"""Cheap looks at a task's dataset: its columns, split sizes and the label column's values.
+"""Cheap looks at a task's dataset: its columns, split sizes and every split's label column.
 
 Kept apart so that it can be swapped for `pelt_core.data` (which reads the same sources for training):
 the registry only calls `resolve_source(...)` and `probe_dataset(...)`.
@@ -6,20 +6,44 @@ the registry only calls `resolve_source(...)` and `probe_dataset(...)`.
 A source is a JSON Lines (.jsonl/.ndjson), CSV (.csv/.tsv) or Parquet file, a mapping of split name
 to such files (a "train" split is required), or a folder written by `datasets`' `save_to_disk`
 (a DatasetDict with a "train" split, or a single Dataset, taken as the training split).
+
+Data come from users, so the probe streams and bounds what it reads (`DatasetLimits`): JSON Lines in
+chunks of whole lines, CSV block by block, Parquet batch by batch after its metadata (rows, declared
+sizes) passed; rows of one split and decoded bytes of all splits are counted as they are read and
+refused beyond PELT_MAX_DATASET_ROWS / PELT_MAX_DATASET_BYTES (413). Text files must be UTF-8 (the
+trainer reads them so). A `datasets` folder is checked by `pelt_core.saved_dataset` first (its own
+Arrow files only, rows counted from metadata) and fully validated after it is memory-mapped.
+Errors name the split (`source.<split>`), never a path of this machine.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pelt_core.limits import MAX_DATASET_BYTES, MAX_DATASET_ROWS
 from services.registry.errors import RegistryValidationError
 
 FILE_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
+FORMAT_NAMES = {"jsonl": "JSON Lines", "csv": "CSV", "tsv": "TSV", "parquet": "Parquet"}
 MAX_DISTINCT_LABELS = 10_000
+STREAM_BLOCK_BYTES = 1 << 20  # a CSV block, a chunk of JSON Lines, a step of the UTF-8 check
+MAX_ROW_BYTES = 16 << 20  # the longest JSON Lines row
+BATCH_BYTES = 16 << 20  # Parquet: rows per batch are chosen so that a batch decodes to about this much
+MAX_BATCH_ROWS = 65_536
+
+
+@dataclass(frozen=True)
+class DatasetLimits:
+    """What the probe reads at most: rows of one split (PELT_MAX_DATASET_ROWS) and decoded bytes of all
+    splits together (PELT_MAX_DATASET_BYTES)."""
+
+    max_rows: int = MAX_DATASET_ROWS
+    max_bytes: int = MAX_DATASET_BYTES
 
 
 @dataclass(frozen=True)
@@ -32,12 +56,13 @@ class DatasetSource:
 
 @dataclass(frozen=True)
 class LabelSummary:
-    """The label column of the training split: its kind, null count and distinct values."""
+    """The label column of one split: its kind, null count and distinct values."""
 
     kind: str  # "string", "integer", "float", "bool", "list" (multi-label) or "other"
     nulls: int
     values: list[Any] | None  # distinct values (list elements for "list"); None when there are too many
     names: list[str] | None = None  # class names declared by the data itself (a `datasets` ClassLabel)
+    non_finite: bool = False  # a float label is NaN or infinite
 
 
 @dataclass(frozen=True)
@@ -48,6 +73,8 @@ class DatasetProbe:
     split_sizes: dict[str, int]
     label: LabelSummary | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    split_columns: dict[str, list[str]] = field(default_factory=dict)  # every split's columns
+    split_labels: dict[str, LabelSummary] = field(default_factory=dict)  # every split's label column (train too)
 
     @property
     def train_rows(self) -> int:
@@ -78,31 +105,32 @@ def resolve_source(source: str | Path | Mapping[str, str | Path]) -> DatasetSour
         if not _is_saved_dataset(path):
             raise RegistryValidationError(
                 "source",
-                f"{path} is a folder but not one written by datasets' save_to_disk "
+                f"{path.name!r} is a folder but not one written by datasets' save_to_disk "
                 "(no dataset_dict.json or state.json); give the data files instead",
             )
         return DatasetSource("datasets", {"path": str(path.resolve())})
     return DatasetSource("files", {"train": _existing_file(path, "source")})
 
 
-def probe_dataset(source: DatasetSource, label_field: str | None = None) -> DatasetProbe:
-    """Read the columns and split sizes, and summarize the label column of the training split."""
+def probe_dataset(
+    source: DatasetSource, label_field: str | None = None, limits: DatasetLimits | None = None
+) -> DatasetProbe:
+    """Read the columns and split sizes, and summarize the label column of every split, streaming within
+    `limits` (TooLargeError beyond them)."""
+    limits = limits or DatasetLimits()
+    budget = _Budget(limits.max_bytes)
     if source.kind == "datasets":
-        return _probe_saved_dataset(Path(source.paths["path"]), label_field)
+        return _probe_saved_dataset(Path(source.paths["path"]), label_field, limits, budget)
     sizes: dict[str, int] = {}
-    columns: list[str] = []
-    label: LabelSummary | None = None
+    columns: dict[str, list[str]] = {}
+    labels: dict[str, LabelSummary] = {}
     for split, path in source.paths.items():
-        where = f"source.{split}"
-        try:
-            if split == "train":
-                columns, rows, label = _probe_file(Path(path), label_field)
-            else:
-                rows = _count_rows(Path(path))
-        except (OSError, ValueError) as exc:  # pyarrow's parse errors are ValueErrors (ArrowInvalid)
-            raise RegistryValidationError(where, f"cannot read {path}: {exc}") from exc
-        sizes[split] = rows
-    return DatasetProbe(columns=columns, split_sizes=sizes, label=label)
+        read = _probe_file(Path(path), split, label_field, limits, budget)
+        sizes[split], columns[split] = read.rows, read.columns
+        if read.label is not None:
+            labels[split] = read.label
+    return DatasetProbe(columns=columns.get("train", []), split_sizes=sizes, label=labels.get("train"),
+                        split_columns=columns, split_labels=labels)
 
 
 # --- files ---------------------------------------------------------------------------------------
@@ -113,7 +141,7 @@ def _existing_file(raw: str | Path, where: str) -> str:
         raise RegistryValidationError(where, f"expected a file path, got {raw!r}")
     path = Path(raw).expanduser()
     if not path.is_file():
-        raise RegistryValidationError(where, f"no such file: {path}")
+        raise RegistryValidationError(where, f"no such file: {path.name!r}")
     if path.suffix.lower() not in FILE_FORMATS:
         raise RegistryValidationError(
             where,
@@ -122,46 +150,186 @@ def _existing_file(raw: str | Path, where: str) -> str:
     return str(path.resolve())
 
 
-def _read_table(path: Path, columns: list[str] | None = None) -> Any:
+@dataclass
+class _SplitRead:
+    columns: list[str]
+    rows: int
+    label: LabelSummary | None
+
+
+@dataclass
+class _Stream:
+    """Record batches of one file, with its columns and class names when known before reading."""
+
+    batches: Iterator[Any]
+    columns: list[str] | None = None
+    class_names: list[str] | None = None
+
+
+class _Budget:
+    """Decoded bytes left for the task's data (PELT_MAX_DATASET_BYTES)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.left = limit, limit
+
+    def spend(self, count: int, where: str) -> None:
+        self.left -= max(count, 0)
+        if self.left < 0:
+            raise _too_large(where, f"the data decode to more than {self.limit} bytes (PELT_MAX_DATASET_BYTES)")
+
+
+class _NotUtf8(ValueError):
+    def __init__(self, position: int) -> None:
+        super().__init__(f"not UTF-8 text (an invalid byte near byte {position}); save the file as UTF-8")
+
+
+def _too_large(where: str, message: str) -> Exception:
+    from services.errors import TooLargeError  # late: services.errors imports the registry's errors
+
+    return TooLargeError(where, message)
+
+
+def _probe_file(path: Path, split: str, label_field: str | None, limits: DatasetLimits, budget: _Budget) -> _SplitRead:
+    where = f"source.{split}"
+    kind = FILE_FORMATS[path.suffix.lower()]
+    try:
+        if kind == "parquet":
+            stream = _parquet_stream(path, split, label_field, limits, budget)
+        else:
+            _check_utf8(path)
+            stream = _csv_stream(path, split, kind, label_field) if kind in ("csv", "tsv") else _jsonl_stream(path)
+        return _read_stream(stream, split, label_field, limits, budget)
+    except RegistryValidationError:
+        raise
+    except _NotUtf8 as exc:
+        raise RegistryValidationError(where, f"the {split} split is {exc}") from None
+    except Exception as exc:
+        import pyarrow as pa
+
+        if not isinstance(exc, OSError | ValueError | pa.ArrowException):  # a bug, or memory: not the data's fault
+            raise
+        reason = str(exc).replace(str(path), path.name) if not isinstance(exc, OSError) else exc.strerror
+        raise RegistryValidationError(
+            where, f"cannot read the {split} split as {FORMAT_NAMES[kind]}: {reason or type(exc).__name__}"
+        ) from None
+
+
+def _read_stream(stream: _Stream, split: str, label_field: str | None, limits: DatasetLimits,
+                 budget: _Budget) -> _SplitRead:
+    where = f"source.{split}"
+    columns = list(stream.columns or [])
+    label = _LabelColumn(label_field, split, stream.class_names)
+    rows = 0
+    for batch in stream.batches:
+        names = list(batch.schema.names)
+        _refuse_duplicate_columns(names, split)
+        columns.extend(name for name in names if name not in columns)
+        rows += batch.num_rows
+        if rows > limits.max_rows:
+            raise _too_large(where, f"the {split} split holds more than {limits.max_rows} rows (PELT_MAX_DATASET_ROWS)")
+        budget.spend(batch.nbytes, where)
+        if label_field is not None:
+            position = batch.schema.get_field_index(label_field)
+            label.add(batch.column(position) if position >= 0 else None, batch.num_rows)
+    return _SplitRead(columns, rows, label.summary() if label_field in columns else None)
+
+
+def _refuse_duplicate_columns(names: list[str], split: str) -> None:
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise RegistryValidationError(
+            f"source.{split}", f"the {split} split has the column {twice[0]!r} twice; give every column its own name"
+        )
+
+
+def _check_utf8(path: Path) -> None:
+    """The trainer reads text files as UTF-8: refuse others here, reading the file in blocks."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with path.open("rb") as stream:
+        while block := stream.read(STREAM_BLOCK_BYTES):
+            pending = len(decoder.getstate()[0])
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as exc:
+                raise _NotUtf8(offset - pending + exc.start) from None
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise _NotUtf8(offset) from None
+
+
+def _csv_stream(path: Path, split: str, kind: str, label_field: str | None) -> _Stream:
+    """Block by block; every column but the label is text (as the trainer reads it: no type guessed from
+    the first block that a later block breaks)."""
+    import pyarrow as pa
     import pyarrow.csv
+
+    read = pyarrow.csv.ReadOptions(block_size=STREAM_BLOCK_BYTES)
+    parse = pyarrow.csv.ParseOptions(delimiter="\t" if kind == "tsv" else ",", newlines_in_values=True)
+    with pyarrow.csv.open_csv(path, read_options=read, parse_options=parse) as head:
+        names = list(head.schema.names)
+    _refuse_duplicate_columns(names, split)
+    text = pyarrow.csv.ConvertOptions(column_types={name: pa.string() for name in names if name != label_field})
+    reader = pyarrow.csv.open_csv(path, read_options=read, parse_options=parse, convert_options=text)
+    return _Stream(iter(reader), names)
+
+
+def _jsonl_stream(path: Path) -> _Stream:
+    """Chunks of whole lines (a row at most MAX_ROW_BYTES), each parsed on its own."""
+    import pyarrow as pa
     import pyarrow.json
+
+    def batches() -> Iterator[Any]:
+        for chunk in _line_chunks(path):
+            options = pyarrow.json.ReadOptions(use_threads=False, block_size=len(chunk) + 1)
+            yield from pyarrow.json.read_json(pa.BufferReader(chunk), read_options=options).to_batches()
+
+    return _Stream(batches())
+
+
+def _line_chunks(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as stream:
+        pending = b""
+        while block := stream.read(STREAM_BLOCK_BYTES):
+            data = pending + block
+            cut = data.rfind(b"\n") + 1
+            if not cut:
+                if len(data) > MAX_ROW_BYTES:
+                    raise ValueError(f"a row is longer than {MAX_ROW_BYTES} bytes")
+                pending = data
+                continue
+            if data[:cut].strip():
+                yield data[:cut]
+            pending = data[cut:]
+        if pending.strip():
+            yield pending
+
+
+def _parquet_stream(path: Path, split: str, label_field: str | None, limits: DatasetLimits,
+                    budget: _Budget) -> _Stream:
+    """The metadata first (rows, each row group's declared size), then batch by batch, row group by row
+    group, sized so that a batch decodes to about BATCH_BYTES."""
     import pyarrow.parquet
 
-    kind = FILE_FORMATS[path.suffix.lower()]
-    if kind == "parquet":
-        return pyarrow.parquet.read_table(path, columns=columns)
-    if kind == "jsonl":
-        table = pyarrow.json.read_json(path)
-    else:
-        delimiter = "\t" if kind == "tsv" else ","
-        table = pyarrow.csv.read_csv(path, parse_options=pyarrow.csv.ParseOptions(delimiter=delimiter))
-    return table.select(columns) if columns is not None else table
-
-
-def _probe_file(path: Path, label_field: str | None) -> tuple[list[str], int, LabelSummary | None]:
-    if FILE_FORMATS[path.suffix.lower()] == "parquet":
-        import pyarrow.parquet
-
-        parquet = pyarrow.parquet.ParquetFile(path)
-        columns = list(parquet.schema_arrow.names)
-        rows = parquet.metadata.num_rows
-        label = None
-        if label_field in columns:
-            names = _class_names_from_hf_metadata(parquet.schema_arrow.metadata, label_field)
-            label = _summarize(parquet.read(columns=[label_field]).column(label_field), names)
-        return columns, rows, label
-    table = _read_table(path)
-    columns = list(table.column_names)
-    label = _summarize(table.column(label_field)) if label_field in columns else None
-    return columns, table.num_rows, label
-
-
-def _count_rows(path: Path) -> int:
-    if FILE_FORMATS[path.suffix.lower()] == "parquet":
-        import pyarrow.parquet
-
-        return pyarrow.parquet.ParquetFile(path).metadata.num_rows
-    return _read_table(path).num_rows
+    where = f"source.{split}"
+    parquet = pyarrow.parquet.ParquetFile(path)
+    metadata = parquet.metadata
+    if metadata.num_rows > limits.max_rows:
+        raise _too_large(where, f"the {split} split holds {metadata.num_rows} rows, more than {limits.max_rows} "
+                                "(PELT_MAX_DATASET_ROWS)")
+    groups = [metadata.row_group(index) for index in range(metadata.num_row_groups)]
+    declared = sum(max(group.total_byte_size, 0) for group in groups)
+    if declared > budget.left:
+        raise _too_large(where, f"the {split} split decodes to {declared} bytes, more than the "
+                                f"{budget.limit} bytes allowed for the task's data (PELT_MAX_DATASET_BYTES)")
+    names = list(parquet.schema_arrow.names)
+    _refuse_duplicate_columns(names, split)
+    widest = max((group.total_byte_size / group.num_rows for group in groups if group.num_rows > 0), default=1.0)
+    batch_rows = int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // max(widest, 1.0))))
+    class_names = _class_names_from_hf_metadata(parquet.schema_arrow.metadata, label_field) if label_field else None
+    return _Stream(parquet.iter_batches(batch_size=batch_rows), names, class_names)
 
 
 def _class_names_from_hf_metadata(metadata: dict[bytes, bytes] | None, label_field: str) -> list[str] | None:
@@ -170,11 +338,11 @@ def _class_names_from_hf_metadata(metadata: dict[bytes, bytes] | None, label_fie
         return None
     try:
         features = json.loads(metadata[b"huggingface"]).get("info", {}).get("features", {})
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
-    feature = features.get(label_field) or {}
-    if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" and feature.get("names"):
-        return [str(name) for name in feature["names"]]
+    feature = (features.get(label_field) or {}) if isinstance(features, dict) else {}
+    if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" and isinstance(feature.get("names"), list):
+        return [str(name) for name in feature["names"]] or None
     return None
 
 
@@ -182,67 +350,149 @@ def _class_names_from_hf_metadata(metadata: dict[bytes, bytes] | None, label_fie
 
 
 def _is_saved_dataset(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+    from pelt_core.saved_dataset import is_saved_dataset
+
+    return is_saved_dataset(path)
 
 
-def _probe_saved_dataset(path: Path, label_field: str | None) -> DatasetProbe:
+def _probe_saved_dataset(path: Path, label_field: str | None, limits: DatasetLimits, budget: _Budget) -> DatasetProbe:
+    """Check the folder (pelt_core.saved_dataset: its own files only, rows from metadata), then map it
+    and validate every split fully (offsets, UTF-8) before its label column is summarized."""
     import datasets
+    import pyarrow as pa
+
+    from pelt_core.saved_dataset import SavedDatasetError, SavedDatasetTooLargeError, inspect_saved_dataset
 
     try:
-        loaded = datasets.load_from_disk(str(path))
-    except (OSError, ValueError) as exc:
-        raise RegistryValidationError("source", f"cannot load the datasets folder {path}: {exc}") from exc
-    if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            raise RegistryValidationError(
-                "source", f"{path} has splits {', '.join(loaded)} but no 'train' split"
-            )
-        sizes = {split: ds.num_rows for split, ds in loaded.items()}
-        train = loaded["train"]
-    else:
-        sizes = {"train": loaded.num_rows}
-        train = loaded
-    columns = list(train.column_names)
-    label = None
-    if label_field in columns:
-        feature = train.features[label_field]
-        names = None
-        if isinstance(feature, datasets.ClassLabel):
-            names = list(feature.names)
-        elif isinstance(getattr(feature, "feature", None), datasets.ClassLabel):
-            names = list(feature.feature.names)
-        elif isinstance(feature, list) and feature and isinstance(feature[0], datasets.ClassLabel):
-            names = list(feature[0].names)
-        label = _summarize(train.with_format("arrow")[label_field], names)
-    return DatasetProbe(columns=columns, split_sizes=sizes, label=label)
+        layout = inspect_saved_dataset(path, max_rows=limits.max_rows)
+    except SavedDatasetTooLargeError as exc:
+        raise _too_large("source", f"{exc} (PELT_MAX_DATASET_ROWS)") from None
+    except SavedDatasetError as exc:
+        raise RegistryValidationError("source", str(exc)) from None
+    if "train" not in layout.splits:
+        raise RegistryValidationError("source", f"the dataset has splits {', '.join(layout.splits)} but no 'train' split")
+    budget.spend(sum(file.stat().st_size for split in layout.splits.values() for file in split.files), "source")
+    try:
+        loaded = datasets.load_from_disk(str(path), keep_in_memory=False)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RegistryValidationError("source", f"cannot load the dataset ({type(exc).__name__})") from None
+    splits = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
+    sizes: dict[str, int] = {}
+    columns: dict[str, list[str]] = {}
+    labels: dict[str, LabelSummary] = {}
+    for split, dataset in splits.items():
+        table = dataset.data.table
+        _refuse_duplicate_columns(list(table.column_names), split)
+        try:
+            table.validate(full=True)
+        except (pa.ArrowException, ValueError) as exc:
+            raise RegistryValidationError("source", f"split {split!r} holds invalid Arrow data: {exc}") from None
+        sizes[split], columns[split] = dataset.num_rows, list(table.column_names)
+        if label_field in columns[split]:
+            summary = _LabelColumn(label_field, split, _class_label_names(dataset.features[label_field]))
+            for chunk in table.column(label_field).chunks:
+                summary.add(chunk, len(chunk))
+            labels[split] = summary.summary()
+    return DatasetProbe(columns=columns["train"], split_sizes=sizes, label=labels.get("train"),
+                        split_columns=columns, split_labels=labels)
+
+
+def _class_label_names(feature: Any) -> list[str] | None:
+    import datasets
+
+    for candidate in (feature, getattr(feature, "feature", None), feature[0] if isinstance(feature, list) and feature
+                      else None):
+        if isinstance(candidate, datasets.ClassLabel):
+            return list(candidate.names)
+    return None
 
 
 # --- the label column ----------------------------------------------------------------------------
 
 
-def _summarize(column: Any, names: list[str] | None = None) -> LabelSummary:
-    import pyarrow as pa
-    import pyarrow.compute as pc
+class _LabelColumn:
+    """The label column of one split, summarized batch by batch: kinds, nulls, distinct values."""
 
-    kind_of = column.type
-    values_array = column
-    if pa.types.is_list(kind_of) or pa.types.is_large_list(kind_of) or pa.types.is_fixed_size_list(kind_of):
-        kind = "list"
-        values_array = pc.list_flatten(column)
-        kind_of = values_array.type
-    elif pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of):
-        kind = "string"
-    elif pa.types.is_boolean(kind_of):
-        kind = "bool"
-    elif pa.types.is_integer(kind_of):
-        kind = "integer"
-    elif pa.types.is_floating(kind_of):
-        kind = "float"
-    else:
-        kind = "other"
-    distinct = pc.unique(values_array).drop_null()
-    values = None if len(distinct) > MAX_DISTINCT_LABELS else distinct.to_pylist()
-    return LabelSummary(kind=kind, nulls=column.null_count, values=values, names=names)
+    def __init__(self, field_name: str | None, split: str, names: list[str] | None) -> None:
+        self.field, self.split, self.names = field_name, split, names
+        self.kinds: set[str] = set()
+        self.nulls = 0
+        self.values: set[Any] = set()
+        self.too_many = False
+        self.non_finite = False
+
+    def add(self, column: Any, rows: int) -> None:
+        """One batch's column (None: the batch has no such column, so its rows have no label)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if column is None:
+            self.nulls += rows
+            return
+        if pa.types.is_dictionary(column.type):
+            column = column.dictionary_decode()
+        self.nulls += column.null_count if not pa.types.is_null(column.type) else rows
+        kind, values = self._kind(column)
+        if kind is None:
+            return
+        self.kinds.add(kind)
+        if pa.types.is_floating(values.type) and pc.any(pc.invert(pc.is_finite(values.drop_null()))).as_py():
+            self.non_finite = True
+        if self.too_many:
+            return
+        self.values.update(pc.unique(values).drop_null().to_pylist())
+        if len(self.values) > MAX_DISTINCT_LABELS:
+            self.too_many, self.values = True, set()
+
+    def _kind(self, column: Any) -> tuple[str | None, Any]:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        values, kind_of = column, column.type
+        if pa.types.is_list(kind_of) or pa.types.is_large_list(kind_of) or pa.types.is_fixed_size_list(kind_of):
+            values = pc.list_flatten(column)
+            if pa.types.is_dictionary(values.type):
+                values = values.dictionary_decode()
+            element = self._scalar_kind(values.type)
+            return ("list" if element is not None or pa.types.is_null(values.type) else self._refuse(values.type)), values
+        if pa.types.is_null(kind_of):
+            return None, values
+        return (self._scalar_kind(kind_of) or self._refuse(kind_of)), values
+
+    @staticmethod
+    def _scalar_kind(kind_of: Any) -> str | None:
+        import pyarrow as pa
+
+        if pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of) or pa.types.is_string_view(kind_of):
+            return "string"
+        if pa.types.is_boolean(kind_of):
+            return "bool"
+        if pa.types.is_integer(kind_of):
+            return "integer"
+        if pa.types.is_floating(kind_of):
+            return "float"
+        return None
+
+    def _refuse(self, kind_of: Any) -> str:
+        raise RegistryValidationError(
+            "label_field",
+            f"{self.field!r} holds {kind_of} values in the {self.split} split: a label is a string, a number or "
+            "a boolean (a list of them for a multi-label task)",
+        )
+
+    def summary(self) -> LabelSummary:
+        kinds = set(self.kinds)
+        if kinds == {"integer", "float"}:
+            kinds = {"float"}
+        if len(kinds) > 1:
+            raise RegistryValidationError(
+                "label_field", f"{self.field!r} holds values of different kinds in the {self.split} split "
+                f"({' and '.join(sorted(kinds))}); give every row the same kind of label"
+            )
+        return LabelSummary(kind=next(iter(kinds), "other"), nulls=self.nulls,
+                            values=None if self.too_many else list(self.values), names=self.names,
+                            non_finite=self.non_finite)
 
 
-__all__ = ["FILE_FORMATS", "DatasetProbe", "DatasetSource", "LabelSummary", "probe_dataset", "resolve_source"]
+__all__ = ["FILE_FORMATS", "DatasetLimits", "DatasetProbe", "DatasetSource", "LabelSummary", "probe_dataset",
+           "resolve_source"]

@@ -22,9 +22,10 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import URL, Engine, create_engine, event, make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.registry.errors import SchemaOutOfDateError
+from services.registry.errors import RegistryBusyError, SchemaOutOfDateError
 
 SQLITE_BEGIN_OPTION = "pelt_sqlite_begin"
 """Execution option naming the BEGIN mode on SQLite: "DEFERRED" (reads) or "IMMEDIATE" (writes)."""
@@ -123,7 +124,8 @@ class SQLiteWriteGate:
     SQLite's own busy handler makes a blocked writer sleep for up to 100 ms between tries, so with
     several writer processes most time goes to sleeping (and an unlucky one can starve). Writers
     first take an OS file lock (`<database>.writelock`), polling every 0.2-2 ms, then BEGIN IMMEDIATE
-    as before; the lock dies with its process. Gives up after `timeout` seconds with TimeoutError.
+    as before; the lock dies with its process. Gives up after `timeout` seconds with RegistryBusyError
+    (a TimeoutError; the API answers 503 with Retry-After).
     """
 
     def __init__(self, database: Path, timeout: float) -> None:
@@ -139,7 +141,7 @@ class SQLiteWriteGate:
 
         deadline = time.monotonic() + self.timeout
         if not self._thread_lock.acquire(timeout=self.timeout):
-            raise TimeoutError(f"no SQLite write turn within {self.timeout} s (another thread held it)")
+            raise RegistryBusyError(f"no write turn within {self.timeout:g} s (another thread held it)")
         try:
             fd = self._descriptor()
             delay = 0.0002
@@ -149,8 +151,8 @@ class SQLiteWriteGate:
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"no SQLite write turn within {self.timeout} s: another process holds {self.path}"
+                        raise RegistryBusyError(  # no path in the message: it may reach an API caller
+                            f"no write turn within {self.timeout:g} s (another process held it)"
                         ) from None
                     time.sleep(delay)
                     delay = min(delay * 2, 0.002)
@@ -188,6 +190,19 @@ def write_gate(engine: Engine, timeout: float = 30.0) -> SQLiteWriteGate | None:
 def hold_write_turn(gate: SQLiteWriteGate | None) -> AbstractContextManager[None]:
     """The gate's turn, or nothing to wait for."""
     return gate.hold() if gate is not None else nullcontext()
+
+
+@contextmanager
+def busy_as_registry_error() -> Iterator[None]:
+    """SQLite's "database is locked" / "database is busy" (its busy timeout ran out: a writer outside the
+    gate, such as another tool, held the file) as a RegistryBusyError; the transaction was rolled back."""
+    try:
+        yield
+    except OperationalError as exc:
+        text = str(exc.orig if exc.orig is not None else exc).lower()
+        if "database is locked" in text or "database is busy" in text:
+            raise RegistryBusyError("SQLite's write lock was held past the busy timeout") from exc
+        raise
 
 
 def write_engine(engine: Engine) -> Engine:
@@ -312,6 +327,7 @@ __all__ = [
     "SQLITE_BEGIN_OPTION",
     "SQLiteWriteGate",
     "alembic_config",
+    "busy_as_registry_error",
     "check_schema_current",
     "connect",
     "current_revision",

@@ -72,6 +72,11 @@ class IdempotencyConflictError(RegistryValidationError):
         super().__init__("idempotency_key", f"{key!r} was already used for a different {what}")
 
 
+class QuotaExceededError(RegistryValidationError):
+    """A submit would take its token past the cap on queued jobs (PELT_MAX_QUEUED_JOBS_PER_TOKEN); nothing
+    was written."""
+
+
 class JobStateError(RegistryError):
     """The job is not in a state that allows this operation (e.g. completing a cancelled job)."""
 
@@ -82,6 +87,16 @@ class JobStateError(RegistryError):
 
 class LeaseLostError(JobStateError):
     """The caller no longer holds the job's lease (it expired and was taken back, or the job ended)."""
+
+
+class RegistryBusyError(RegistryError, TimeoutError):
+    """No write turn within the busy timeout (PELT_DB_BUSY_TIMEOUT_SECONDS): other writers held the database
+    (SQLite's one writer at a time). Nothing was written; the same call may be tried again after
+    `retry_after` seconds (the API answers 503 with a Retry-After header)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        self.retry_after = retry_after
+        super().__init__(f"the registry is busy: {message}; try again in {retry_after:g} s")
 
 
 class SchemaOutOfDateError(RegistryError, RuntimeError):
@@ -101,6 +116,8 @@ __all__ = [
     "JobStateError",
     "LeaseLostError",
     "NotFoundError",
+    "QuotaExceededError",
+    "RegistryBusyError",
     "RegistryError",
     "RegistryValidationError",
     "SchemaOutOfDateError",

@@ -51,6 +51,7 @@ TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 DIRECTIONS = ("max", "min")
 SOURCE_KINDS = ("files", "datasets")
+TOKEN_SCOPES = ("read", "write", "admin")  # each scope includes the ones before it
 
 
 def _in(column: str, values: tuple[str, ...] | list[str]) -> str:
@@ -134,7 +135,9 @@ class Method(Base):
 
 
 class Backbone(Base):
-    """A frozen pretrained model every job's delta is trained on top of."""
+    """A frozen pretrained model every job's delta is trained on top of. `source` is what workers load: a
+    packaged alias or the model's resolved folder (never shown by the API); `facts` its shape from its
+    config (hidden_size, num_layers, ...; None for rows registered before facts were kept)."""
 
     __tablename__ = "backbones"
 
@@ -142,6 +145,7 @@ class Backbone(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     source: Mapped[str] = mapped_column(Text)
     content_hash: Mapped[str] = mapped_column(String(200))
+    facts: Mapped[dict[str, Any] | None]
     created_at: Mapped[datetime]
 
 
@@ -178,6 +182,7 @@ class Job(Base):
         Index("ix_jobs_queue", "status", "priority", "created_at"),
         Index("ix_jobs_lease", "status", "lease_expires_at"),
         Index("ix_jobs_task_k", "task_id", "k_shot"),
+        Index("ix_jobs_submitted_by_status", "submitted_by", "status"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -203,6 +208,7 @@ class Job(Base):
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     last_error: Mapped[str | None] = mapped_column(Text)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    submitted_by: Mapped[str | None] = mapped_column(String(200))  # the API token's name (None: not via the API)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
@@ -252,15 +258,18 @@ class JobEvent(Base):
     to_status: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text, default="")
     worker_id: Mapped[str | None] = mapped_column(String(200))
+    detail: Mapped[str | None] = mapped_column(Text)  # the full error behind `reason` (a traceback): admins only
 
 
 class ApiToken(Base):
     """A bearer token of the HTTP API. Only its SHA-256 is stored; the secret is shown once, at creation."""
 
     __tablename__ = "api_tokens"
+    __table_args__ = (CheckConstraint(_in("scope", TOKEN_SCOPES), name="scope"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)
+    scope: Mapped[str] = mapped_column(String(16))  # read < write < admin (TOKEN_SCOPES)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))  # the secret's first characters, to tell tokens apart
     created_at: Mapped[datetime]
@@ -268,12 +277,29 @@ class ApiToken(Base):
     last_used_at: Mapped[datetime | None]
 
 
+class AuditEvent(Base):
+    """Who did what: a submit, cancel, composition, registration or token change, written in the same
+    transaction as the action (`actor`: the API token's name, `cli:<user>` for commands run next to the
+    registry, None for direct library calls)."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(index=True)
+    actor: Mapped[str | None] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(50))  # e.g. job.submit, token.revoke
+    target: Mapped[str] = mapped_column(String(300))  # what it acted on: a name or an id
+    detail: Mapped[dict[str, Any]]
+
+
 __all__ = [
     "DIRECTIONS",
     "PROBLEM_TYPES",
     "SOURCE_KINDS",
     "TERMINAL_STATUSES",
+    "TOKEN_SCOPES",
     "ApiToken",
+    "AuditEvent",
     "Backbone",
     "Base",
     "Job",

@@ -70,17 +70,24 @@ class MethodRecord:
 
 @dataclass(frozen=True)
 class BackboneRecord:
-    """A registered backbone: where it comes from and the hash of its content."""
+    """A registered backbone: where it comes from, the hash of its content and its shape.
+
+    `source`: what workers load (a packaged alias or the model's folder on the service's machine; the
+    API shows a user-visible form instead). `facts`: {hidden_size, num_layers, num_heads, num_kv_heads,
+    head_dim, intermediate_size, max_positions, vocab_size, num_parameters, model_type}, or None for a
+    backbone registered before facts were kept."""
 
     id: int
     name: str
     source: str
     content_hash: str
     created_at: datetime
+    facts: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, row: models.Backbone) -> BackboneRecord:
-        return cls(row.id, row.name, row.source, row.content_hash, row.created_at)
+        return cls(row.id, row.name, row.source, row.content_hash, row.created_at,
+                   None if row.facts is None else dict(row.facts))
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,7 @@ class JobRecord:
     cancel_requested: bool
     last_error: str | None
     idempotency_key: str | None
+    submitted_by: str | None  # the API token's name (None: not submitted through the API)
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None
@@ -144,6 +152,7 @@ class JobRecord:
             cancel_requested=row.cancel_requested,
             last_error=row.last_error,
             idempotency_key=row.idempotency_key,
+            submitted_by=row.submitted_by,
             created_at=row.created_at,
             updated_at=row.updated_at,
             started_at=row.started_at,
@@ -231,7 +240,8 @@ class ResultRecord:
 
 @dataclass(frozen=True)
 class JobEventRecord:
-    """One status change of a job (from_status None: the submit), or a cancel request."""
+    """One status change of a job (from_status None: the submit), or a cancel request. `reason` is one
+    line without server paths; `detail` the full error behind it (a traceback), for admins only."""
 
     id: int
     job_id: int
@@ -240,13 +250,33 @@ class JobEventRecord:
     to_status: str
     reason: str
     worker_id: str | None
+    detail: str | None
 
     @classmethod
     def of(cls, row: models.JobEvent) -> JobEventRecord:
-        return cls(row.id, row.job_id, row.at, row.from_status, row.to_status, row.reason, row.worker_id)
+        return cls(row.id, row.job_id, row.at, row.from_status, row.to_status, row.reason, row.worker_id,
+                   row.detail)
+
+
+@dataclass(frozen=True)
+class AuditEventRecord:
+    """Who did what, when (see models.AuditEvent)."""
+
+    id: int
+    at: datetime
+    actor: str | None
+    action: str
+    target: str
+    detail: dict[str, Any]
+
+    @classmethod
+    def of(cls, row: models.AuditEvent) -> AuditEventRecord:
+        return cls(row.id, row.at, row.actor, row.action, row.target, dict(row.detail))
 
 
 __all__ = [
+    "ApiTokenRecord",
+    "AuditEventRecord",
     "BackboneRecord",
     "JobEventRecord",
     "JobRecord",
@@ -267,12 +297,17 @@ class ApiTokenRecord:
     created_at: datetime
     revoked_at: datetime | None
     last_used_at: datetime | None
+    scope: str  # read < write < admin (models.TOKEN_SCOPES)
 
     @property
     def active(self) -> bool:
         return self.revoked_at is None
 
+    def allows(self, scope: str) -> bool:
+        """Whether this token's scope includes `scope` (admin includes write, write includes read)."""
+        return models.TOKEN_SCOPES.index(self.scope) >= models.TOKEN_SCOPES.index(scope)
+
     @classmethod
     def of(cls, row: models.ApiToken) -> ApiTokenRecord:
         return cls(id=row.id, name=row.name, prefix=row.prefix, created_at=row.created_at,
-                   revoked_at=row.revoked_at, last_used_at=row.last_used_at)
+                   revoked_at=row.revoked_at, last_used_at=row.last_used_at, scope=row.scope)

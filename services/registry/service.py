@@ -15,6 +15,7 @@ failed. A retry waits `retry_backoff_seconds * 2**(attempts-1)` (capped). Claims
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -29,8 +30,12 @@ from sqlalchemy import URL, Engine, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from pelt_core.limits import SEED, TRAIN_RANGES
+from services.redaction import error_summary
 from services.registry import dataset_probe
+from services.registry.actor import current_actor
 from services.registry.db import (
+    busy_as_registry_error,
     check_schema_current,
     hold_write_turn,
     make_engine,
@@ -43,6 +48,8 @@ from services.registry.errors import (
     JobStateError,
     LeaseLostError,
     NotFoundError,
+    QuotaExceededError,
+    RegistryBusyError,
     RegistryValidationError,
     UnknownBackboneError,
     UnknownJobError,
@@ -53,7 +60,9 @@ from services.registry.errors import (
 from services.registry.leaderboard import LeaderboardRow, OrderBy, Run, rank_methods
 from services.registry.models import (
     TERMINAL_STATUSES,
+    TOKEN_SCOPES,
     ApiToken,
+    AuditEvent,
     Backbone,
     Job,
     JobEvent,
@@ -66,6 +75,7 @@ from services.registry.models import (
 )
 from services.registry.records import (
     ApiTokenRecord,
+    AuditEventRecord,
     BackboneRecord,
     JobEventRecord,
     JobRecord,
@@ -74,25 +84,27 @@ from services.registry.records import (
     SweepRecord,
     TaskRecord,
 )
+from services.registry.task_data import check_task_against_data, held_out_rows
 from services.registry.validation import (
     canonical_hyperparameters,
+    check_against_backbone,
     check_int,
     check_key,
     check_method_spec,
     check_name,
     check_progress,
+    check_range,
     check_result,
-    check_task_against_data,
     check_task_definition,
     resolve_method_spec,
     resolve_train_config,
     split_hyperparameters,
+    task_length_on,
 )
 from services.settings import Settings, get_settings
 
 log = logging.getLogger("pelt.registry")
 
-MAX_SWEEP_JOBS = 100_000
 MAX_ATTEMPTS_LIMIT = 100
 MAX_ERROR_CHARS = 20_000
 _T = TypeVar("_T")
@@ -106,6 +118,11 @@ class Registry:
     Queue knobs default to the settings (PELT_LEASE_SECONDS, PELT_MAX_ATTEMPTS, …); `clock` returns
     the current timezone-aware time and exists for tests. Claims take back expired leases at most
     once per `reap_interval_seconds` (`requeue_expired_leases` does it at once).
+
+    Who acts is `services.registry.actor.current_actor()` (the API sets it to the request's token):
+    jobs record it as `submitted_by`, and every write of a registration, submit, cancel or token change
+    adds an audit event in its own transaction (`audit_events`). One actor may have at most
+    PELT_MAX_QUEUED_JOBS_PER_TOKEN queued jobs; a submit beyond is a QuotaExceededError, nothing written.
     """
 
     def __init__(
@@ -138,7 +155,11 @@ class Registry:
             if retry_backoff_max_seconds is not None
             else settings.retry_backoff_max_seconds
         )
+        self.max_queued_jobs_per_token = settings.max_queued_jobs_per_token
+        self.max_sweep_jobs = settings.max_sweep_jobs  # PELT_MAX_SWEEP_JOBS
+        self.worker_memory_bytes = settings.worker_memory_bytes  # PELT_WORKER_MEMORY_BYTES
         self._clock = clock
+        self.dataset_limits = dataset_probe.DatasetLimits(settings.max_dataset_rows, settings.max_dataset_bytes)
         self._names: dict[str, dict[int, str]] = {}  # table → id → name (names never change)
         self._task_metrics: dict[int, str] = {}
         self._reap_interval = timedelta(seconds=reap_interval_seconds)
@@ -178,8 +199,10 @@ class Registry:
 
     @contextmanager
     def _writing(self) -> Iterator[Session]:
-        """A write transaction (BEGIN IMMEDIATE on SQLite); committed on success, rolled back on error."""
-        with hold_write_turn(self._gate), self._write_sessions() as session, session.begin():
+        """A write transaction (BEGIN IMMEDIATE on SQLite); committed on success, rolled back on error.
+        RegistryBusyError when no write turn comes within the busy timeout."""
+        with busy_as_registry_error(), hold_write_turn(self._gate), self._write_sessions() as session, \
+                session.begin():
             yield session
 
     def _job_records(self, session: Session, jobs: Iterable[Job]) -> list[JobRecord]:
@@ -249,9 +272,8 @@ class Registry:
         if not isinstance(description, str):
             raise RegistryValidationError("description", "must be a string")
         resolved = dataset_probe.resolve_source(source)
-        probe = dataset_probe.probe_dataset(resolved, definition.label_field)
-        where = resolved.paths.get("train") or resolved.paths["path"]
-        names = check_task_against_data(definition, probe, where)
+        probe = dataset_probe.probe_dataset(resolved, definition.label_field, self.dataset_limits)
+        names = check_task_against_data(definition, probe, "the train split")
         values: dict[str, Any] = {
             "name": name,
             "source_kind": resolved.kind,
@@ -285,6 +307,7 @@ class Registry:
                 row = Task(**values, created_at=self._now())
                 session.add(row)
                 session.flush()
+                _audit(session, row.created_at, "task.register", name, {"source_kind": resolved.kind})
                 return TaskRecord.of(row)
 
         return _retry_once_on_conflict(write)
@@ -321,6 +344,7 @@ class Registry:
                     )
                     session.add(row)
                     session.flush()
+                    _audit(session, row.created_at, "method.register", name)
                     return MethodRecord.of(row)
                 if _jsonable(existing.spec) == _jsonable(normalized):
                     return MethodRecord.of(existing)
@@ -335,6 +359,7 @@ class Registry:
                     )
                 existing.spec = normalized
                 existing.description = normalized.get("description", "")
+                _audit(session, self._now(), "method.register", name, {"replaced": True})
                 return MethodRecord.of(existing)
 
         return _retry_once_on_conflict(write)
@@ -354,32 +379,40 @@ class Registry:
 
     # --- backbones -------------------------------------------------------------------------------
 
-    def register_backbone(self, name: str, source: str, content_hash: str) -> BackboneRecord:
-        """Record a backbone. The same triple again returns it; another source or hash under the
-        same name is an AlreadyExistsError (a changed model needs a new name)."""
+    def register_backbone(self, name: str, source: str, content_hash: str,
+                          facts: Mapping[str, Any] | None = None) -> BackboneRecord:
+        """Record a backbone. The same name, source and hash again returns it; another source or hash
+        under the same name is an AlreadyExistsError (a changed model needs a new name). `facts`: the
+        backbone's shape ({hidden_size: 384, ...}, numbers and short strings), kept as given."""
         check_name(name)
         for field, value in (("source", source), ("content_hash", content_hash)):
             if not isinstance(value, str) or not value.strip():
                 raise RegistryValidationError(field, f"must be a non-empty string, got {value!r}")
         if len(content_hash) > 200:
             raise RegistryValidationError("content_hash", "at most 200 characters")
+        facts = _backbone_facts(facts)
 
         def write() -> BackboneRecord:
             with self._writing() as session:
                 existing = session.scalar(select(Backbone).where(Backbone.name == name))
                 if existing is None:
                     row = Backbone(
-                        name=name, source=source, content_hash=content_hash, created_at=self._now()
+                        name=name, source=source, content_hash=content_hash, facts=facts, created_at=self._now()
                     )
                     session.add(row)
                     session.flush()
+                    _audit(session, row.created_at, "backbone.register", name)
                     return BackboneRecord.of(row)
-                for field, value in (("source", source), ("content_hash", content_hash)):
-                    if getattr(existing, field) != value:
-                        raise AlreadyExistsError(
-                            field,
-                            f"backbone {name!r} is registered with {field} {getattr(existing, field)!r}, not {value!r}",
-                        )
+                if existing.source != source:  # the message names no source: it may be a server path
+                    raise AlreadyExistsError(
+                        "source", f"backbone {name!r} is registered from another source; register this one under "
+                        "a new name")
+                if existing.content_hash != content_hash:
+                    raise AlreadyExistsError(
+                        "content_hash",
+                        f"backbone {name!r} is registered with content_hash {existing.content_hash!r}, "
+                        f"not {content_hash!r}",
+                    )
                 return BackboneRecord.of(existing)
 
         return _retry_once_on_conflict(write)
@@ -424,14 +457,18 @@ class Registry:
                 method_row = _method_row(session, method)
                 backbone_row = _backbone_row(session, backbone)
                 spec = resolve_method_spec(method_row.name, method_row.spec, overrides)
+                facts = getattr(backbone_row, "facts", None)
                 config = resolve_train_config(
                     train,
                     given,
                     seed=seed,
                     k_shot=k_shot,
-                    task_max_length=task_row.max_length,
+                    task_max_length=task_length_on(task_row.max_length, facts),
                     task_train_size=task_row.train_size,
+                    held_out=held_out_rows(task_row.split_sizes, task_row.train_size),
                 )
+                check_against_backbone(method_row.name, method_row.spec, overrides, spec, config, given, facts,
+                                       memory_budget=self.worker_memory_bytes)
                 stored = canonical_hyperparameters(train, config, overrides)
                 if key is not None:
                     existing = session.scalar(select(Job).where(Job.idempotency_key == key))
@@ -455,6 +492,7 @@ class Registry:
                         if request != found:
                             raise IdempotencyConflictError(key, "job")
                         return self._job_records(session, [existing])[0]
+                self._check_queue_quota(session, 1)
                 now = self._now()
                 job = Job(
                     task=task_row,
@@ -471,11 +509,14 @@ class Registry:
                     max_attempts=max_attempts,
                     cancel_requested=False,
                     idempotency_key=key,
+                    submitted_by=current_actor(),
                     created_at=now,
                     updated_at=now,
                 )
                 session.add(job)
                 session.flush()
+                _audit(session, now, "job.submit", f"job {job.id}",
+                       {"task": task_row.name, "method": method_row.name, "backbone": backbone_row.name})
                 session.add(
                     JobEvent(
                         job_id=job.id,
@@ -509,14 +550,14 @@ class Registry:
         method; `method_hyperparameters[method]` add to or override them for one method (e.g. a rank
         that only LoRA has). The same idempotency key returns the sweep it made."""
         method_names = _distinct_list(methods, "methods", lambda m, f: check_name(m, f))
-        seed_list = _distinct_list(seeds, "seeds", lambda s, f: check_int(s, f, minimum=0))
+        seed_list = _distinct_list(seeds, "seeds", lambda s, f: check_range(SEED, s, f))
         k_list = _distinct_list(
-            k_values, "k_values", lambda k, f: None if k is None else check_int(k, f, minimum=1)
+            k_values, "k_values", lambda k, f: None if k is None else check_range(TRAIN_RANGES["k_shot"], k, f)
         )
         total = len(method_names) * len(seed_list) * len(k_list)
-        if total > MAX_SWEEP_JOBS:
+        if total > self.max_sweep_jobs:
             raise RegistryValidationError(
-                "methods", f"the sweep would make {total} jobs; at most {MAX_SWEEP_JOBS}"
+                "methods", f"the sweep would make {total} jobs; at most {self.max_sweep_jobs} (PELT_MAX_SWEEP_JOBS)"
             )
         _, _, priority, max_attempts, key = self._check_job_args(
             0, None, priority, max_attempts, idempotency_key
@@ -549,6 +590,7 @@ class Registry:
                 for name in method_names:
                     train, overrides, given = split[name]
                     spec = resolve_method_spec(name, method_rows[name].spec, overrides)
+                    facts = getattr(backbone_row, "facts", None)
                     # validate once per K: the seed (checked above) changes nothing else in the config
                     by_k = {
                         k: resolve_train_config(
@@ -556,11 +598,14 @@ class Registry:
                             given,
                             seed=seed_list[0],
                             k_shot=k,
-                            task_max_length=task_row.max_length,
+                            task_max_length=task_length_on(task_row.max_length, facts),
                             task_train_size=task_row.train_size,
+                            held_out=held_out_rows(task_row.split_sizes, task_row.train_size),
                         )
                         for k in k_list
                     }
+                    check_against_backbone(name, method_rows[name].spec, overrides, spec, by_k[k_list[0]], given,
+                                           facts, memory_budget=self.worker_memory_bytes)
                     stored = {
                         k: canonical_hyperparameters(train, config, overrides) for k, config in by_k.items()
                     }
@@ -586,6 +631,7 @@ class Registry:
                         ):
                             raise IdempotencyConflictError(key, "sweep")
                         return SweepRecord.of(existing, _sweep_job_ids(session, existing.id))
+                self._check_queue_quota(session, len(planned))
                 now = self._now()
                 sweep = Sweep(
                     task_id=task_row.id,
@@ -613,6 +659,7 @@ class Registry:
                         attempts=0,
                         max_attempts=max_attempts,
                         cancel_requested=False,
+                        submitted_by=current_actor(),
                         created_at=now,
                         updated_at=now,
                     )
@@ -634,6 +681,8 @@ class Registry:
                         for job_id in job_ids
                     ],
                 )
+                _audit(session, now, "sweep.submit", f"sweep {sweep.id}",
+                       {"task": task_row.name, "methods": method_names, "jobs": len(job_ids)})
                 log.info("sweep %s: queued %d jobs for task %s", sweep.id, len(job_ids), task_row.name)
                 return SweepRecord.of(sweep, job_ids)
 
@@ -647,11 +696,27 @@ class Registry:
                 raise UnknownSweepError(sweep_id)
             return SweepRecord.of(sweep, _sweep_job_ids(session, sweep_id))
 
+    def _check_queue_quota(self, session: Session, adding: int) -> None:
+        """QuotaExceededError when the current actor would have more than max_queued_jobs_per_token queued
+        jobs after adding `adding` (jobs submitted without an actor are not capped)."""
+        actor = current_actor()
+        if actor is None:
+            return
+        queued = session.scalar(
+            select(func.count()).select_from(Job).where(Job.submitted_by == actor, Job.status == JobStatus.QUEUED.value)
+        ) or 0
+        cap = self.max_queued_jobs_per_token
+        if queued + adding > cap:
+            raise QuotaExceededError(
+                "jobs", f"token {actor!r} has {queued} queued jobs and this request adds {adding}; at most {cap} "
+                "may wait at once (PELT_MAX_QUEUED_JOBS_PER_TOKEN): wait for some to start, or cancel some",
+            )
+
     def _check_job_args(
         self, seed: Any, k_shot: Any, priority: Any, max_attempts: Any, idempotency_key: Any
     ) -> tuple[int, int | None, int, int, str | None]:
-        seed = check_int(seed, "seed", minimum=0)
-        k_shot = None if k_shot is None else check_int(k_shot, "k_shot", minimum=1)
+        seed = check_range(SEED, seed, "seed")
+        k_shot = None if k_shot is None else check_range(TRAIN_RANGES["k_shot"], k_shot, "k_shot")
         priority = check_int(priority, "priority", minimum=-1_000_000, maximum=1_000_000)
         attempts = self.max_attempts if max_attempts is None else max_attempts
         attempts = check_int(attempts, "max_attempts", minimum=1, maximum=MAX_ATTEMPTS_LIMIT)
@@ -789,12 +854,19 @@ class Registry:
 
     def fail_job(self, job_id: int, worker_id: str, error: str, retryable: bool = True) -> JobRecord:
         """The attempt failed: back to the queue after a backoff while attempts remain (and the error is
-        retryable), else failed with this error. A job whose cancellation was requested ends cancelled."""
+        retryable), else failed with this error. A job whose cancellation was requested ends cancelled.
+
+        `error` may be a whole traceback: the job's `last_error` and its event's reason keep one line
+        (the exception's message, server paths cut: `services.redaction.error_summary`); the full text
+        goes to the event's `detail`, which only admin tokens see."""
         _check_worker(worker_id)
+        full = _clip(str(error))
+        summary = error_summary(full)
         with self._writing() as session:
             job = _held_job(session, job_id, worker_id)
             self._end_attempt(
-                session, job, self._now(), _clip(str(error)), retryable=retryable, worker_id=worker_id
+                session, job, self._now(), summary, retryable=retryable, worker_id=worker_id,
+                detail=None if full.strip() == summary else full,
             )
             return self._job_records(session, [job])[0]
 
@@ -829,7 +901,9 @@ class Registry:
         flag its worker sees at its next heartbeat. An ended job is returned unchanged."""
         with self._writing() as session:
             job = _job_row(session, job_id, lock=True)
-            self._cancel(session, job, self._now(), reason)
+            now = self._now()
+            if self._cancel(session, job, now, reason):
+                _audit(session, now, "job.cancel", f"job {job_id}")
             return self._job_records(session, [job])[0]
 
     def cancel_sweep(self, sweep_id: int, reason: str = "sweep cancelled by request") -> int:
@@ -847,7 +921,10 @@ class Registry:
                 .with_for_update(of=Job)
             )
             now = self._now()
-            return sum(self._cancel(session, job, now, reason) for job in session.scalars(query))
+            cancelled = sum(self._cancel(session, job, now, reason) for job in session.scalars(query))
+            if cancelled:
+                _audit(session, now, "sweep.cancel", f"sweep {sweep_id}", {"jobs": cancelled})
+            return cancelled
 
     def cancel_requests(self, job_ids: Iterable[int]) -> set[int]:
         """Which of these jobs are running with a cancellation requested (a dispatcher polls this to
@@ -913,12 +990,15 @@ class Registry:
         worker_id: str | None,
         reason: str = "failed",
         failed_at: datetime | None = None,
+        detail: str | None = None,
     ) -> None:
         """Close the current attempt: cancelled (if requested), queued again after the backoff (counted
-        from `failed_at`, e.g. the lease's expiry, default now), or failed for good."""
+        from `failed_at`, e.g. the lease's expiry, default now), or failed for good. `detail`: the full
+        error behind `error` (a traceback), kept on the event."""
         job.last_error = error
         if job.cancel_requested:
-            _transition(session, job, JobStatus.CANCELLED, now, f"cancelled ({reason}: {error})", worker_id)
+            _transition(session, job, JobStatus.CANCELLED, now, f"cancelled ({reason}: {error})", worker_id,
+                        detail=detail)
         elif retryable and job.attempts < job.max_attempts:
             job.not_before = (failed_at or now) + timedelta(seconds=self._backoff(job.attempts))
             _transition(
@@ -928,10 +1008,11 @@ class Registry:
                 now,
                 f"{reason}: {error}; retry not before {job.not_before.isoformat()}",
                 worker_id,
+                detail=detail,
             )
         else:
             why = "not retryable" if not retryable else f"{job.attempts} of {job.max_attempts} attempts used"
-            _transition(session, job, JobStatus.FAILED, now, f"{reason} ({why}): {error}", worker_id)
+            _transition(session, job, JobStatus.FAILED, now, f"{reason} ({why}): {error}", worker_id, detail=detail)
 
     def _cancel(self, session: Session, job: Job, now: datetime, reason: str) -> bool:
         if job.status == JobStatus.QUEUED:
@@ -1083,20 +1164,26 @@ class Registry:
 
     # --- API tokens ------------------------------------------------------------------------------
 
-    def create_api_token(self, name: str) -> tuple[ApiTokenRecord, str]:
+    def create_api_token(self, name: str, scope: str = "write") -> tuple[ApiTokenRecord, str]:
         """A new bearer token for the HTTP API: (its record, the secret). Only the secret's SHA-256 is
-        stored, so the secret cannot be shown again. Names are unique, also among revoked tokens."""
+        stored, so the secret cannot be shown again. Names are unique, also among revoked tokens.
+
+        scope: `read` (every GET), `write` (read + submit, cancel, register tasks and methods, compose)
+        or `admin` (write + register backbones, full job errors, the audit trail)."""
         check_name(name, "name")
+        if scope not in TOKEN_SCOPES:
+            raise RegistryValidationError("scope", f"must be one of {', '.join(TOKEN_SCOPES)}, got {scope!r}")
         secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
 
         def write() -> ApiTokenRecord:
             with self._writing() as session:
                 if session.scalar(select(ApiToken.id).where(ApiToken.name == name)) is not None:
                     raise AlreadyExistsError("name", f"a token named {name!r} already exists")
-                row = ApiToken(name=name, token_hash=_token_hash(secret), prefix=secret[: len(TOKEN_PREFIX) + 6],
-                               created_at=self._now())
+                row = ApiToken(name=name, scope=scope, token_hash=_token_hash(secret),
+                               prefix=secret[: len(TOKEN_PREFIX) + 6], created_at=self._now())
                 session.add(row)
                 session.flush()
+                _audit(session, row.created_at, "token.create", name, {"scope": scope})
                 return ApiTokenRecord.of(row)
 
         return write(), secret
@@ -1113,7 +1200,7 @@ class Registry:
             record = ApiTokenRecord.of(row)
         now = self._now()
         if record.last_used_at is None or now - record.last_used_at > timedelta(minutes=1):
-            with self._writing() as session:
+            with contextlib.suppress(RegistryBusyError), self._writing() as session:  # a busy registry: next time
                 session.execute(ApiToken.__table__.update().where(ApiToken.id == record.id).values(last_used_at=now))
         return record
 
@@ -1126,6 +1213,7 @@ class Registry:
                 raise NotFoundError("name", name, known)
             if row.revoked_at is None:
                 row.revoked_at = self._now()
+                _audit(session, row.revoked_at, "token.revoke", name)
             session.flush()
             return ApiTokenRecord.of(row)
 
@@ -1133,6 +1221,24 @@ class Registry:
         """Every token (active and revoked), by name; no secrets."""
         with self._reading() as session:
             return [ApiTokenRecord.of(row) for row in session.scalars(select(ApiToken).order_by(ApiToken.name))]
+
+    # --- audit trail -----------------------------------------------------------------------------
+
+    def record_audit(self, action: str, target: str, detail: Mapping[str, Any] | None = None) -> AuditEventRecord:
+        """Record an action done outside the registry (e.g. a composition in the delta store) by the
+        current actor. The registry's own writes record theirs in the same transaction."""
+        with self._writing() as session:
+            row = _audit(session, self._now(), action, target, detail)
+            session.flush()
+            return AuditEventRecord.of(row)
+
+    def audit_events(self, *, limit: int = 100, offset: int = 0) -> list[AuditEventRecord]:
+        """The audit trail, newest first."""
+        check_int(limit, "limit", minimum=1, maximum=10_000)
+        check_int(offset, "offset", minimum=0)
+        query = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(limit).offset(offset)
+        with self._reading() as session:
+            return [AuditEventRecord.of(row) for row in session.scalars(query)]
 
 
 # --- helpers (module level: they take the session they run in) -----------------------------------
@@ -1160,6 +1266,20 @@ def _backbone_row(session: Session, name: str) -> Backbone:
             "backbone", name, session.scalars(select(Backbone.name).order_by(Backbone.name))
         )
     return row
+
+
+def _backbone_facts(facts: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A backbone's facts as stored: a flat mapping of short names to numbers or short strings."""
+    if facts is None:
+        return None
+    if not isinstance(facts, Mapping) or len(facts) > 50:
+        raise RegistryValidationError("facts", "must be a mapping of at most 50 names to numbers or strings")
+    for key, value in facts.items():
+        if not isinstance(key, str) or not 0 < len(key) <= 100:
+            raise RegistryValidationError("facts", f"names are strings of 1 to 100 characters, got {key!r}")
+        if not (value is None or isinstance(value, int | float) or (isinstance(value, str) and len(value) <= 200)):
+            raise RegistryValidationError(f"facts.{key}", f"must be a number or a short string, got {value!r}")
+    return dict(facts)
 
 
 def _job_row(session: Session, job_id: int, *, lock: bool = False) -> Job:
@@ -1191,7 +1311,14 @@ def _worker_held(session: Session, job_id: int, worker_id: str) -> bool:
 
 
 def _transition(
-    session: Session, job: Job, to: JobStatus, now: datetime, reason: str, worker_id: str | None = None
+    session: Session,
+    job: Job,
+    to: JobStatus,
+    now: datetime,
+    reason: str,
+    worker_id: str | None = None,
+    *,
+    detail: str | None = None,
 ) -> None:
     """Move the job to `to` and write the event, in the caller's transaction."""
     session.add(
@@ -1202,6 +1329,7 @@ def _transition(
             to_status=to.value,
             reason=reason,
             worker_id=worker_id,
+            detail=detail,
         )
     )
     job.status = to.value
@@ -1236,6 +1364,15 @@ def _distinct_list(values: Any, field: str, check: Callable[[Any, str], Any]) ->
     if len(set(items)) != len(items):
         raise RegistryValidationError(field, f"has duplicates: {items!r}")
     return items
+
+
+def _audit(
+    session: Session, at: datetime, action: str, target: str, detail: Mapping[str, Any] | None = None
+) -> AuditEvent:
+    """Add an audit event by the current actor to the caller's transaction."""
+    row = AuditEvent(at=at, actor=current_actor(), action=action, target=target[:300], detail=_jsonable(detail or {}))
+    session.add(row)
+    return row
 
 
 def _clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:

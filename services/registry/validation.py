@@ -12,10 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pelt_core.config import ALIASES, ConfigError, TrainConfig, split_overrides
+from pelt_core import limits
+from pelt_core.config import ALIASES, SPEC_ALIASES, ConfigError, TrainConfig, split_overrides
+from pelt_core.limits import LimitError, Range
 from pelt_core.methods import get_method
 from pelt_core.spec import SpecError
-from services.registry.dataset_probe import DatasetProbe
 from services.registry.errors import RegistryValidationError
 from services.registry.models import DIRECTIONS, PROBLEM_TYPES
 
@@ -58,6 +59,14 @@ def check_int(value: object, field: str, *, minimum: int | None = None, maximum:
     if maximum is not None and value > maximum:
         raise RegistryValidationError(field, f"must be <= {maximum}, got {value}")
     return value
+
+
+def check_range(bound: Range, value: object, field: str) -> int | float:
+    """A number within a range of the table of limits (pelt_core/limits.py), else a RegistryValidationError."""
+    try:
+        return bound.check(value, field)
+    except LimitError as exc:
+        raise RegistryValidationError(field, str(exc)) from None
 
 
 def check_key(value: object, field: str = "idempotency_key") -> str | None:
@@ -160,82 +169,6 @@ def check_task_definition(
     )
 
 
-def check_task_against_data(definition: TaskDefinition, probe: DatasetProbe, where: str) -> list[str] | None:
-    """Check the fields exist in the training data; return the label names (given or inferred)."""
-    columns = ", ".join(probe.columns)
-    for name in definition.text_fields:
-        if name not in probe.columns:
-            raise RegistryValidationError(
-                "text_fields",
-                f"{name!r} is not a column of the training data at {where} (columns: {columns})",
-            )
-    if definition.label_field not in probe.columns or probe.label is None:
-        raise RegistryValidationError(
-            "label_field",
-            f"{definition.label_field!r} is not a column of the training data at {where} (columns: {columns})",
-        )
-    if probe.train_rows < 1:
-        raise RegistryValidationError("source", f"the training data at {where} has no rows")
-    label = probe.label
-    if label.nulls:
-        raise RegistryValidationError(
-            "label_field", f"{definition.label_field!r} is empty in {label.nulls} training rows at {where}"
-        )
-    if definition.problem_type == "regression":
-        if label.kind not in ("integer", "float"):
-            raise RegistryValidationError(
-                "label_field",
-                f"a regression label must be numeric; {definition.label_field!r} holds {label.kind} values",
-            )
-        return None
-    if definition.problem_type == "multi_label_classification" and label.kind != "list":
-        raise RegistryValidationError(
-            "label_field",
-            f"a multi-label task needs a list of labels per row; {definition.label_field!r} holds {label.kind} values",
-        )
-    if definition.problem_type == "single_label_classification" and label.kind == "list":
-        raise RegistryValidationError(
-            "problem_type",
-            f"{definition.label_field!r} holds lists of labels: use multi_label_classification",
-        )
-    if label.values is None:
-        raise RegistryValidationError(
-            "label_field", f"{definition.label_field!r} has too many distinct values for class labels"
-        )
-    inferred = label.names or _names_from_values(label.values, definition.label_field)
-    if definition.label_names is None:
-        return inferred
-    _check_labels_fit(definition.label_names, label.values, definition.label_field)
-    return definition.label_names
-
-
-def _names_from_values(values: list[Any], field: str) -> list[str]:
-    if all(isinstance(v, bool) for v in values):
-        return [str(v) for v in sorted(values)]
-    if all(isinstance(v, str) for v in values):
-        return sorted(values)
-    if all(isinstance(v, int | float) and float(v).is_integer() for v in values):
-        return [str(i) for i in sorted({int(v) for v in values})]
-    raise RegistryValidationError(
-        "label_field", f"{field!r} holds {values[:5]!r}: class labels must be strings or whole numbers"
-    )
-
-
-def _check_labels_fit(names: list[str], values: list[Any], field: str) -> None:
-    """Given names must cover the data: string labels by name, whole numbers as indices or names."""
-    for value in values:
-        if isinstance(value, str):
-            ok = value in names
-        elif isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer():
-            ok = 0 <= int(value) < len(names) or str(int(value)) in names
-        else:
-            ok = str(value) in names
-        if not ok:
-            raise RegistryValidationError(
-                "label_names", f"the training data's {field!r} holds {value!r}, which is not among {names!r}"
-            )
-
-
 # --- jobs ----------------------------------------------------------------------------------------
 
 _TRAIN_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}
@@ -274,8 +207,28 @@ def split_hyperparameters(
     return train, spec, given
 
 
+def check_json_numbers(hyperparameters: Mapping[str, Any] | None) -> None:
+    """Over JSON (the HTTP API) a number is a JSON number: text such as "1e-3" or "inf" for a numeric
+    training hyperparameter or method-spec field is refused, naming the key, not parsed. (Python callers
+    of the registry and the CLIs' `--set` text are read through the table of limits, which refuses
+    "inf" and "nan".)"""
+    if not isinstance(hyperparameters, Mapping):
+        return
+    for key, value in hyperparameters.items():
+        if not isinstance(key, str):
+            continue
+        name = ALIASES.get(key, key)
+        field = SPEC_ALIASES.get(key.rsplit(".", 1)[-1], key.rsplit(".", 1)[-1])
+        bound = limits.TRAIN_RANGES.get(name) or limits.SPEC_RANGES.get(field)
+        items = value if isinstance(value, list) else [value]
+        if bound is not None and any(isinstance(item, str) for item in items):
+            raise RegistryValidationError(
+                key, f"expected a JSON number in {bound.describe()}, got the text {str(value)[:40]!r}")
+
+
 def _check_train_type(name: str, value: Any, key: str) -> None:
-    """Refuse values of the wrong JSON type before pelt_core compares them (strings are parsed there)."""
+    """Refuse values of the wrong JSON type before pelt_core compares them (text is read there, through
+    the table of limits)."""
     annotation = _TRAIN_FIELDS[name]
     if value is None:
         if "None" not in annotation:
@@ -295,8 +248,9 @@ def _check_train_type(name: str, value: Any, key: str) -> None:
         raise RegistryValidationError(
             key, f"expected {base} for {name}, got {type(value).__name__} {value!r}"
         )
-    if base == "float" and not math.isfinite(float(value)):
+    if base == "float" and isinstance(value, float) and not math.isfinite(value):
         raise RegistryValidationError(key, f"must be a finite number, got {value!r}")
+
 
 
 def resolve_train_config(
@@ -307,24 +261,77 @@ def resolve_train_config(
     k_shot: int | None,
     task_max_length: int,
     task_train_size: int,
+    held_out: int = 0,
 ) -> dict[str, Any]:
     """Validate the training hyperparameters with pelt_core's TrainConfig; returns its dict.
+    `held_out`: training rows each job holds out as its dev split (a task without a validation split).
 
-    The task's max sequence length is the default `max_length`; K may not exceed the training set.
+    The task's max sequence length is the default `max_length`; K may not exceed the training set; the
+    job's steps (epochs x batches) are bounded by limits.MAX_TRAIN_STEPS.
     """
     values = {"max_length": task_max_length, **train, "seed": seed, "k_shot": k_shot}
     try:
         config = TrainConfig.from_dict(values)
-    except ConfigError as exc:
-        name = _field_of(exc) or "hyperparameters"
+        limits.check_train_steps(config.to_dict(), task_train_size - held_out)
+    except (ConfigError, LimitError) as exc:
+        name = getattr(exc, "field", None) or _field_of(exc) or "hyperparameters"
         raise RegistryValidationError(given.get(name, name), str(exc)) from exc
     except TypeError as exc:  # pragma: no cover - _check_train_type refuses wrong types first
         raise RegistryValidationError("hyperparameters", str(exc)) from exc
-    if k_shot is not None and k_shot > task_train_size:
+    if k_shot is not None and k_shot > task_train_size - held_out:
+        after = (f" left after the dev split of {held_out} rows that each job holds out (the task has no "
+                 "validation split)") if held_out else ""
         raise RegistryValidationError(
-            "k_shot", f"{k_shot} is more than the task's {task_train_size} training examples"
+            "k_shot", f"{k_shot} is more than the task's {task_train_size - held_out} training examples{after}"
         )
     return config.to_dict()
+
+
+def task_length_on(task_max_length: int, facts: Mapping[str, Any] | None) -> int:
+    """The task's default max_length, cut to the backbone's positions when its facts are known."""
+    positions = (facts or {}).get("max_positions")
+    if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
+        return min(task_max_length, positions)
+    return task_max_length
+
+
+def check_against_backbone(
+    method_name: str,
+    method_spec: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    resolved_spec: Mapping[str, Any],
+    train_config: Mapping[str, Any],
+    given: Mapping[str, str],
+    facts: Mapping[str, Any] | None,
+    *,
+    memory_budget: int,
+) -> None:
+    """The ranges that depend on the backbone (limits.check_against_backbone: ranks, prefix lengths, layer
+    indices, max_length, the job's memory under `memory_budget`), naming the key the caller wrote (`r`
+    rather than `lora.modules.q.size`). Skipped for a backbone registered without facts."""
+    if facts is None:
+        return
+    try:
+        limits.check_against_backbone(train_config, resolved_spec, facts, memory_budget=memory_budget)
+    except LimitError as exc:
+        field = given.get(exc.field, exc.field)
+        if ".modules." in exc.field:
+            field = _backbone_culprit(method_spec, overrides, train_config, facts, exc.field) or field
+        where = " (PELT_WORKER_MEMORY_BYTES)" if "worker's" in str(exc) else ""
+        raise RegistryValidationError(field, f"{exc} (method {method_name!r}){where}") from None
+
+
+def _backbone_culprit(method_spec: Mapping[str, Any], overrides: Mapping[str, Any], train_config: Mapping[str, Any],
+                      facts: Mapping[str, Any], field: str) -> str | None:
+    """The override that alone takes a module out of the backbone's range (None: the preset itself does)."""
+    for key, value in overrides.items():
+        spec = get_method(dict(method_spec), {key: value}).to_dict()
+        try:
+            limits.check_against_backbone(train_config, spec, facts)
+        except LimitError as exc:
+            if exc.field == field:
+                return key
+    return None
 
 
 def resolve_method_spec(
@@ -511,15 +518,18 @@ __all__ = [
     "REGRESSION_METRICS",
     "TaskDefinition",
     "canonical_hyperparameters",
+    "check_against_backbone",
     "check_int",
+    "check_json_numbers",
     "check_key",
     "check_method_spec",
     "check_name",
     "check_progress",
+    "check_range",
     "check_result",
-    "check_task_against_data",
     "check_task_definition",
     "resolve_method_spec",
     "resolve_train_config",
     "split_hyperparameters",
+    "task_length_on",
 ]

@@ -29,7 +29,9 @@ BACKBONE = "tiny-bert"
 
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-bert")
+    """The tiny BERT, in a folder of its own: the backbone folder (PELT_BACKBONE_DIRS) of the tests."""
+    folder = tmp_path_factory.mktemp("backbones") / "tiny-bert"
+    folder.mkdir()
     save_tiny_bert(folder)
     return folder
 
@@ -59,12 +61,13 @@ def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def settings(tmp_path: Path, templates: dict[str, Path]) -> Settings:
+def settings(tmp_path: Path, templates: dict[str, Path], tiny_bert_dir: Path) -> Settings:
     data = tmp_path / "data"
     data.mkdir()
     shutil.copyfile(templates["registry"], data / "registry.db")
     shutil.copyfile(templates["mlflow"], data / "mlflow.db")
-    return Settings(data_dir=data, ray_address=None, max_request_bytes=64 * 1024, max_upload_bytes=2 * 1024 * 1024)
+    return Settings(data_dir=data, ray_address=None, max_request_bytes=64 * 1024, max_upload_bytes=2 * 1024 * 1024,
+                    backbone_dirs=[tiny_bert_dir.parent])
 
 
 @dataclass
@@ -96,7 +99,7 @@ def api(settings: Settings, tiny_bert_dir: Path) -> Iterator[Api]:
     store = MlflowDeltaStore.from_settings(settings, registry=registry)
     service = PeltService(registry, store, settings=settings)
     registry.register_backbone(BACKBONE, str(tiny_bert_dir), Backbone.load(str(tiny_bert_dir)).content_hash)
-    _, token = registry.create_api_token("tests")
+    _, token = registry.create_api_token("tests", scope="admin")  # like the local token `pelt serve` makes
     try:
         yield Api(create_app(service, settings), service, registry, store, token, settings)
     finally:

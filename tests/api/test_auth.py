@@ -1,5 +1,6 @@
-"""Auth: every route of the OpenAPI schema except /health refuses a request without a token, with a
-wrong token and with a revoked token (401, nothing written); the right token gets past the check."""
+"""Auth: every route of the OpenAPI schema except /health, and the schema itself, refuse a request without
+a token, with a wrong token and with a revoked token (401, nothing written); the right token gets past
+the check."""
 
 from __future__ import annotations
 
@@ -52,13 +53,15 @@ def test_every_route_but_health_refuses_requests_without_a_valid_token(api: Api,
         assert response.headers["WWW-Authenticate"] == "Bearer"
         checked.append(path)
     assert len(checked) >= 19
+    schema = call(http, "get", "/openapi.json", token)
+    assert schema.status_code == 401 and schema.headers["WWW-Authenticate"] == "Bearer"
     assert api.registry.list_tasks() == [] and api.registry.list_jobs() == []
     assert [t.name for t in api.registry.list_api_tokens()] == ["old", "tests"]
 
 
 def test_with_the_right_token_no_route_answers_401(api: Api):
     http = TestClient(api.app)
-    for method, path in routes(api.app):
+    for method, path in [*routes(api.app), ("get", "/openapi.json")]:
         response = call(http, method, path, api.token)
         assert response.status_code != 401, (method, path, response.text)
 

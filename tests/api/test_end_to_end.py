@@ -22,7 +22,7 @@ TRAINING = {"epochs": 2, "batch_size": 8, "learning_rate": 5e-3}
 
 
 @pytest.fixture
-def service(tmp_path: Path, templates):
+def service(tmp_path: Path, templates, tiny_bert_dir: Path):
     import shutil
 
     from services.api.server import Service
@@ -32,7 +32,7 @@ def service(tmp_path: Path, templates):
     data.mkdir()
     shutil.copyfile(templates["mlflow"], data / "mlflow.db")
     settings = Settings(data_dir=data, ray_address=None, lease_seconds=20, heartbeat_seconds=1,
-                        retry_backoff_seconds=0.2)
+                        retry_backoff_seconds=0.2, backbone_dirs=[tiny_bert_dir.parent])
     config = DispatcherConfig(namespace="api-e2e", heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=2)
     running = Service(settings, port=0, num_cpus=2, dispatcher_config=config).start()  # embedded: migrates itself
     try:

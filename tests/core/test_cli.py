@@ -70,8 +70,8 @@ def test_a_user_defined_method_from_a_json_file(model_dir, data_files, tmp_path)
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--method", "lorra"], "unknown method 'lorra'"),
-    (["--method", "lora", "--set", "lr=-1"], "learning_rate: must be > 0"),
-    (["--method", "lora", "--set", "r=0"], "size: must be a whole number >= 1"),
+    (["--method", "lora", "--set", "lr=-1"], "lr: must be in (0, 10], got -1.0"),  # the table of limits' range
+    (["--method", "lora", "--set", "r=0"], "r: must be in [1, 16384], got 0"),
     (["--method", "lora", "--label-field", "stars"], "label field 'stars' is not in the data"),
     (["--method", "lora", "--set", "k_shot=1000"], "K=1000 is larger than the training set"),
 ])

@@ -1,0 +1,453 @@
+"""One table of limits: the range of every number a user can give pelt.
+
+The CLI, the HTTP API, the registry and the trainer all check numbers against the `Range`s here, so a
+value the service accepts is one the trainer can run, and the error names the field and its range.
+Some ranges also depend on the backbone (a LoRA rank at most the hidden size, `max_length` at most
+its positions): `check_against_backbone` applies those once the backbone is known.
+
+Pure Python (no torch): the service imports it on its request path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class LimitError(ValueError):
+    """A number is of the wrong kind or outside its range; the message starts with the field's name."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of one numeric field.
+
+    kind: "int" (whole numbers only) or "float" (any finite number; ints are accepted). Booleans and
+    strings are never numbers here: `parse` turns command-line text into a number first, and refuses
+    "inf"/"nan". low/high: bounds, inclusive unless `low_open`/`high_open`. `doc`: what it is.
+    """
+
+    kind: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    doc: str = ""
+
+    def describe(self) -> str:
+        """The range as a reader writes it: `[1, 4096]`, `(0, 1]`, `>= 0`."""
+        if self.low is not None and self.high is not None:
+            return (f"{'(' if self.low_open else '['}{_show(self.low)}, {_show(self.high)}"
+                    f"{')' if self.high_open else ']'}")
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {_show(self.low)}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {_show(self.high)}"
+        return "any finite number"
+
+    def check(self, value: Any, field: str) -> int | float:
+        """The value if it is a number of this kind within range; else a LimitError naming `field`."""
+        noun = "a whole number" if self.kind == "int" else "a number"
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise LimitError(field, f"must be {noun} in {self.describe()}, got {type(value).__name__} {value!r}")
+        if self.kind == "int" and not isinstance(value, int):
+            raise LimitError(field, f"must be {noun} in {self.describe()}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise LimitError(field, f"must be a finite number in {self.describe()}, got {value!r}")
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if too_low or too_high:
+            raise LimitError(field, f"must be in {self.describe()}, got {value!r}")
+        return value if self.kind == "int" else float(value)
+
+    def parse(self, text: str, field: str) -> int | float:
+        """A command-line string as a number of this kind, then checked (no "inf", "nan", "1e400")."""
+        return self.check(self.read(text, field), field)
+
+    def read(self, text: str, field: str) -> int | float:
+        """A command-line string as a finite number of this kind, not yet checked against the bounds."""
+        stripped = text.strip()
+        noun = "a whole number" if self.kind == "int" else "a number"
+        try:
+            value: int | float = int(stripped) if self.kind == "int" else float(stripped)
+        except ValueError:
+            raise LimitError(field, f"expected {noun} in {self.describe()}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise LimitError(field, f"must be a finite number in {self.describe()}, got {text!r}")
+        return value
+
+
+def _show(number: float) -> str:
+    """1e-08, 0.5, 4096, 2**31 - 1: short and exact."""
+    if float(number).is_integer():
+        whole = int(number)
+        for offset, suffix in ((0, ""), (1, " - 1")):
+            exponent = math.log2(whole + offset) if whole + offset > 0 else 0.5
+            if whole >= 2**20 and exponent.is_integer():
+                return f"2**{int(exponent)}{suffix}"
+        return str(whole)
+    return f"{number:g}"
+
+
+INT32_MAX = 2**31 - 1  # ids and seeds fit PostgreSQL's integer
+
+
+# --- backbones: a model config is checked against these before anything is built ------------------------
+
+BACKBONE_CONFIG: dict[str, Range] = {
+    "hidden_size": Range("int", 1, 16_384, doc="width of the hidden states"),
+    "num_hidden_layers": Range("int", 1, 256, doc="transformer layers"),
+    "num_attention_heads": Range("int", 1, 512, doc="attention heads"),
+    "num_key_value_heads": Range("int", 1, 512, doc="key/value heads (grouped-query attention)"),
+    "intermediate_size": Range("int", 1, 131_072, doc="width of the feed-forward layer"),
+    "vocab_size": Range("int", 1, 1_048_576, doc="tokenizer vocabulary"),
+    "max_position_embeddings": Range("int", 1, 1_048_576, doc="longest sequence the model takes"),
+    "head_dim": Range("int", 1, 4_096, doc="width of one attention head, where the config sets it"),
+    "type_vocab_size": Range("int", 1, 1_024, doc="token types (BERT's segment embeddings)"),
+}
+# fields every supported config has; the others are checked where present
+REQUIRED_BACKBONE_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                            "vocab_size")
+MAX_BACKBONE_PARAMETERS = 20_000_000_000  # estimated from the config; PELT_MAX_BACKBONE_PARAMETERS lowers it
+MAX_BACKBONE_CONFIG_BYTES = 1 << 20  # a model's config.json (real ones are a few KB)
+# weight files may hold this many bytes per estimated parameter (fp32 is 4; a folder with both a
+# .safetensors and a .bin copy 8), plus a fixed allowance for small extras
+MAX_BACKBONE_WEIGHT_BYTES_PER_PARAMETER = 12
+BACKBONE_WEIGHT_BYTES_ALLOWANCE = 64 << 20
+
+
+# --- training hyperparameters (TrainConfig: `pelt train --set`, POST /v1/jobs and /v1/sweeps, workers) ----
+
+MAX_TRAIN_STEPS = 10_000_000  # optimisation steps of one job: max_steps, or epochs x batches per epoch
+SEED = Range("int", 0, INT32_MAX, doc="a job's random seed (a sweep: each of its seeds)")
+
+TRAIN_RANGES: dict[str, Range] = {
+    "learning_rate": Range("float", 0, 10, low_open=True, doc="peak learning rate of AdamW (`lr`)"),
+    "epochs": Range("float", 0, 1_000, low_open=True, doc="passes over the training set (fractions allowed)"),
+    "batch_size": Range("int", 1, 4_096, doc="training examples per step (`bs`)"),
+    "eval_batch_size": Range("int", 1, 4_096, doc="examples per evaluation batch"),
+    "seed": SEED,
+    "k_shot": Range("int", 1, INT32_MAX, doc="K training examples sampled by seed (`k`); at most the task's rows"),
+    "warmup_ratio": Range("float", 0, 1, high_open=True, doc="share of the steps with a rising learning rate"),
+    "weight_decay": Range("float", 0, 10, doc="AdamW's decoupled weight decay"),
+    "max_grad_norm": Range("float", 0, 1e6, low_open=True, doc="gradient clipping norm"),
+    "max_length": Range("int", 1, 131_072, doc="tokens kept per example; at most the backbone's positions"),
+    "max_steps": Range("int", 1, MAX_TRAIN_STEPS, doc="optimisation steps (instead of epochs)"),
+    "head_dropout": Range("float", 0, 1, high_open=True, doc="dropout before the task head"),
+}
+
+
+def check_train_steps(train_config: Mapping[str, Any], train_rows: int) -> int:
+    """The job's optimisation steps (max_steps, else epochs x batches of its K or all training rows);
+    a LimitError naming `epochs` when they exceed MAX_TRAIN_STEPS."""
+    max_steps = train_config.get("max_steps")
+    if max_steps is not None:
+        return int(max_steps)
+    rows = train_config.get("k_shot") or train_rows
+    steps = math.ceil(float(train_config["epochs"]) * math.ceil(max(rows, 1) / int(train_config["batch_size"])))
+    if steps > MAX_TRAIN_STEPS:
+        raise LimitError("epochs", f"{train_config['epochs']!r} epochs of {rows} examples at batch_size "
+                                   f"{train_config['batch_size']} make {steps:,} steps; at most {MAX_TRAIN_STEPS:,}")
+    return max(1, steps)
+
+
+# --- method spec: every module of a method (POST /v1/methods, overrides such as r, bottleneck, q.size) -----
+
+MAX_MODULES = 32  # modules of one method spec
+SPEC_RANGES: dict[str, Range] = {
+    "size": Range("int", 1, 16_384, doc="LoRA rank (`r`), adapter width (`bottleneck`) or prefix length "
+                                        "(`prefix_length`); the backbone bounds it further"),
+    "scale": Range("float", -10_000, 10_000, doc="s in h + s·Δh (composition `scaled`)"),
+    "alpha": Range("float", 0, 1e6, low_open=True, doc="LoRA's α (s = α / r)"),
+    "init_std": Range("float", 0, 100, low_open=True, doc="standard deviation of the initial weights"),
+    "dropout": Range("float", 0, 1, high_open=True, doc="dropout on the module's input"),
+    "layers": Range("int", 0, 1_023, doc="indices of the layers modified; below the backbone's layer count"),
+    "reparam_hidden": Range("int", 1, 16_384, doc="width of prefix tuning's reparameterisation MLP"),
+}
+
+
+# --- compose: options of POST /v1/compose (pelt_core.compose: merge, average, merge_lora_svd) -------------
+
+MAX_COMPOSE_SOURCES = 32  # deltas one composition pulls
+MAX_COMPOSE_ALIASES = 20  # aliases set on the composed version
+COMPOSE_RANGES: dict[str, Range] = {
+    "weights": Range("float", -100, 100, doc="one weight per source (merge, merge_lora_svd)"),
+    "density": Range("float", 0, 1, low_open=True, doc="kept fraction: TIES trim, DARE keep probability"),
+    "seed": Range("int", 0, INT32_MAX, doc="seed of DARE's drop masks"),
+    "scale": Range("float", -100, 100, doc="λ, the merge's overall scale"),
+    "lora_rank": Range("int", 1, 16_384, doc="rank of composed LoRA modules (merge, average); at most the "
+                                             "larger of min(d_in, d_out) of their matrices and the sources' summed rank"),
+    "rank": Range("int", 1, 16_384, doc="merge_lora_svd's rank; bounded like lora_rank"),
+}
+
+
+# --- sweeps ------------------------------------------------------------------------------------------------
+
+SWEEP_LIST_LENGTH = 1_000  # entries of a sweep's methods, seeds or k_values lists
+DEFAULT_MAX_SWEEP_JOBS = 2_000  # jobs of one sweep; PELT_MAX_SWEEP_JOBS changes it
+
+
+# --- the backbone: ranges that depend on it, and a job's memory --------------------------------------------
+
+DEFAULT_WORKER_MEMORY_BYTES = 32 << 30  # PELT_WORKER_MEMORY_BYTES changes the budget the service checks
+FACTS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "max_positions",
+         "vocab_size", "num_parameters")
+_FLOAT = 4  # bytes: PELT parameters, their gradients, AdamW's moments and activations are fp32 (an upper bound)
+_SQUARE_REPRESENTATIONS = ("attn", "ffn", "attn.q", "attn.k", "attn.v", "attn.o")
+
+
+def backbone_facts(backbone: Any) -> dict[str, int]:
+    """The facts `check_against_backbone` takes, read from a loaded `pelt_core.backbones.Backbone`."""
+    config = backbone.model.config
+    return {
+        "hidden_size": int(backbone.hidden_size),
+        "num_layers": int(backbone.num_layers),
+        "num_heads": int(backbone.num_heads),
+        "num_kv_heads": int(backbone.num_kv_heads),
+        "head_dim": int(backbone.head_dim),
+        "intermediate_size": int(getattr(config, "intermediate_size", 4 * backbone.hidden_size)),
+        "max_positions": int(getattr(config, "max_position_embeddings", 0) or 0),
+        "vocab_size": int(getattr(config, "vocab_size", 0) or 0),
+        "num_parameters": int(backbone.num_parameters),
+    }
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """An upper bound on one job's memory, in bytes (fp32 throughout; bf16 autocast needs less)."""
+
+    backbone: int  # the frozen weights (shared by a worker's jobs, counted once per job here)
+    parameters: int  # the job's own parameters with their gradients and AdamW's two moments
+    activations: int  # what a training step keeps for backward (or an evaluation batch, if larger)
+    largest_module: str | None  # the role of the module with the most parameters
+
+    @property
+    def total(self) -> int:
+        return self.backbone + self.parameters + self.activations
+
+
+def estimate_job_memory(train_config: Mapping[str, Any], method_spec: Mapping[str, Any],
+                        facts: Mapping[str, int]) -> MemoryEstimate:
+    """One job's memory on a backbone (facts: hidden_size, num_layers, num_heads, intermediate_size,
+    num_parameters), from its batch size, max_length and modules.
+
+    Activations follow Korthikanti et al. (2022): per token and layer a transformer keeps about
+    18·h + 4·f values plus 5·heads·(tokens + prefix) for attention, here in fp32; each bottleneck adds its
+    width and output. An evaluation batch keeps one layer's working set. Parameters count 16 bytes each
+    (weight, gradient, two AdamW moments)."""
+    h, layers, heads = int(facts["hidden_size"]), int(facts["num_layers"]), int(facts["num_heads"])
+    ffn = int(facts.get("intermediate_size") or 4 * h)
+    tokens, batch = int(train_config["max_length"]), int(train_config["batch_size"])
+    eval_batch = int(train_config.get("eval_batch_size") or batch)
+    modules: Mapping[str, Mapping[str, Any]] = method_spec.get("modules") or {}
+    kv = _kv_width(facts, h)
+    per_module = {role: _module_parameters(module, h, ffn, kv, layers) for role, module in modules.items()}
+    extras = h * h + 3 * h  # the task head
+    extras += layers * (6 * h + ffn) if method_spec.get("bias") else 0
+    extras += layers * 4 * h if method_spec.get("layer_norm") else 0
+    prefix = max((int(m["size"]) for m in modules.values() if m.get("form") == "prefix"), default=0)
+    per_token = layers * (18 * h + 4 * ffn + 5 * heads * (tokens + prefix))
+    for module in modules.values():
+        if module.get("form") != "prefix":
+            d_out = _dims(str(module.get("representation")), h, ffn, kv)[1]
+            per_token += _sites(module, layers) * (2 * int(module["size"]) + d_out)
+    training = batch * tokens * per_token * _FLOAT
+    evaluation = eval_batch * tokens * (4 * h + ffn + 2 * heads * (tokens + prefix)) * _FLOAT
+    weight_bytes = 2 if train_config.get("backbone_dtype") == "bfloat16" else _FLOAT
+    return MemoryEstimate(
+        backbone=int(facts.get("num_parameters") or 0) * weight_bytes,
+        parameters=4 * _FLOAT * (sum(per_module.values()) + extras),
+        activations=max(training, evaluation),
+        largest_module=max(per_module, key=per_module.__getitem__) if per_module else None,
+    )
+
+
+def check_against_backbone(train_config: Mapping[str, Any], method_spec: Mapping[str, Any],
+                           facts: Mapping[str, Any], *, memory_budget: int | None = None) -> None:
+    """The ranges that depend on the backbone; a LimitError naming the field (`max_length`,
+    `<method>.modules.<role>.size`, `...layers`, `batch_size`) when one is out of range.
+
+    - max_length <= the backbone's positions;
+    - a LoRA-like module (a linear bottleneck) has rank <= min(d_in, d_out) of the matrix it modifies
+      (a larger rank adds nothing); a prefix <= the backbone's positions; layer indices < its layer count
+      (an adapter's width is bounded by the table and the memory estimate only: the built-in parallel
+      adapters are wider than small backbones);
+    - with `memory_budget` (bytes): `estimate_job_memory` within it.
+    `facts` (see FACTS) may lack some keys: the checks that need them are skipped.
+    `train_config` and `method_spec` are TrainConfig.to_dict() and MethodSpec.to_dict() shaped mappings.
+    """
+    known = {key: value for key, value in facts.items()
+             if isinstance(value, int) and not isinstance(value, bool) and value > 0}
+    positions, layers = known.get("max_positions"), known.get("num_layers")
+    h, ffn = known.get("hidden_size"), known.get("intermediate_size")
+    max_length = train_config.get("max_length")
+    if positions is not None and isinstance(max_length, int) and max_length > positions:
+        raise LimitError("max_length", f"must be at most {positions}, the backbone's positions, got {max_length}")
+    name = method_spec.get("name") or "method"
+    for role, module in (method_spec.get("modules") or {}).items():
+        where = f"{name}.modules.{role}"
+        size = int(module["size"])
+        if module.get("form") == "prefix":
+            bound, what = positions, "the backbone's positions"
+        elif h is not None and module.get("nonlinearity") == "identity":
+            d_in, d_out = _dims(str(module.get("representation")), h, ffn or 4 * h, _kv_width(known, h))
+            bound, what = min(d_in, d_out), f"min(d_in, d_out) = min({d_in}, {d_out}) of the matrix it modifies"
+        else:  # adapters may be wider than the backbone (He et al.'s 512 on MiniLM's 384): memory bounds them
+            bound, what = None, ""
+        if bound is not None and size > bound:
+            raise LimitError(f"{where}.size", f"must be at most {bound}, {what}, got {size}")
+        if layers is not None:
+            beyond = [i for i in module.get("layers") or () if i >= layers]
+            if beyond:
+                raise LimitError(f"{where}.layers", f"layer {beyond[0]} does not exist: the backbone has "
+                                                    f"{layers} layers (0 to {layers - 1})")
+    needed = ("hidden_size", "num_layers", "num_heads")
+    if memory_budget is None or not all(key in known for key in needed) or max_length is None:
+        return
+    estimate = estimate_job_memory(train_config, method_spec, known)
+    if estimate.total <= memory_budget:
+        return
+    if estimate.activations >= estimate.parameters or estimate.largest_module is None:
+        field, advice = "batch_size", "lower batch_size, eval_batch_size or max_length"
+    else:
+        field, advice = f"{name}.modules.{estimate.largest_module}.size", "make the largest module smaller"
+    raise LimitError(field, f"the job would need about {_gib(estimate.total)} (backbone {_gib(estimate.backbone)}, "
+                            f"its parameters with optimizer state {_gib(estimate.parameters)}, activations "
+                            f"{_gib(estimate.activations)}), more than a worker's {_gib(memory_budget)}: {advice}")
+
+
+def _dims(representation: str, hidden: int, ffn: int, kv: int) -> tuple[int, int]:
+    """(d_in, d_out) of what a module modifies; kv: the width of the key/value projections."""
+    if representation == "ffn.in":
+        return hidden, ffn
+    if representation == "ffn.out":
+        return ffn, hidden
+    if representation in ("attn.k", "attn.v"):
+        return hidden, kv
+    return hidden, hidden
+
+
+def _kv_width(facts: Mapping[str, int], hidden: int) -> int:
+    """num_kv_heads x head_dim where the facts have them (grouped-query attention), else the hidden size."""
+    kv_heads, head_dim = facts.get("num_kv_heads"), facts.get("head_dim")
+    return int(kv_heads) * int(head_dim) if kv_heads and head_dim else hidden
+
+
+def _sites(module: Mapping[str, Any], num_layers: int) -> int:
+    chosen = module.get("layers")
+    return len(set(chosen)) if chosen else num_layers
+
+
+def _module_parameters(module: Mapping[str, Any], hidden: int, ffn: int, kv: int, num_layers: int) -> int:
+    size, sites = int(module["size"]), _sites(module, num_layers)
+    gate = hidden + 1 if module.get("gate") else 0
+    if module.get("form") == "prefix":
+        count = sites * (2 * size * kv + gate)
+        reparam = module.get("reparam_hidden")
+        if reparam:
+            count += size * hidden + (hidden + 1) * reparam + (reparam + 1) * sites * 2 * kv
+        return count
+    d_in, d_out = _dims(str(module.get("representation")), hidden, ffn, kv)
+    biases = size + d_out if module.get("proj_bias", True) else 0
+    return sites * (d_in * size + size * d_out + biases + gate + 1)
+
+
+def _gib(count: int) -> str:
+    return f"{count / (1 << 30):.1f} GiB"
+
+
+# --- uploaded datasets: rows, decoded bytes, archives, JSON nesting, the held-out dev split ----------------
+
+MAX_DATASET_ROWS = 5_000_000  # rows of one split (GLUE's largest are ~400k); PELT_MAX_DATASET_ROWS changes it
+MAX_DATASET_BYTES = 4 << 30  # decoded bytes of a task's data (unpacked archive, decoded Parquet); PELT_MAX_DATASET_BYTES
+MAX_ARCHIVE_ENTRIES = 1_000  # files and folders of one dataset archive; PELT_MAX_ARCHIVE_ENTRIES changes it
+MAX_ARCHIVE_EXPANSION = 50  # unpacked bytes per archive byte (save_to_disk folders zip 2-5x); PELT_MAX_ARCHIVE_EXPANSION
+ARCHIVE_EXPANSION_FLOOR_BYTES = 16 << 20  # a small archive may always unpack to this much (tar headers, padding)
+MAX_JSON_DEPTH = 32  # nesting of a JSON request body or form field (real ones nest 3-4 deep)
+DEV_SPLIT_FRACTION = 0.1  # a task without a validation split: each job holds out this share of its training rows
+DEV_SPLIT_MAX_ROWS = 1_000  # ... at most this many (and at least one)
+
+
+def dev_split_rows(train_rows: int) -> int:
+    """Rows a job of a task without a validation split holds out from its `train_rows` training rows as
+    its dev split: 10% (rounded down) capped at 1,000, at least 1. Needs `train_rows` >= 2."""
+    return max(1, min(DEV_SPLIT_MAX_ROWS, int(train_rows * DEV_SPLIT_FRACTION)))
+
+
+# --- the table for the README -----------------------------------------------------------------------------
+
+
+def limits_table_markdown() -> str:
+    """The ranges above as the README's Markdown table (README.md carries this text verbatim)."""
+    lines = ["| field | range | what |", "|---|---|---|"]
+    for title, table in (("training hyperparameters", TRAIN_RANGES), ("method spec, every module", SPEC_RANGES),
+                         ("compose options", COMPOSE_RANGES)):
+        lines.append(f"| *{title}* | | |")
+        lines += [f"| `{name}` | {_markdown(bound.describe())} | {_markdown(bound.doc)} |"
+                  for name, bound in table.items()]
+    lines += [
+        "| *against the backbone* | | |",
+        "| `max_length` | <= its positions | |",
+        "| LoRA rank (`r`, a linear bottleneck's `size`) | <= min(d_in, d_out) | of the matrix it modifies |",
+        "| prefix length (`prefix_length`) | <= its positions | |",
+        "| `layers` | < its layer count | |",
+        "| *counts* | | |",
+        f"| steps of a job | <= {MAX_TRAIN_STEPS:,} | `max_steps`, or `epochs` x batches per epoch |",
+        f"| modules of a method | <= {MAX_MODULES} | |",
+        f"| sources of a composition | <= {MAX_COMPOSE_SOURCES} | aliases: <= {MAX_COMPOSE_ALIASES} |",
+        f"| jobs of a sweep | <= {DEFAULT_MAX_SWEEP_JOBS:,} | `PELT_MAX_SWEEP_JOBS`; each list <= {SWEEP_LIST_LENGTH:,}"
+        " entries |",
+        f"| a job's memory estimate | <= {_gib(DEFAULT_WORKER_MEMORY_BYTES)} | `PELT_WORKER_MEMORY_BYTES`: backbone, "
+        "parameters with AdamW state, activations |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _markdown(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+__all__ = [
+    "ARCHIVE_EXPANSION_FLOOR_BYTES",
+    "BACKBONE_CONFIG",
+    "BACKBONE_WEIGHT_BYTES_ALLOWANCE",
+    "COMPOSE_RANGES",
+    "DEFAULT_MAX_SWEEP_JOBS",
+    "DEFAULT_WORKER_MEMORY_BYTES",
+    "DEV_SPLIT_FRACTION",
+    "DEV_SPLIT_MAX_ROWS",
+    "FACTS",
+    "INT32_MAX",
+    "MAX_ARCHIVE_ENTRIES",
+    "MAX_ARCHIVE_EXPANSION",
+    "MAX_BACKBONE_CONFIG_BYTES",
+    "MAX_BACKBONE_PARAMETERS",
+    "MAX_BACKBONE_WEIGHT_BYTES_PER_PARAMETER",
+    "MAX_COMPOSE_ALIASES",
+    "MAX_COMPOSE_SOURCES",
+    "MAX_DATASET_BYTES",
+    "MAX_DATASET_ROWS",
+    "MAX_JSON_DEPTH",
+    "MAX_MODULES",
+    "MAX_TRAIN_STEPS",
+    "REQUIRED_BACKBONE_CONFIG",
+    "SEED",
+    "SPEC_RANGES",
+    "SWEEP_LIST_LENGTH",
+    "TRAIN_RANGES",
+    "LimitError",
+    "MemoryEstimate",
+    "Range",
+    "backbone_facts",
+    "check_against_backbone",
+    "check_train_steps",
+    "dev_split_rows",
+    "estimate_job_memory",
+    "limits_table_markdown",
+]

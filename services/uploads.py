@@ -1,0 +1,382 @@
+"""Uploaded task data: staged, unpacked within bounds, kept content-addressed, then registered.
+
+A task's data arrive as split files (JSON Lines, CSV/TSV or Parquet; `train` required, `validation` and
+`test` optional) or as one `dataset` archive (.zip, .tar, .tar.gz, .tgz) of a folder written by
+`datasets`' save_to_disk. They are written to a staging folder under PELT_DATA_DIR/datasets, renamed to
+a folder named after their content (sha256 of the files' names, sizes and digests) and the registry
+checks the task against them (`services.registry.dataset_probe`); a refused task keeps nothing.
+
+Archives are unpacked with bounds counted on what is actually decompressed and written, whatever their
+headers claim: at most PELT_MAX_ARCHIVE_ENTRIES entries and PELT_MAX_ARCHIVE_EXPANSION bytes per archive
+byte (at least `limits.ARCHIVE_EXPANSION_FLOOR_BYTES`), PELT_MAX_DATASET_BYTES in all (413 beyond); no
+links, devices or paths that leave the folder. A member that cannot be read (encrypted, an unknown
+compression method, corrupt data) is a 422 naming the archive and the member. Errors name the form field
+and the uploaded file, never a path of this machine.
+"""
+
+from __future__ import annotations
+
+import bz2
+import contextlib
+import functools
+import gzip
+import hashlib
+import lzma
+import re
+import shutil
+import tarfile
+import threading
+import uuid
+import zipfile
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from pelt_core import limits
+from services.errors import TooLargeError
+from services.registry import Registry, RegistryValidationError, TaskRecord
+from services.registry.dataset_probe import FILE_FORMATS
+from services.settings import Settings
+
+SPLITS = ("train", "validation", "test")
+FIELDS = ("name", "definition", *SPLITS, "dataset")  # the form fields of POST /v1/tasks
+TASK_FIELDS = ("text_fields", "label_field", "problem_type", "metric", "metric_direction", "label_names",
+               "max_length", "description")
+ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar")
+ZIP_METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
+CHUNK = 1 << 20
+MAX_ZIP_ENTRY_BYTES = 4096  # central-directory bytes per allowed entry (name, extra fields, comment)
+_ARCHIVE_ERRORS = (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, ValueError, RuntimeError,
+                   lzma.LZMAError, zlib.error)  # RuntimeError: encrypted; NotImplementedError: unknown method
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One uploaded file: the name the client gave it and a binary stream of its bytes."""
+
+    filename: str
+    stream: IO[bytes]
+
+
+class TaskUploads:
+    """Registers tasks from uploaded data for `PeltService` (one upload at a time settles its folder
+    and its task, so a folder in use is never removed by a refused twin)."""
+
+    def __init__(self, registry: Registry, settings: Settings) -> None:
+        self.registry = registry
+        self.settings = settings
+        self._lock = threading.Lock()
+
+    def register_task(self, name: str, files: Mapping[str, Upload], definition: Mapping[str, Any]) -> TaskRecord:
+        """Register a task from uploaded files keyed by form field (see the module); the files are kept
+        under PELT_DATA_DIR/datasets/<sha256>, nothing is kept when the task is refused."""
+        from services.registry.validation import check_name
+
+        check_name(name)
+        _check_file_fields(files)
+        fields = task_definition(definition)
+        root = self.settings.data_dir / "datasets"
+        root.mkdir(parents=True, exist_ok=True)
+        staging = root / f".upload-{uuid.uuid4().hex}"
+        staging.mkdir()
+        try:
+            manifest = self._stage(files, staging)
+        except BaseException as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(exc, RegistryValidationError):
+                raise self._public(exc, files) from None
+            raise
+        final = root / hashlib.sha256("\n".join(manifest).encode()).hexdigest()[:32]
+        with self._lock:
+            created = False
+            try:
+                staging.rename(final)
+                created = True
+            except OSError:  # the same data were uploaded before: keep that folder
+                shutil.rmtree(staging, ignore_errors=True)
+            try:
+                if "dataset" in files:
+                    source: Any = str(final / "dataset")
+                else:
+                    source = {p.stem: str(p) for p in sorted(final.iterdir())}
+                return self.registry.register_task(name, source, **fields)
+            except BaseException as exc:
+                if created and not self._dataset_in_use(final):
+                    shutil.rmtree(final, ignore_errors=True)
+                if isinstance(exc, RegistryValidationError):
+                    raise self._public(exc, files) from None
+                raise
+
+    def _stage(self, files: Mapping[str, Upload], staging: Path) -> list[str]:
+        """Write the uploads into `staging`; (split, suffix, size, sha256) of each, the folder's name."""
+        budget = [self.settings.max_upload_bytes]
+        if "dataset" in files:
+            bounds = ArchiveBounds(entries=self.settings.max_archive_entries,
+                                   expansion=self.settings.max_archive_expansion,
+                                   max_bytes=self.settings.max_dataset_bytes)
+            return [extract_archive(files["dataset"], staging / "dataset", budget, bounds)]
+        manifest = []
+        for split in sorted(files):
+            upload = files[split]
+            suffix = _table_suffix(upload.filename, split)
+            size, digest = save_stream(upload.stream, staging / f"{split}{suffix}", budget, split)
+            manifest.append(f"{split}{suffix}:{size}:{digest}")
+        return manifest
+
+    def _dataset_in_use(self, folder: Path) -> bool:
+        prefix = str(folder)
+        return any(path.startswith(prefix) for task in self.registry.list_tasks() for path in task.source.values())
+
+    def _public(self, exc: RegistryValidationError, files: Mapping[str, Upload]) -> RegistryValidationError:
+        """The error as the uploader sees it: the form field and the uploaded file's name, no server path."""
+        if type(exc) not in (RegistryValidationError, TooLargeError):
+            return exc
+        field, message = exc.field, str(exc).removeprefix(f"{exc.field}: ")
+        if field == "source" or field.startswith("source."):
+            if "dataset" in files:
+                field, message = "dataset", f"{message} (in {files['dataset'].filename!r})"
+            elif field.removeprefix("source.") in files:
+                message = f"{message} (uploaded as {files[field.removeprefix('source.')].filename!r})"
+        data_dir = re.escape(str(self.settings.data_dir))
+        message = re.sub(data_dir + r"[^\s'\"]*", lambda match: Path(match.group(0)).name, message)
+        return type(exc)(field, message)
+
+
+def _check_file_fields(files: Mapping[str, Upload]) -> None:
+    unknown = set(files) - {*SPLITS, "dataset"}
+    if unknown:
+        raise RegistryValidationError(sorted(unknown)[0], f"unexpected file field; send {', '.join(SPLITS)} "
+                                      "(train required) or one 'dataset' archive")
+    if "dataset" in files and len(files) > 1:
+        raise RegistryValidationError("dataset", "send either a dataset archive or split files, not both")
+    if not files:
+        raise RegistryValidationError("train", "no data: send a train file (and validation, test) or a "
+                                      "dataset archive")
+    if "dataset" not in files and "train" not in files:
+        raise RegistryValidationError("train", "a train file is required")
+
+
+def task_definition(definition: Mapping[str, Any]) -> dict[str, Any]:
+    """The task's definition fields (TASK_FIELDS; text_fields required), None values dropped."""
+    unknown = [key for key in definition if key not in TASK_FIELDS]
+    if unknown:
+        raise RegistryValidationError(unknown[0], f"unknown task field; known: {', '.join(TASK_FIELDS)}")
+    if "text_fields" not in definition:
+        raise RegistryValidationError("text_fields", "required: the column(s) holding the text, e.g. ['sentence']")
+    return {key: value for key, value in definition.items() if value is not None}
+
+
+def _table_suffix(filename: str, split: str) -> str:
+    name = (filename or "").lower()
+    for suffix in FILE_FORMATS:
+        if name.endswith(suffix):
+            return suffix
+    raise RegistryValidationError(split, f"{filename!r}: unsupported file type; use one of "
+                                  f"{', '.join(FILE_FORMATS)} (or a 'dataset' archive of a datasets folder)")
+
+
+def save_stream(stream: IO[bytes], path: Path, budget: list[int], field: str) -> tuple[int, str]:
+    """Copy a stream to `path` within the shared upload budget (TooLargeError beyond); (size, sha256)."""
+    digest, size = hashlib.sha256(), 0
+    with path.open("wb") as out:
+        while chunk := stream.read(CHUNK):
+            budget[0] -= len(chunk)
+            if budget[0] < 0:
+                raise TooLargeError(field, "the upload is larger than PELT_MAX_UPLOAD_BYTES")
+            digest.update(chunk)
+            size += len(chunk)
+            out.write(chunk)
+    if size == 0:
+        raise RegistryValidationError(field, "the file is empty")
+    return size, digest.hexdigest()
+
+
+# --- archives ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArchiveBounds:
+    """entries: PELT_MAX_ARCHIVE_ENTRIES; expansion: PELT_MAX_ARCHIVE_EXPANSION (bytes per archive byte,
+    at least limits.ARCHIVE_EXPANSION_FLOOR_BYTES in all); max_bytes: PELT_MAX_DATASET_BYTES."""
+
+    entries: int = limits.MAX_ARCHIVE_ENTRIES
+    expansion: float = limits.MAX_ARCHIVE_EXPANSION
+    max_bytes: int = limits.MAX_DATASET_BYTES
+
+    def allowed_bytes(self, archive_bytes: int) -> int:
+        return int(min(self.max_bytes, max(self.expansion * archive_bytes, limits.ARCHIVE_EXPANSION_FLOOR_BYTES)))
+
+
+class _Unpacking:
+    """What an archive really produces, counted as it is written: entries and bytes."""
+
+    def __init__(self, archive: str, bounds: ArchiveBounds, archive_bytes: int) -> None:
+        self.archive, self.bounds = archive, bounds
+        self.allowed = bounds.allowed_bytes(archive_bytes)
+        self.entries = 0
+        self.left = self.allowed
+
+    def entry(self, count: int = 1) -> None:
+        self.entries += count
+        if self.entries > self.bounds.entries:
+            raise self.too_many_entries()
+
+    def too_many_entries(self) -> TooLargeError:
+        return TooLargeError("dataset", f"{self.archive!r} holds more than {self.bounds.entries} entries "
+                             "(PELT_MAX_ARCHIVE_ENTRIES)")
+
+    def spend(self, count: int) -> None:
+        self.left -= count
+        if self.left < 0:
+            raise TooLargeError(
+                "dataset", f"{self.archive!r} unpacks to more than {self.allowed} bytes: at most "
+                f"{self.bounds.expansion:g} bytes per archive byte (PELT_MAX_ARCHIVE_EXPANSION), "
+                f"{self.bounds.max_bytes} in all (PELT_MAX_DATASET_BYTES)")
+
+    def copy(self, source: IO[bytes], destination: Path) -> None:
+        with destination.open("wb") as out:
+            while chunk := source.read(CHUNK):
+                self.spend(len(chunk))
+                out.write(chunk)
+
+
+class _CountedStream:
+    """A decompressed stream whose bytes count against the unpacking bounds as they are read (tar
+    headers and pax records included), so no single read can ask for more than is left."""
+
+    def __init__(self, inner: IO[bytes], unpacking: _Unpacking) -> None:
+        self.inner, self.unpacking = inner, unpacking
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0 or size > self.unpacking.left + 1:
+            size = self.unpacking.left + 1
+        data = self.inner.read(size)
+        self.unpacking.spend(len(data))
+        return data
+
+
+def extract_archive(upload: Upload, target: Path, budget: list[int], bounds: ArchiveBounds) -> str:
+    """Unpack a .zip/.tar(.gz) of a save_to_disk folder into `target` within `bounds`, refusing links
+    and paths that leave it; an archive holding one folder is that folder. Returns its manifest line."""
+    name = (upload.filename or "").lower()
+    if not name.endswith(ARCHIVE_SUFFIXES):
+        raise RegistryValidationError("dataset", f"{upload.filename!r}: send a {', '.join(ARCHIVE_SUFFIXES)} "
+                                      "archive of a folder written by datasets' save_to_disk")
+    raw = target.parent / ".archive"
+    size, digest = save_stream(upload.stream, raw, budget, "dataset")
+    target.mkdir()
+    unpacking = _Unpacking(upload.filename, bounds, size)
+    member = "?"
+    try:
+        if name.endswith(".zip"):
+            _check_zip_directory(raw, unpacking)
+            with zipfile.ZipFile(raw) as archive:
+                members = archive.infolist()
+                unpacking.entry(len(members))  # the central directory lists them all: refused before writing
+                for info in members:
+                    member = info.filename
+                    _check_zip_member(info, upload.filename)
+                    if info.is_dir():
+                        continue
+                    destination = _inside(target, info.filename)
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    with archive.open(info) as source:
+                        unpacking.copy(source, destination)
+        else:
+            with _decompressed(raw) as stream, tarfile.open(fileobj=_CountedStream(stream, unpacking), mode="r|") as archive:
+                for info in archive:
+                    member = info.name
+                    unpacking.entry()
+                    if info.isdir():
+                        continue
+                    if not info.isfile():
+                        raise RegistryValidationError("dataset", f"{info.name!r}: links and devices are refused")
+                    destination = _inside(target, info.name)
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    source = archive.extractfile(info)
+                    assert source is not None
+                    with source, destination.open("wb") as out:
+                        shutil.copyfileobj(source, out, CHUNK)  # counted by the stream it reads
+        member = "?"
+        _unwrap_single_folder(target)
+    except RegistryValidationError:
+        raise
+    except _ARCHIVE_ERRORS as exc:
+        where = f" (member {member!r})" if member != "?" else ""
+        raise RegistryValidationError("dataset", f"{upload.filename!r} is not a readable archive{where}: "
+                                      f"{_reason(exc)}") from None
+    finally:
+        raw.unlink(missing_ok=True)
+    return f"dataset:{size}:{digest}"
+
+
+def _check_zip_directory(path: Path, unpacking: _Unpacking) -> None:
+    """Before zipfile reads the central directory into memory: its end record's entry count and size
+    (a directory entry is 46 bytes plus its name: MAX_ZIP_ENTRY_BYTES each is plenty)."""
+    with path.open("rb") as stream:
+        end = zipfile._EndRecData(stream)  # the (zip64-aware) end-of-central-directory record
+    if end is None:
+        raise zipfile.BadZipFile("no end of central directory record")
+    limit = unpacking.bounds.entries
+    if end[zipfile._ECD_ENTRIES_TOTAL] > limit or end[zipfile._ECD_SIZE] > limit * MAX_ZIP_ENTRY_BYTES:
+        raise unpacking.too_many_entries()
+
+
+def _check_zip_member(info: zipfile.ZipInfo, archive: str) -> None:
+    """Before a member is read: encrypted members, compression methods zipfile lacks and links are refused."""
+    if info.flag_bits & 0x1:
+        raise RegistryValidationError("dataset", f"{archive!r}: member {info.filename!r} is encrypted; send an "
+                                      "unencrypted archive")
+    if info.compress_type not in ZIP_METHODS:
+        raise RegistryValidationError("dataset", f"{archive!r}: member {info.filename!r} uses compression method "
+                                      f"{info.compress_type}, which pelt does not read; use deflate (zip's default)")
+    if (info.external_attr >> 16) & 0o170000 == 0o120000:
+        raise RegistryValidationError("dataset", f"{archive!r}: member {info.filename!r} is a link; links are refused")
+
+
+@contextlib.contextmanager
+def _decompressed(path: Path) -> Iterator[IO[bytes]]:
+    """The tar stream inside a file: gzip, bzip2 or xz by their magic bytes, else the file itself."""
+    with path.open("rb") as probe:
+        magic = probe.read(6)
+    opener: Any = path.open
+    for prefix, codec in ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lzma.open)):
+        if magic.startswith(prefix):
+            opener = functools.partial(codec, path)
+    with opener("rb") as opened:
+        yield opened
+
+
+def _unwrap_single_folder(target: Path) -> None:
+    entries = list(target.iterdir())
+    if not entries:
+        raise RegistryValidationError("dataset", "the archive is empty")
+    if len(entries) == 1 and entries[0].is_dir():  # the archive holds one folder: that is the dataset
+        inner = entries[0].rename(target.parent / ".inner")  # aside first: it may hold its own name
+        for item in list(inner.iterdir()):
+            item.rename(target / item.name)
+        inner.rmdir()
+
+
+def _inside(root: Path, member: str) -> Path:
+    destination = (root / member).resolve()
+    if not destination.is_relative_to(root.resolve()) or destination == root.resolve():
+        raise RegistryValidationError("dataset", f"{member!r} would be written outside the dataset folder")
+    return destination
+
+
+def _reason(exc: BaseException) -> str:
+    """Why an archive could not be read, without the paths of this machine."""
+    if isinstance(exc, RuntimeError) and "encrypted" in str(exc):
+        return "a member is encrypted"
+    if isinstance(exc, NotImplementedError):
+        return f"a member uses a compression method that cannot be read ({exc})"
+    if isinstance(exc, OSError) and not isinstance(exc, zipfile.BadZipFile | gzip.BadGzipFile):
+        return exc.strerror or type(exc).__name__
+    return f"{type(exc).__name__}: {exc}"
+
+
+__all__ = ["FIELDS", "SPLITS", "ArchiveBounds", "TaskUploads", "Upload", "extract_archive", "save_stream",
+           "task_definition"]

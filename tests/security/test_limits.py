@@ -1,0 +1,363 @@
+"""Limits of numbers (issue #11, findings 5, 7 and 12): one table of ranges (pelt_core/limits.py) that the
+CLI, the API, the registry and the trainer all apply; ranges that depend on the backbone; a memory
+estimate under a worker's budget; sweep seeds and sizes; a busy registry answers 503, never 500.
+
+Every refused request is a 4xx naming the field and writes nothing."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+from pelt_core import limits
+from pelt_core.config import ConfigError, TrainConfig, parse_settings
+from pelt_core.limits import LimitError, Range, check_against_backbone, estimate_job_memory
+from pelt_core.methods import get_method
+from pelt_core.spec import MethodSpec, SpecError
+from services.client import PeltAPIError
+from services.errors import classify
+from services.registry import Registry, RegistryValidationError
+from services.registry.db import SQLiteWriteGate, sqlite_path
+from services.registry.errors import RegistryBusyError
+from services.settings import Settings
+from tests.api.conftest import BACKBONE, Api
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_FACTS = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4, "head_dim": 8,
+              "intermediate_size": 64, "max_positions": 64, "vocab_size": 114, "num_parameters": 40_000}
+SIZED = "tiny-bert-facts"  # the tiny backbone registered with its facts
+
+
+def refused(call, status: int, field: str | None = None, words: str = "") -> PeltAPIError:
+    with pytest.raises(PeltAPIError) as caught:
+        call()
+    error = caught.value
+    assert error.status == status, error
+    if field is not None:
+        assert error.field == field, error
+    assert words.lower() in error.message.lower(), error
+    return error
+
+
+def all_ranges() -> list[tuple[str, Range]]:
+    tables = {"train": limits.TRAIN_RANGES, "spec": limits.SPEC_RANGES, "compose": limits.COMPOSE_RANGES}
+    return [(f"{table}.{name}", bound) for table, ranges in tables.items() for name, bound in ranges.items()]
+
+
+@pytest.fixture
+def sized(api: Api, tiny_bert_dir: Path) -> str:
+    """The tiny backbone again, registered with its facts (so ranges that depend on it apply)."""
+    content_hash = api.registry.get_backbone(BACKBONE).content_hash
+    api.registry.register_backbone(SIZED, str(tiny_bert_dir), content_hash, facts=TINY_FACTS)
+    return SIZED
+
+
+# --- the table ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("field", "bound"), all_ranges(), ids=[name for name, _ in all_ranges()])
+def test_every_range_refuses_non_numbers_non_finite_numbers_and_values_outside_it(field, bound):
+    for value in (True, "1", None, [1], math.inf, -math.inf, math.nan):
+        with pytest.raises(LimitError, match=f"^{field}: ") as caught:
+            bound.check(value, field)
+        assert caught.value.field == field
+    for outside in ((bound.low - 1) if bound.low is not None else None,
+                    (bound.high + 1) if bound.high is not None else None, 2**70, -(2**70)):
+        if outside is not None and not (bound.low is None and outside < 0):
+            with pytest.raises(LimitError, match=f"^{field}: "):
+                bound.check(outside, field)
+    if bound.kind == "int":
+        with pytest.raises(LimitError):
+            bound.check(float(bound.low or 1), field)  # 1.0 is not a whole number here
+
+
+def test_command_line_text_is_read_through_the_table_and_inf_nan_are_refused():
+    assert parse_settings({"lr": "2e-3", "epochs": "5", "r": "16", "q.size": "4", "max_steps": "none",
+                           "layers": "0,1", "gate": "true", "pooling": "mean"}) == {
+        "lr": 2e-3, "epochs": 5.0, "r": 16, "q.size": 4, "max_steps": None, "layers": [0, 1], "gate": True,
+        "pooling": "mean"}
+    for key, text in (("epochs", "inf"), ("lr", "nan"), ("max_grad_norm", "Infinity"), ("weight_decay", "-nan"),
+                      ("epochs", "1e400"), ("batch_size", "1e3"), ("r", "1e9"), ("seed", str(2**63))):
+        with pytest.raises(ConfigError, match=f"^{key}: "):
+            parse_settings({key: text})
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"epochs": 1e308}, "epochs"),
+    ({"max_steps": 2**70}, "max_steps"),
+    ({"batch_size": 2**70}, "batch_size"),
+    ({"max_length": 10**9}, "max_length"),
+    ({"learning_rate": math.nan}, "learning_rate"),
+    ({"epochs": "inf"}, "epochs"),  # text (the CLI's) is read by the table, which refuses inf and nan
+    ({"max_grad_norm": "1e400"}, "max_grad_norm"),
+    ({"seed": 2**31}, "seed"),
+])
+def test_training_hyperparameters_beyond_their_range_are_refused_by_the_trainer_config(values, field):
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        TrainConfig.from_dict(values)
+
+
+def test_a_method_spec_with_a_huge_size_or_too_many_modules_is_refused():
+    with pytest.raises(SpecError, match=r"lora\.modules\.q\.size: must be in \[1, 16384\]"):
+        get_method("lora", {"r": 10**9})
+    with pytest.raises(SpecError, match=r"size"):
+        get_method("lora", {"q.size": 10**6})
+    big = {"name": "big", "modules": {"a": {"form": "bottleneck", "representation": "ffn", "size": 10**9}}}
+    with pytest.raises(SpecError, match=r"big\.modules\.a\.size"):
+        MethodSpec.from_dict(big)
+    many = {"name": "many", "modules": {f"m{i}": {"form": "bottleneck", "representation": "ffn", "size": 2}
+                                        for i in range(limits.MAX_MODULES + 1)}}
+    with pytest.raises(SpecError, match="modules"):
+        MethodSpec.from_dict(many)
+    with pytest.raises(SpecError, match="scale"):
+        get_method("scaled_parallel_adapter", {"scale": math.inf})
+
+
+def test_ranks_lengths_and_layers_are_bounded_by_the_backbone():
+    config = TrainConfig(max_length=64).to_dict()
+    check_against_backbone(config, get_method("lora", {"r": 32}).to_dict(), TINY_FACTS)  # r = hidden: allowed
+    cases = [
+        (TrainConfig(max_length=65).to_dict(), get_method("lora").to_dict(), "max_length"),
+        (config, get_method("lora", {"r": 33}).to_dict(), "lora.modules.q.size"),
+        (config, get_method("lora", {"layers": "0,2"}).to_dict(), "lora.modules.q.layers"),
+        (config, get_method("prefix", {"prefix_length": 65}).to_dict(), "prefix.modules.prefix.size"),
+    ]
+    for train_config, spec, field in cases:
+        with pytest.raises(LimitError) as caught:
+            check_against_backbone(train_config, spec, TINY_FACTS)
+        assert caught.value.field == field, caught.value
+    # an adapter may be wider than the backbone (the built-in parallel adapters are 512 wide): memory bounds it
+    check_against_backbone(config, get_method("pfeiffer", {"bottleneck": 512}).to_dict(), TINY_FACTS)
+    check_against_backbone(TrainConfig(max_length=10**5).to_dict(), get_method("lora").to_dict(), {})  # no facts
+
+
+def test_a_job_whose_memory_estimate_exceeds_the_budget_is_refused_naming_what_to_lower():
+    spec = get_method("lora").to_dict()
+    small = TrainConfig(max_length=64, batch_size=16).to_dict()
+    estimate = estimate_job_memory(small, spec, TINY_FACTS)
+    assert 0 < estimate.total < 64 << 20 and estimate.backbone == 4 * TINY_FACTS["num_parameters"]
+    check_against_backbone(small, spec, TINY_FACTS, memory_budget=1 << 30)
+    large = TrainConfig(max_length=64, batch_size=4096).to_dict()
+    assert estimate_job_memory(large, spec, TINY_FACTS).total > 200 * estimate.total
+    with pytest.raises(LimitError, match=r"more than a worker's 1\.0 GiB") as caught:
+        check_against_backbone(large, spec, TINY_FACTS, memory_budget=1 << 30)
+    assert caught.value.field == "batch_size"
+    wide = get_method("prefix", {"reparam_hidden": 16_384}).to_dict()
+    smollm = {"hidden_size": 576, "num_layers": 30, "num_heads": 9, "intermediate_size": 1536,
+              "max_positions": 8192, "num_parameters": 134_515_008}
+    with pytest.raises(LimitError) as caught:
+        check_against_backbone(small, wide, smollm, memory_budget=4 << 30)
+    assert caught.value.field == "prefix.modules.prefix.size"
+
+
+def test_the_trainer_refuses_a_rank_above_the_backbone_with_the_registrys_message(tmp_path):
+    from pelt_core.model import JobDelta
+    from pelt_core.testing import tiny_bert
+
+    backbone = tiny_bert(str(tmp_path))
+    with pytest.raises(SpecError, match=r"^lora\.modules\.q\.size: must be at most 32, min\(d_in, d_out\)"):
+        JobDelta(get_method("lora", {"r": 4096}), backbone, num_labels=2)
+    JobDelta(get_method("lora", {"r": 32}), backbone, num_labels=2)
+
+
+def test_the_readme_lists_the_table_of_limits():
+    assert limits.limits_table_markdown() in (ROOT / "README.md").read_text()
+
+
+# --- over the API: refused with the field named, nothing queued or registered ------------------------------
+
+
+@pytest.mark.parametrize(("hyperparameters", "field"), [
+    ({"r": 10**9}, "r"),
+    ({"q.size": 10**6}, "q.size"),
+    ({"epochs": 1e308}, "epochs"),
+    ({"max_steps": 2**70}, "max_steps"),
+    ({"batch_size": 2**70}, "batch_size"),
+    ({"max_length": 10**9}, "max_length"),
+    ({"epochs": "inf"}, "epochs"),
+    ({"lr": "nan"}, "lr"),
+    ({"max_grad_norm": "inf"}, "max_grad_norm"),
+    ({"weight_decay": "nan"}, "weight_decay"),
+    ({"lr": "1e-3"}, "lr"),
+])
+def test_hyperparameters_out_of_range_or_not_numbers_are_422_naming_the_field_and_queue_nothing(
+        client, toy_task, api, hyperparameters, field):
+    refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters=hyperparameters), 422, field)
+    assert api.registry.list_jobs() == []
+
+
+def test_a_job_of_more_steps_than_the_bound_is_422_naming_epochs(client, toy_task, api, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_TRAIN_STEPS", 1000)  # 200 rows, 10 epochs at batch 1: 2,000 steps
+    refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters={"epochs": 10, "bs": 1}),
+            422, "epochs", "2,000 steps; at most 1,000")
+    assert api.registry.list_jobs() == []
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_non_finite_json_numbers_are_422_and_queue_nothing(client, toy_task, api, literal):
+    body = f'{{"task": "toy", "method": "lora", "backbone": "{BACKBONE}", "hyperparameters": {{"epochs": {literal}}}}}'
+    response = client.http.post("/v1/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == "epochs"
+    assert api.registry.list_jobs() == []
+
+
+def test_a_method_spec_with_a_huge_size_is_422_and_not_registered(client, api):
+    spec = {"name": "huge", "modules": {"a": {"form": "bottleneck", "representation": "ffn", "size": 10**9}}}
+    refused(lambda: client.register_method(spec), 422, "huge.modules.a.size")
+    assert "huge" not in [m.name for m in client.methods()]
+
+
+@pytest.mark.parametrize(("hyperparameters", "field", "words"), [
+    ({"r": 33}, "r", "at most 32"),
+    ({"layers": "0,2"}, "layers", "the backbone has 2 layers"),
+    ({"max_length": 65}, "max_length", "at most 64, the backbone's positions"),
+])
+def test_ranks_layers_and_lengths_beyond_the_backbone_are_422(client, toy_task, api, sized, hyperparameters, field,
+                                                             words):
+    values = {key: ([int(i) for i in value.split(",")] if key == "layers" else value)
+              for key, value in hyperparameters.items()}
+    refused(lambda: client.submit(toy_task, "lora", backbone=sized, hyperparameters=values), 422, field, words)
+    refused(lambda: client.sweep(toy_task, ["bitfit", "lora"], backbone=sized, method_hyperparameters={"lora": values}),
+            422, field, words)
+    assert api.registry.list_jobs() == []
+
+
+def test_the_tasks_default_length_is_cut_to_the_backbones_positions(client, toy_task, sized):
+    job = client.submit(toy_task, "lora", backbone=sized)  # the task says 128; the backbone takes 64
+    assert job.train_config["max_length"] == 64
+    assert client.submit(toy_task, "lora", backbone=BACKBONE).train_config["max_length"] == 128  # no facts
+
+
+def test_a_job_over_the_worker_memory_budget_is_422_naming_what_to_lower(client, toy_task, api, sized):
+    api.registry.worker_memory_bytes = 1 << 30
+    refused(lambda: client.submit(toy_task, "lora", backbone=sized, hyperparameters={"batch_size": 4096}), 422,
+            "batch_size", "PELT_WORKER_MEMORY_BYTES")
+    assert api.registry.list_jobs() == []
+    assert client.submit(toy_task, "lora", backbone=sized, hyperparameters={"batch_size": 16})
+
+
+def test_the_default_budget_and_sweep_cap_come_from_the_table():
+    settings = Settings(data_dir="/nonexistent")
+    assert settings.worker_memory_bytes == limits.DEFAULT_WORKER_MEMORY_BYTES
+    assert settings.max_sweep_jobs == limits.DEFAULT_MAX_SWEEP_JOBS
+
+
+# --- sweeps ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**40, 2**31, -1])
+def test_sweep_seeds_outside_the_job_seed_range_are_422_naming_the_entry(client, toy_task, api, seed):
+    refused(lambda: client.sweep(toy_task, ["lora"], backbone=BACKBONE, seeds=[0, seed]), 422, "seeds.1")
+    with pytest.raises(RegistryValidationError) as caught:
+        api.registry.submit_sweep(toy_task, ["lora"], [0, seed], [None], BACKBONE)
+    assert caught.value.field == "seeds[1]"
+    assert api.registry.list_jobs() == []
+    assert client.sweep(toy_task, ["lora"], backbone=BACKBONE, seeds=[2**31 - 1]).seeds == [2**31 - 1]
+
+
+def test_a_sweep_above_the_job_cap_is_422_and_queues_nothing(client, toy_task, api):
+    api.registry.max_sweep_jobs = 5
+    refused(lambda: client.sweep(toy_task, ["lora", "bitfit"], backbone=BACKBONE, seeds=[0, 1, 2]), 422, "methods",
+            "6 jobs; at most 5 (PELT_MAX_SWEEP_JOBS)")
+    assert api.registry.list_jobs() == []
+    assert len(client.sweep(toy_task, ["lora"], backbone=BACKBONE, seeds=[0, 1, 2, 3, 4]).job_ids) == 5
+
+
+# --- a busy registry -----------------------------------------------------------------------------------------
+
+
+def hold_write_turn(database: Path, held: threading.Event, release: threading.Event) -> threading.Thread:
+    """Another writer holding the registry's write gate until `release` is set."""
+
+    def hold() -> None:
+        gate = SQLiteWriteGate(database, timeout=5)
+        try:
+            with gate.hold():
+                held.set()
+                release.wait(30)
+        finally:
+            gate.close()
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert held.wait(10)
+    return thread
+
+
+def test_a_busy_registry_answers_503_with_retry_after_and_writes_nothing(client, toy_task, api):
+    job = client.submit(toy_task, "lora", backbone=BACKBONE)
+    api.registry._gate.timeout = 0.05  # how long a writer waits for its turn (PELT_DB_BUSY_TIMEOUT_SECONDS)
+    held, release = threading.Event(), threading.Event()
+    holder = hold_write_turn(sqlite_path(api.registry.engine.url).resolve(), held, release)
+    try:
+        response = client.http.post(f"/v1/jobs/{job.id}/cancel")
+        assert response.status_code == 503, response.text
+        assert int(response.headers["Retry-After"]) >= 1
+        assert response.json()["error"]["type"] == "RegistryBusyError"
+        response = client.http.post("/v1/jobs", json={"task": toy_task, "method": "lora", "backbone": BACKBONE})
+        assert response.status_code == 503
+    finally:
+        release.set()
+        holder.join()
+    assert [j.status for j in api.registry.list_jobs()] == ["queued"]
+    assert client.cancel(job.id).status == "cancelled"
+
+
+def test_sqlite_database_is_locked_becomes_a_registry_busy_error(api, tmp_path):
+    path = sqlite_path(api.registry.engine.url)
+    quick = Registry(f"sqlite:///{path}", settings=Settings(data_dir=tmp_path, db_busy_timeout_seconds=0.05))
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")  # a writer that does not use the gate (another tool)
+        with pytest.raises(RegistryBusyError) as caught:
+            quick.create_api_token("busy")
+        view = classify(caught.value)
+        assert view is not None and view.status == 503 and "Retry-After" in (view.headers or {})
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        quick.close()
+    assert "busy" not in [t.name for t in api.registry.list_api_tokens()]
+
+
+# --- the command lines ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("setting", "words"), [
+    ("epochs=inf", "epochs: must be a finite number"),
+    ("lr=nan", "lr: must be a finite number"),
+    ("r=1000000", "r: must be in [1, 16384]"),
+    ("max_length=65", "max_length: must be at most 64, the backbone's positions"),
+    ("r=64", "must be at most 32, min(d_in, d_out)"),
+])
+def test_pelt_train_refuses_what_the_service_refuses(tiny_bert_dir, toy_files, tmp_path, setting, words):
+    from click.testing import CliRunner
+
+    from services.cli import main
+
+    result = CliRunner().invoke(main, ["train", "--backbone", str(tiny_bert_dir), "--train", str(toy_files["train"]),
+                                       "--method", "lora", "--set", setting, "--out", str(tmp_path / "out"),
+                                       "--quiet"])
+    assert result.exit_code == 1, result.output
+    assert words in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_service_cli_reads_set_values_through_the_table_before_sending_anything():
+    import click
+
+    from services.commands import _values
+
+    assert _values(("lr=2e-3", "r=8", "note=[1, 2]", "max_steps=none")) == {
+        "lr": 2e-3, "r": 8, "note": [1, 2], "max_steps": None}
+    assert _values(("weights=[0.7,0.3]", "density=0.5", "how=ties"), compose=True) == {
+        "weights": [0.7, 0.3], "density": 0.5, "how": "ties"}
+    for settings, compose in ((("epochs=inf",), False), (("seed=9223372036854775808",), False),
+                              (("weights=1,nan",), True), (("lora_rank=1e6",), True)):
+        with pytest.raises(click.BadParameter):
+            _values(settings, compose=compose)
