@@ -265,8 +265,11 @@ def check_weight_files(path: str, gguf: str | None, estimate: int, name: str) ->
     return size
 
 
-def backbone_facts(config: Any, num_parameters: int) -> dict[str, Any]:
-    """The shape facts a registry keeps of a backbone (hyperparameters are checked against them)."""
+def backbone_facts(config: Any, num_parameters: int | None = None) -> dict[str, Any]:
+    """The shape facts a registry keeps of a backbone, which `pelt_core.limits.check_against_backbone`
+    checks hyperparameters against: model_type, hidden_size, num_layers, num_heads, num_kv_heads,
+    head_dim, intermediate_size, max_positions (None: not in the config), vocab_size, num_parameters
+    (the built model's count, else `estimate_parameters` of the config)."""
     heads = config.num_attention_heads
     return {
         "model_type": config.model_type,
@@ -278,8 +281,16 @@ def backbone_facts(config: Any, num_parameters: int) -> dict[str, Any]:
         "intermediate_size": config.intermediate_size,
         "max_positions": getattr(config, "max_position_embeddings", None),
         "vocab_size": config.vocab_size,
-        "num_parameters": num_parameters,
+        "num_parameters": estimate_parameters(config) if num_parameters is None else num_parameters,
     }
+
+
+def read_backbone_facts(name: str, max_parameters: int | None = None) -> dict[str, Any]:
+    """A backbone's facts from its config alone (no weights are read; num_parameters is estimated),
+    checked as `Backbone.load` checks it: for a backbone registered without facts."""
+    _, path, gguf = resolve_backbone(name)
+    config = read_backbone_config(path, gguf, name)
+    return backbone_facts(config, check_backbone_config(config, name, max_parameters))
 
 
 def state_dict_hash(model: nn.Module) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from pelt_core.config import ConfigError, TrainConfig, parse_assignments, parse_settings, split_overrides
-from pelt_core.limits import LimitError, backbone_facts, check_against_backbone
+from pelt_core.limits import LimitError, check_against_backbone
 from pelt_core.spec import SpecError
 
 
@@ -94,7 +94,7 @@ def train_command(backbone, train_path, validation_path, method, settings, text_
         task = infer_task_fields(train_data, text_fields or None, label_field, problem_type)
         loaded = Backbone.load(backbone, dtype=config.backbone_dtype)
         if "max_length" in train_overrides:  # given: refused above the backbone's positions (else cut to them)
-            check_against_backbone({"max_length": config.max_length}, {}, backbone_facts(loaded))
+            check_against_backbone({"max_length": config.max_length}, {}, loaded.facts)
     except (SpecError, ConfigError, DataError, BackboneError, LimitError) as exc:
         _fail(str(exc))
 

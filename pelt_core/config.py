@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pelt_core.limits import SPEC_RANGES, TRAIN_RANGES, LimitError
-from pelt_core.spec import SpecError, as_bool
+from pelt_core.spec import NULLS, SpecError, as_bool, override_field, read_override
 
 
 class ConfigError(ValueError):
@@ -80,10 +80,7 @@ class TrainConfig:
 
 TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 OPTIONAL_FIELDS = frozenset({"learning_rate", "k_shot", "max_steps"})  # None: the method's default / all / epochs
-ALIASES = {"lr": "learning_rate", "k": "k_shot", "K": "k_shot", "bs": "batch_size"}
-SPEC_ALIASES = {"r": "size", "rank": "size", "bottleneck": "size", "prefix_length": "size", "l": "size"}
-SPEC_BOOLEANS = frozenset({"proj_bias", "learned_scale", "gate", "bias", "layer_norm"})
-NULLS = ("none", "null")
+ALIASES = {"lr": "learning_rate", "k": "k_shot", "K": "k_shot", "bs": "batch_size"}  # the method spec's: spec.py
 
 
 def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -116,27 +113,25 @@ def parse_settings(pairs: dict[str, str]) -> dict[str, Any]:
     """Command-line `--set` text as values, keys unchanged: numbers of training hyperparameters and of
     method-spec fields (`lr`, `epochs`, `r`, `q.size`, `layers=0,1`, ...) through the table of limits
     (a ConfigError naming the key for "inf", "nan", "1e400" or a value out of range), `none`/`null` for
-    optional ones, booleans (`true`/`false`); anything else stays text (checked where it is used)."""
+    optional ones, booleans (`true`/`false`); anything else stays text (checked where it is used).
+    Spec fields are read as `MethodSpec.with_overrides` reads them (`spec.read_override`), then bounded."""
     values: dict[str, Any] = {}
     for key, text in pairs.items():
         train_name = ALIASES.get(key, key)
-        spec_name = key.rsplit(".", 1)[-1]
-        spec_name = SPEC_ALIASES.get(spec_name, spec_name)
         stripped = text.strip()
         try:
             if train_name in TRAIN_RANGES:
                 optional = train_name in OPTIONAL_FIELDS and stripped.lower() in NULLS
                 values[key] = None if optional else TRAIN_RANGES[train_name].parse(stripped, key)
-            elif train_name == "eval_every_epoch" or spec_name in SPEC_BOOLEANS:
+            elif train_name == "eval_every_epoch":
                 values[key] = as_bool(stripped, key)
-            elif spec_name == "layers":
-                values[key] = (None if stripped.lower() in ("", "all", *NULLS) else
-                               [SPEC_RANGES["layers"].parse(part, key) for part in stripped.split(",")])
-            elif spec_name in SPEC_RANGES:
-                optional = spec_name in ("alpha", "reparam_hidden") and stripped.lower() in NULLS
-                values[key] = None if optional else SPEC_RANGES[spec_name].parse(stripped, key)
             else:
-                values[key] = text
+                spec_name = override_field(key)
+                value = read_override(spec_name, text, key)
+                if spec_name in SPEC_RANGES and value is not None:
+                    for item in value if isinstance(value, list) else [value]:
+                        SPEC_RANGES[spec_name].check(item, key)
+                values[key] = value
         except (LimitError, SpecError) as exc:
             raise ConfigError(str(exc) if str(exc).startswith(f"{key}:") else f"{key}: {exc}") from None
     return values

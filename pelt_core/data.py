@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from pelt_core.json_nesting import json_depth, too_deep_line
 from pelt_core.labels import class_names, label_index
-from pelt_core.limits import dev_split_rows
+from pelt_core.limits import MAX_JSON_ROW_DEPTH, dev_split_rows
 from pelt_core.saved_dataset import SavedDatasetError, load_saved_dataset
 
 # GLUE-style names, most specific first: (text fields, ...)
@@ -38,7 +39,9 @@ class DataError(ValueError):
 def load_table(path: str | Path, split: str | None = None):
     """Read a JSON Lines, JSON, CSV or Parquet file, or a `datasets` folder (save_to_disk), as a Dataset.
 
-    A folder is checked first (`pelt_core.saved_dataset`): it may only name its own Arrow files."""
+    A folder is checked first (`pelt_core.saved_dataset`): it may only name its own Arrow files, and its
+    tables are built from them with their checked features. JSON rows may nest at most
+    `limits.MAX_JSON_ROW_DEPTH` deep (pyarrow's reader crashes on deeper ones)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -60,6 +63,7 @@ def load_table(path: str | Path, split: str | None = None):
             return loaded
         suffix = "".join(p.suffixes[-2:]) if p.suffix == ".gz" else p.suffix
         if suffix in (".jsonl", ".json", ".jsonl.gz", ".json.gz"):
+            _check_json_nesting(p, suffix)
             return datasets.Dataset.from_json(str(p))
         if suffix in (".csv", ".csv.gz"):
             return datasets.Dataset.from_csv(str(p))
@@ -75,6 +79,19 @@ def load_table(path: str | Path, split: str | None = None):
         raise DataError(f"{path}: cannot read it as {p.suffix or 'a datasets folder'}: {exc}") from exc
     raise DataError(f"{path}: unsupported file type {p.suffix!r}; use .jsonl, .json, .csv, .tsv, .parquet "
                     "or a datasets folder")
+
+
+def _check_json_nesting(path: Path, suffix: str) -> None:
+    """A JSON (Lines) file whose rows nest deeper than MAX_JSON_ROW_DEPTH is a DataError naming the line."""
+    import gzip
+
+    with (gzip.open(path, "rb") if suffix.endswith(".gz") else path.open("rb")) as stream:
+        if suffix.startswith(".jsonl"):
+            for number, line in enumerate(stream, start=1):
+                if too_deep_line(line, MAX_JSON_ROW_DEPTH) is not None:
+                    raise DataError(f"{path}: line {number} is JSON nested more than {MAX_JSON_ROW_DEPTH} levels deep")
+        elif json_depth(stream.read(), stop_above=MAX_JSON_ROW_DEPTH) > MAX_JSON_ROW_DEPTH:
+            raise DataError(f"{path}: JSON nested more than {MAX_JSON_ROW_DEPTH} levels deep")
 
 
 def load_split(spec: str | Path):
@@ -94,6 +111,7 @@ class TaskFields:
     label_field: str
     problem_type: str = "single_label_classification"
     label_names: list[str] = field(default_factory=list)
+    label_positions: bool = True  # a whole number naming no class is a position (declared names, not inferred)
 
     @property
     def num_labels(self) -> int:
@@ -151,7 +169,7 @@ def infer_task_fields(dataset, text_fields=None, label_field=None, problem_type:
             names = class_names({_hashable(x) for x in flat})
         except ValueError as exc:
             raise DataError(f"label field {label!r}: {exc}") from None
-    return TaskFields(texts, label, problem_type, names)
+    return TaskFields(texts, label, problem_type, names, label_positions=bool(label_names))
 
 
 def _hashable(value: Any) -> Any:
@@ -203,11 +221,12 @@ def encode_labels(values: list[Any], task: TaskFields, where: str) -> np.ndarray
             raise DataError(f"{where}: label field {task.label_field!r} must hold numbers for regression") from exc
     index = {name: i for i, name in enumerate(task.label_names)}
 
-    def one(value: Any) -> int:  # by name, else a whole number as a position (pelt_core.labels)
-        position = label_index(value, task.label_names, index)
+    def one(value: Any) -> int:  # by name, else (declared names) a whole number as a position (pelt_core.labels)
+        position = label_index(value, task.label_names, index, positions=task.label_positions)
         if position is None:
+            positions = f" (nor a position 0..{len(task.label_names) - 1})" if task.label_positions else ""
             raise DataError(f"{where}: label {value!r} in field {task.label_field!r} is not one of "
-                            f"{', '.join(task.label_names)} (nor a position 0..{len(task.label_names) - 1})")
+                            f"{', '.join(task.label_names)}{positions}")
         return position
 
     if task.problem_type == "multi_label_classification":

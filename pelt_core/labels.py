@@ -3,9 +3,11 @@
 The label *values* are the class names. A task's `label_names` list its classes in index order; when
 none are declared they are the distinct training values, sorted (numbers numerically, so -3..-1 gives
 ["-3", "-2", "-1"] and {0, 1, 1e9} gives ["0", "1", "1000000000"]). A value maps to a class by name
-first (`True` → "True", 2.0 → "2", "pos" → "pos"); a whole number that names no class is a position
-(0..N-1) into the names, as with `datasets`' ClassLabel or declared names such as ["neg", "pos"] over
-0/1 data. Any other value fits no class.
+first (`True` → "True", 2.0 → "2", "pos" → "pos"). Only when the names were given (a task's declared
+`label_names`, a `datasets` ClassLabel) is a whole number that names no class a position (0..N-1) into
+them, as with ClassLabel or ["neg", "pos"] over 0/1 data; names inferred from the data are matched by
+name only (training labels {1, 2} make the classes ["1", "2"], and a 0 is none of them). Any other
+value fits no class.
 
 Pure Python (no numpy, no torch): the service imports it on its request path.
 """
@@ -32,16 +34,18 @@ def label_key(value: Any) -> str | None:
     return None
 
 
-def label_index(value: Any, names: Sequence[str], lookup: dict[str, int] | None = None) -> int | None:
+def label_index(value: Any, names: Sequence[str], lookup: dict[str, int] | None = None, *,
+                positions: bool = True) -> int | None:
     """The class index of `value` among `names` (see the module's rule), or None when it fits none.
-    `lookup` ({name: index}) saves rebuilding it per value."""
+    `lookup` ({name: index}) saves rebuilding it per value; `positions`: the names were given (declared
+    or a ClassLabel), so a whole number that names no class is a position; False for inferred names."""
     key = label_key(value)
     if key is None:
         return None
     index = (lookup if lookup is not None else {name: i for i, name in enumerate(names)}).get(key)
     if index is not None:
         return index
-    if not isinstance(value, bool | str):
+    if positions and not isinstance(value, bool | str):
         position = int(key)
         if 0 <= position < len(names):
             return position

@@ -24,6 +24,11 @@ class LimitError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
+class MemoryBudgetError(LimitError):
+    """A job's memory estimate is above the worker's budget (`check_against_backbone`'s `memory_budget`):
+    `field` names what to lower."""
+
+
 @dataclass(frozen=True)
 class Range:
     """The allowed values of one numeric field.
@@ -196,26 +201,22 @@ DEFAULT_MAX_SWEEP_JOBS = 2_000  # jobs of one sweep; PELT_MAX_SWEEP_JOBS changes
 # --- the backbone: ranges that depend on it, and a job's memory --------------------------------------------
 
 DEFAULT_WORKER_MEMORY_BYTES = 32 << 30  # PELT_WORKER_MEMORY_BYTES changes the budget the service checks
-FACTS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "max_positions",
-         "vocab_size", "num_parameters")
 _FLOAT = 4  # bytes: PELT parameters, their gradients, AdamW's moments and activations are fp32 (an upper bound)
 _SQUARE_REPRESENTATIONS = ("attn", "ffn", "attn.q", "attn.k", "attn.v", "attn.o")
 
 
-def backbone_facts(backbone: Any) -> dict[str, int]:
-    """The facts `check_against_backbone` takes, read from a loaded `pelt_core.backbones.Backbone`."""
-    config = backbone.model.config
-    return {
-        "hidden_size": int(backbone.hidden_size),
-        "num_layers": int(backbone.num_layers),
-        "num_heads": int(backbone.num_heads),
-        "num_kv_heads": int(backbone.num_kv_heads),
-        "head_dim": int(backbone.head_dim),
-        "intermediate_size": int(getattr(config, "intermediate_size", 4 * backbone.hidden_size)),
-        "max_positions": int(getattr(config, "max_position_embeddings", 0) or 0),
-        "vocab_size": int(getattr(config, "vocab_size", 0) or 0),
-        "num_parameters": int(backbone.num_parameters),
-    }
+def _positive(facts: Mapping[str, Any], key: str) -> int | None:
+    """A fact that is a whole number above 0 (None: unknown; facts may lack keys or hold None)."""
+    value = facts.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def fitted_max_length(max_length: int, facts: Mapping[str, Any] | None) -> int:
+    """Tokens kept per example: `max_length`, cut to the backbone's positions when its facts know them.
+    The trainer and the registry (a task's default max_length) apply this one rule; a max_length the
+    caller gives explicitly is refused above the positions instead (`check_against_backbone`)."""
+    positions = _positive(facts or {}, "max_positions")
+    return min(max_length, positions) if positions is not None else max_length
 
 
 @dataclass(frozen=True)
@@ -278,12 +279,13 @@ def check_against_backbone(train_config: Mapping[str, Any], method_spec: Mapping
       (a larger rank adds nothing); a prefix <= the backbone's positions; layer indices < its layer count
       (an adapter's width is bounded by the table and the memory estimate only: the built-in parallel
       adapters are wider than small backbones);
-    - with `memory_budget` (bytes): `estimate_job_memory` within it.
-    `facts` (see FACTS) may lack some keys: the checks that need them are skipped.
+    - with `memory_budget` (bytes): `estimate_job_memory` within it (else a MemoryBudgetError).
+    `facts`: `pelt_core.backbones.backbone_facts` (hidden_size, num_layers, num_heads, num_kv_heads,
+    head_dim, intermediate_size, max_positions, vocab_size, num_parameters); a fact that is missing or
+    not a positive whole number skips the checks that need it.
     `train_config` and `method_spec` are TrainConfig.to_dict() and MethodSpec.to_dict() shaped mappings.
     """
-    known = {key: value for key, value in facts.items()
-             if isinstance(value, int) and not isinstance(value, bool) and value > 0}
+    known = {key: value for key in facts if (value := _positive(facts, key)) is not None}
     positions, layers = known.get("max_positions"), known.get("num_layers")
     h, ffn = known.get("hidden_size"), known.get("intermediate_size")
     max_length = train_config.get("max_length")
@@ -317,7 +319,7 @@ def check_against_backbone(train_config: Mapping[str, Any], method_spec: Mapping
         field, advice = "batch_size", "lower batch_size, eval_batch_size or max_length"
     else:
         field, advice = f"{name}.modules.{estimate.largest_module}.size", "make the largest module smaller"
-    raise LimitError(field, f"the job would need about {_gib(estimate.total)} (backbone {_gib(estimate.backbone)}, "
+    raise MemoryBudgetError(field, f"the job would need about {_gib(estimate.total)} (backbone {_gib(estimate.backbone)}, "
                             f"its parameters with optimizer state {_gib(estimate.parameters)}, activations "
                             f"{_gib(estimate.activations)}), more than a worker's {_gib(memory_budget)}: {advice}")
 
@@ -370,6 +372,8 @@ MAX_ARCHIVE_ENTRIES = 1_000  # files and folders of one dataset archive; PELT_MA
 MAX_ARCHIVE_EXPANSION = 50  # unpacked bytes per archive byte (save_to_disk folders zip 2-5x); PELT_MAX_ARCHIVE_EXPANSION
 ARCHIVE_EXPANSION_FLOOR_BYTES = 16 << 20  # a small archive may always unpack to this much (tar headers, padding)
 MAX_JSON_DEPTH = 32  # nesting of a JSON request body or form field (real ones nest 3-4 deep)
+MAX_JSON_ROW_DEPTH = 64  # nesting of one JSON Lines row of task data (pyarrow's reader crashes near 20,000)
+MAX_LABEL_CHARS = 1_000  # characters of one class label (a class name)
 DEV_SPLIT_FRACTION = 0.1  # a task without a validation split: each job holds out this share of its training rows
 DEV_SPLIT_MAX_ROWS = 1_000  # ... at most this many (and at least one)
 
@@ -422,7 +426,6 @@ __all__ = [
     "DEFAULT_WORKER_MEMORY_BYTES",
     "DEV_SPLIT_FRACTION",
     "DEV_SPLIT_MAX_ROWS",
-    "FACTS",
     "INT32_MAX",
     "MAX_ARCHIVE_ENTRIES",
     "MAX_ARCHIVE_EXPANSION",
@@ -442,12 +445,13 @@ __all__ = [
     "SWEEP_LIST_LENGTH",
     "TRAIN_RANGES",
     "LimitError",
+    "MemoryBudgetError",
     "MemoryEstimate",
     "Range",
-    "backbone_facts",
     "check_against_backbone",
     "check_train_steps",
     "dev_split_rows",
     "estimate_job_memory",
+    "fitted_max_length",
     "limits_table_markdown",
 ]

@@ -24,7 +24,7 @@ from torch import nn
 from pelt_core.backbones import Backbone
 from pelt_core.dropout import attention_with_dropout, use_backbone_dropout
 from pelt_core.layers import Bottleneck, Gate, NormDelta, PrefixEncoder, PrefixParams
-from pelt_core.limits import LimitError, backbone_facts, check_against_backbone
+from pelt_core.limits import LimitError, check_against_backbone
 from pelt_core.spec import WEIGHT_REPRESENTATIONS, MethodSpec, SpecError
 
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
@@ -113,7 +113,7 @@ class JobDelta(nn.Module):
             raise ValueError(f"problem_type must be one of {', '.join(PROBLEM_TYPES)}, got {problem_type!r}")
         method.validate()
         try:  # before anything is allocated: ranks, prefix lengths and layers within the backbone (as the service)
-            check_against_backbone({}, method.to_dict(), backbone_facts(backbone))
+            check_against_backbone({}, method.to_dict(), backbone.facts)
         except LimitError as exc:
             raise SpecError(str(exc)) from None
         self.method = method

@@ -2,16 +2,24 @@
 
 `datasets.load_from_disk` joins the split names of dataset_dict.json and the data-file names of each
 split's state.json to the folder, so an absolute or `..` name would read Arrow files anywhere on the
-machine, and Image/Audio features decode files named in the rows. A folder is loaded only when:
-- every split is a plain name (datasets' own rule: `train`, `validation.matched`) of a sub-folder;
+machine; it loads a root state.json before a dataset_dict.json; and Image/Audio features (from
+dataset_info.json or, without one, from the Arrow schema's metadata) decode files named in the rows.
+So pelt never calls it on such a folder. A folder is checked first:
+- every split is a plain name (datasets' own rule: `train`, `validation.matched`) of a sub-folder, and a
+  DatasetDict has no state.json of its own;
 - every data file is a plain `*.arrow` name of a regular file (not a link) in its split's folder;
-- every feature is data (Value, ClassLabel, lists and dicts of them), none decodes files;
-- every Arrow record batch is uncompressed: rows are counted from the stream's metadata, nothing is
-  decoded, so a compressed batch can not expand in memory (save_to_disk never compresses).
+- dataset_info.json lists the features, and they (and any in the Arrow schema's metadata) are data
+  (Value, ClassLabel, lists and dicts of them): none decodes files;
+- every Arrow record batch is uncompressed and no column is dictionary-encoded: rows are counted from
+  the stream's metadata, nothing is decoded, so nothing can expand in memory (save_to_disk writes
+  neither).
+Then each split's table is built from its checked Arrow files only (`read_saved_split`, memory-mapped,
+the schema's metadata dropped), with the checked features of dataset_info.json.
 Errors name the split and the file as the folder names them, never a path of this machine.
 
-Both the service (registering an uploaded folder) and the trainer (`pelt_core.data.load_table`) go
-through `inspect_saved_dataset` / `load_saved_dataset`. Needs pyarrow (and `datasets` to load), no torch.
+Both the service (the registry's probe) and the trainer (`pelt_core.data.load_table`) go through
+`inspect_saved_dataset` and `read_saved_split` (`load_saved_dataset` for a `datasets` object). Needs
+pyarrow (and `datasets` for `load_saved_dataset`), no torch.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ class SavedSplit:
     name: str
     files: tuple[Path, ...]
     rows: int
+    features: dict[str, Any]  # dataset_info.json's features, checked (datasets' Features.to_dict form)
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,9 @@ def inspect_saved_dataset(folder: str | Path, *, max_rows: int | None = None) ->
     in one split."""
     root = Path(folder)
     if (root / "dataset_dict.json").is_file():
+        if (root / "state.json").exists() or (root / "state.json").is_symlink():
+            raise SavedDatasetError("the folder has both a dataset_dict.json and a state.json of its own; a "
+                                    "DatasetDict keeps each split's state.json in the split's folder")
         listed = _json_file(root / "dataset_dict.json", "dataset_dict.json")
         names = listed.get("splits") if isinstance(listed, dict) else None
         if not isinstance(names, list) or not names:
@@ -93,16 +105,45 @@ def inspect_saved_dataset(folder: str | Path, *, max_rows: int | None = None) ->
     raise SavedDatasetError("not a folder written by datasets' save_to_disk (no dataset_dict.json or state.json)")
 
 
-def load_saved_dataset(folder: str | Path, *, max_rows: int | None = None) -> Any:
-    """`datasets.load_from_disk` of a folder that passed `inspect_saved_dataset` (memory-mapped), in
-    the plain Python format whatever format it was saved in (rows as dicts, labels as Python values)."""
-    import datasets
+def read_saved_split(split: SavedSplit) -> Any:
+    """A checked split's rows as one pyarrow Table of its own Arrow files (memory-mapped, not copied),
+    without the schema's metadata (features come from the checked dataset_info.json only)."""
+    import pyarrow as pa
 
-    inspect_saved_dataset(folder, max_rows=max_rows)
+    tables = []
+    for path in split.files:
+        try:
+            with pa.ipc.open_stream(pa.memory_map(str(path))) as reader:
+                tables.append(reader.read_all())
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            raise SavedDatasetError(f"split {split.name!r}: data file {path.name!r} is not a readable Arrow "
+                                    f"stream ({type(exc).__name__})") from None
     try:
-        return datasets.load_from_disk(str(folder), keep_in_memory=False).with_format(None)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SavedDatasetError(f"cannot load it: {type(exc).__name__}: {_without(exc, Path(folder))}") from None
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    except (ValueError, TypeError) as exc:
+        raise SavedDatasetError(f"split {split.name!r}: its data files have different columns ({exc})") from None
+    return table.replace_schema_metadata(None)
+
+
+def load_saved_dataset(folder: str | Path, *, max_rows: int | None = None) -> Any:
+    """A checked folder as a `datasets` Dataset (a DatasetDict for a dict), built from its own Arrow files
+    with the checked features (never `datasets.load_from_disk`), in the plain Python format."""
+    import datasets
+    from datasets.table import InMemoryTable
+
+    layout = inspect_saved_dataset(folder, max_rows=max_rows)
+    loaded = {}
+    for name, split in layout.splits.items():
+        try:
+            features = datasets.Features.from_dict(split.features)
+            loaded[name] = datasets.Dataset(InMemoryTable(read_saved_split(split)),
+                                            info=datasets.DatasetInfo(features=features), split=name)
+        except SavedDatasetError:
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SavedDatasetError(f"split {name!r}: its features do not fit its data ({type(exc).__name__}: "
+                                    f"{_without(exc, Path(folder))})"[:2000]) from None
+    return datasets.DatasetDict(loaded) if layout.is_dict else loaded["train"]
 
 
 # --- one split ------------------------------------------------------------------------------------------
@@ -120,7 +161,11 @@ def _inspect_split(root: Path, name: str | None, max_rows: int | None) -> SavedS
         raise SavedDatasetError(f"{where}: state.json holds indices or format arguments; save the dataset with "
                                 "save_to_disk (it flattens them)")
     info = _json_file(folder / "dataset_info.json", f"{where}: dataset_info.json")
-    _check_features(info.get("features") if isinstance(info, dict) else None, where, 0)
+    features = info.get("features") if isinstance(info, dict) else None
+    if not isinstance(features, dict) or not features:
+        raise SavedDatasetError(f"{where}: dataset_info.json lists no features ('features'); save the dataset "
+                                "with save_to_disk (it writes them)")
+    _check_features(features, where, 0)
     paths, rows = [], 0
     for entry in files:
         filename = entry.get("filename") if isinstance(entry, dict) else None
@@ -133,7 +178,7 @@ def _inspect_split(root: Path, name: str | None, max_rows: int | None) -> SavedS
         if max_rows is not None and rows > max_rows:
             raise SavedDatasetTooLargeError(f"{where} holds more than {max_rows} rows", rows, max_rows)
         paths.append(path)
-    return SavedSplit(name or "train", tuple(paths), rows)
+    return SavedSplit(name or "train", tuple(paths), rows, features)
 
 
 def _regular(path: Path, where: str, *, directory: bool) -> None:
@@ -190,9 +235,13 @@ def _arrow_rows(path: Path, where: str) -> int:
     rows = 0
     try:
         with pa.memory_map(str(path)) as source:
+            _check_schema(pa.ipc.open_stream(source).schema, where)  # reads the schema message only
+            source.seek(0)
             for message in pa.ipc.MessageReader.open_stream(source):
                 header, batch = _message_header(message.metadata.to_pybytes())
-                if header not in (_SCHEMA, _RECORD_BATCH, _DICTIONARY_BATCH):
+                if header == _DICTIONARY_BATCH:
+                    raise SavedDatasetError(f"{where}: holds dictionary-encoded columns (save_to_disk writes none)")
+                if header not in (_SCHEMA, _RECORD_BATCH):
                     raise SavedDatasetError(f"{where}: holds an Arrow message that is not a table")
                 if batch is None:
                     continue
@@ -207,6 +256,27 @@ def _arrow_rows(path: Path, where: str) -> int:
     except (OSError, ValueError, struct.error, IndexError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise SavedDatasetError(f"{where}: not an Arrow stream ({type(exc).__name__})") from None
     return rows
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """No dictionary-encoded column; features in the schema's `huggingface` metadata (which datasets
+    would take when dataset_info.json lists none) are data only, like dataset_info.json's."""
+    import pyarrow as pa
+
+    for field in schema:
+        if pa.types.is_dictionary(field.type):
+            raise SavedDatasetError(f"{where}: column {field.name!r} is dictionary-encoded (save_to_disk writes none)")
+    raw = (schema.metadata or {}).get(b"huggingface")
+    if raw is None:
+        return
+    if len(raw) > MAX_METADATA_BYTES:
+        raise SavedDatasetError(f"{where}: its schema's metadata is larger than {MAX_METADATA_BYTES} bytes")
+    try:
+        metadata = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise SavedDatasetError(f"{where}: its schema's 'huggingface' metadata is not readable JSON") from None
+    info = metadata.get("info") if isinstance(metadata, dict) else None
+    _check_features(info.get("features") if isinstance(info, dict) else None, f"{where} (schema metadata)", 0)
 
 
 def _message_header(meta: bytes) -> tuple[int, tuple[int, bool] | None]:
@@ -268,4 +338,4 @@ def _without(exc: BaseException, folder: Path) -> str:
 
 
 __all__ = ["SavedDataset", "SavedDatasetError", "SavedDatasetTooLargeError", "SavedSplit", "inspect_saved_dataset",
-           "is_saved_dataset", "load_saved_dataset"]
+           "is_saved_dataset", "load_saved_dataset", "read_saved_split"]

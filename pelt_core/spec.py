@@ -239,20 +239,64 @@ class MethodSpec:
                 raise SpecError(f"{key}: unknown module field {field_name!r}; known: {', '.join(sorted(module_fields))}")
             for role in targets:
                 current = modules[role].to_dict()
-                current[field_name] = _coerce_like(current.get(field_name), value, key, field_name)
+                current[field_name] = read_override(field_name, value, key) if isinstance(value, str) else value
                 modules[role] = ModuleSpec.from_dict(current, f"{self.name}.modules.{role}")
         spec = dataclasses.replace(self, modules=modules, bias=bias, layer_norm=layer_norm)
         spec.validate()
         return spec
 
 
+# --- override keys: the one alias table, read by `with_overrides`, the command line's `--set`
+# (pelt_core.config.parse_settings) and the service's check of JSON numbers --------------------------------
+
+# short names of a module's `size`, each for the modules of one kind (`r=16`: the rank of the LoRA-like ones)
+SIZE_ALIASES: dict[str, str] = {"r": "lora", "rank": "lora", "bottleneck": "adapter", "prefix_length": "prefix",
+                                "l": "prefix"}
+NULLS = ("none", "null")
+OPTIONAL_MODULE_FIELDS = frozenset({"alpha", "reparam_hidden"})  # none/null: the default
+BOOLEAN_FIELDS = frozenset({"proj_bias", "learned_scale", "gate", "bias", "layer_norm"})
+
+
+def override_field(key: str) -> str:
+    """The field an override key sets: `q.size` and `r` set `size`, `dropout` sets `dropout`."""
+    if "." in key:
+        return key.split(".", 1)[1]
+    return "size" if key in SIZE_ALIASES else key
+
+
+def read_override(field_name: str, text: str, key: str) -> Any:
+    """Command-line text of an override of `field_name` as its value: numbers read through the table of
+    limits (no "inf", "nan", "1e400"; bounded later, by `validate` or the caller), `layers` as a list
+    (`0,1`; `all`/`none`: every layer), none/null for optional fields, true/false for booleans; other
+    fields keep their text. A SpecError names `key`."""
+    stripped = text.strip()
+    lowered = stripped.lower()
+    try:
+        if field_name == "layers":
+            return None if lowered in ("", "all", *NULLS) else [SPEC_RANGES["layers"].read(part, key)
+                                                                 for part in stripped.split(",")]
+        if field_name in OPTIONAL_MODULE_FIELDS and lowered in NULLS:
+            return None
+        if field_name in SPEC_RANGES:
+            return SPEC_RANGES[field_name].read(stripped, key)
+    except LimitError as exc:
+        raise SpecError(str(exc)) from None
+    if field_name in BOOLEAN_FIELDS:
+        return _as_bool(stripped, key)
+    return text
+
+
+def _module_kind(module: ModuleSpec) -> str:
+    """What SIZE_ALIASES call a module: "prefix", "lora" (a linear bottleneck) or "adapter"."""
+    if module.form == "prefix":
+        return "prefix"
+    return "lora" if module.nonlinearity == "identity" else "adapter"
+
+
 def _alias_targets(key: str, modules: dict[str, ModuleSpec]) -> tuple[str, list[str]]:
-    if key in ("r", "rank"):
-        return "size", [r for r, m in modules.items() if m.form == "bottleneck" and m.nonlinearity == "identity"]
-    if key == "bottleneck":
-        return "size", [r for r, m in modules.items() if m.form == "bottleneck" and m.nonlinearity != "identity"]
-    if key in ("prefix_length", "l"):
-        return "size", [r for r, m in modules.items() if m.form == "prefix"]
+    """(the field a bare key sets, the roles of the modules it sets it on)."""
+    if key in SIZE_ALIASES:
+        return "size", [role for role, module in modules.items() if _module_kind(module) == SIZE_ALIASES[key]]
     names = {f.name for f in dataclasses.fields(ModuleSpec)}
     if key in names:
         return key, list(modules)
@@ -281,22 +325,3 @@ def _as_bool(value: Any, key: str) -> bool:
         return False
     raise SpecError(f"{key}: expected true or false, got {value!r}")
 
-
-def _coerce_like(current: Any, value: Any, key: str, field_name: str) -> Any:
-    """Turn a command-line string into the type of the field it overrides (numbers via the table of limits)."""
-    if not isinstance(value, str):
-        return value
-    try:
-        if field_name == "layers":
-            if value.lower() in ("", "all", "none", "null"):
-                return None
-            return [SPEC_RANGES["layers"].parse(part, key) for part in value.split(",")]
-        if field_name in ("alpha", "reparam_hidden") and value.lower() in ("none", "null"):
-            return None
-        if field_name in SPEC_RANGES:  # read through the table (no "inf", "nan", "1e400"); validate() bounds it
-            return SPEC_RANGES[field_name].read(value, key)
-    except LimitError as exc:
-        raise SpecError(str(exc)) from None
-    if field_name in ("proj_bias", "learned_scale", "gate"):
-        return _as_bool(value, key)
-    return value

@@ -30,7 +30,7 @@ from pelt_core.data import (
     length_grouped_batches,
     sample_k_shot,
 )
-from pelt_core.limits import LimitError, check_train_steps
+from pelt_core.limits import LimitError, check_train_steps, fitted_max_length
 from pelt_core.metrics import compute_metrics
 from pelt_core.model import JobDelta, PeltModel
 from pelt_core.spec import MethodSpec
@@ -118,13 +118,6 @@ def evaluate(model: PeltModel, data: Encoded, task: TaskFields, batch_size: int,
     return metrics
 
 
-def fitted_max_length(max_length: int, backbone: Backbone) -> int:
-    """Tokens kept per example: `max_length`, cut to the backbone's positions (the service refuses a
-    max_length above them when it is given explicitly, and cuts the task's default the same way)."""
-    positions = getattr(backbone.model.config, "max_position_embeddings", None)
-    return min(max_length, positions) if isinstance(positions, int) and positions > 0 else max_length
-
-
 def train(
     backbone: Backbone,
     method: MethodSpec,
@@ -157,7 +150,7 @@ def train(
 
     # -- data: tokenised once, padded per batch ----------------------------------------------------------
     tokenizer = backbone.tokenizer
-    max_length = fitted_max_length(config.max_length, backbone)
+    max_length = fitted_max_length(config.max_length, backbone.facts)  # cut to its positions, as the service does
     train_set = encode(train_data, tokenizer, task, max_length, where="training data")
     eval_set = encode(eval_data, tokenizer, task, max_length, where="evaluation data") \
         if eval_data is not None else None

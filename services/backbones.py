@@ -8,28 +8,22 @@ them off the API's request path.
 - `shown_source`: what users see of a registered source: the packaged alias or the folder relative to
   its allowed folder, never an absolute server path (the registry keeps the resolved path workers load).
 - `SubprocessBackboneLoader`: registering a backbone loads it once for its content hash and facts; that
-  runs in a child process (`python -m services.backbones`) under an address-space limit
+  runs in a child process (`services.sandbox`) under an address-space limit
   (PELT_BACKBONE_LOAD_MEMORY_BYTES) and a time limit (PELT_BACKBONE_LOAD_TIMEOUT_SECONDS), so a model
   too big for them fails there, as a 422, instead of taking the API down.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import resource
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.registry.errors import RegistryValidationError
+from services.sandbox import MEMORY_WORDS, run_in_child
 from services.settings import Settings
 
 MAX_MESSAGE_CHARS = 2000
-_MEMORY_WORDS = ("cannot allocate memory", "can't allocate memory", "failed to map segment", "bad_alloc",
-                 "out of memory")
 
 
 @dataclass(frozen=True)
@@ -144,25 +138,20 @@ class SubprocessBackboneLoader:
         from pelt_core.backbones import BackboneError
 
         memory, timeout = self.settings.backbone_load_memory_bytes, self.settings.backbone_load_timeout_seconds
-        request = {"source": source, "memory_bytes": memory,
-                   "max_parameters": self.settings.max_backbone_parameters}
-        environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-                       "TOKENIZERS_PARALLELISM": "false", "MALLOC_ARENA_MAX": "2"}
-        try:
-            done = subprocess.run([sys.executable, "-m", "services.backbones"], input=json.dumps(request),
-                                  capture_output=True, text=True, timeout=timeout, env=environment, check=False)
-        except subprocess.TimeoutExpired:
+        outcome = run_in_child(
+            "backbone", {"source": source, "max_parameters": self.settings.max_backbone_parameters},
+            memory_bytes=memory, timeout_seconds=timeout,
+            environment={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+                         "TOKENIZERS_PARALLELISM": "false"})
+        if outcome.timed_out:
             raise BackboneError(f"loading backbone {source!r} took longer than PELT_BACKBONE_LOAD_TIMEOUT_SECONDS "
-                                f"({timeout:g} s)") from None
-        try:
-            answer = json.loads(done.stdout)
-        except json.JSONDecodeError:
-            how = f"killed by signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
-            memory_words = any(word in done.stderr.lower() for word in _MEMORY_WORDS)
+                                f"({timeout:g} s)")
+        answer = outcome.answer
+        if answer is None:
             raise BackboneError(
-                f"the process loading backbone {source!r} ended without an answer ({how})"
-                + ("; it ran out of" if memory_words else "; it may have run past")
-                + f" its memory limit, PELT_BACKBONE_LOAD_MEMORY_BYTES ({memory:,} bytes)") from None
+                f"the process loading backbone {source!r} ended without an answer ({outcome.how_it_ended()})"
+                + ("; it ran out of" if outcome.out_of_memory else "; it may have run past")
+                + f" its memory limit, PELT_BACKBONE_LOAD_MEMORY_BYTES ({memory:,} bytes)")
         if answer.get("memory"):
             raise BackboneError(f"loading backbone {source!r} needs more memory than PELT_BACKBONE_LOAD_MEMORY_BYTES "
                                 f"allows ({memory:,} bytes): {answer.get('error', '')}")
@@ -171,37 +160,19 @@ class SubprocessBackboneLoader:
         return LoadedBackbone(content_hash=str(answer["content_hash"]), facts=dict(answer["facts"]))
 
 
-# --- the child process ------------------------------------------------------------------------------
+# --- the child process (services.sandbox runs it under the memory limit) ------------------------------
 
 
-def _load(request: dict[str, Any]) -> dict[str, Any]:
-    """Load one backbone under the request's memory limit: its content hash and facts, or the error."""
-    limit = int(request["memory_bytes"])
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+def load_in_child(request: dict[str, Any], report: Any = None) -> dict[str, Any]:
+    """Load one backbone: its content hash and facts, or the error (a BackboneError's message as it is)."""
+    from pelt_core.backbones import Backbone, BackboneError
+
     try:
-        from pelt_core.backbones import Backbone
-
         backbone = Backbone.load(request["source"], max_parameters=request["max_parameters"])
-        return {"content_hash": backbone.content_hash, "facts": backbone.facts}
-    except MemoryError as exc:
-        return {"error": f"MemoryError: {exc}", "memory": True}
-    except Exception as exc:  # the parent turns every failure into a refusal of the source
-        text = str(exc) if type(exc).__name__ == "BackboneError" else f"{type(exc).__name__}: {exc}"
-        return {"error": text, "memory": any(word in text.lower() for word in _MEMORY_WORDS)}
-
-
-def main() -> None:
-    """`python -m services.backbones`: a JSON request on stdin, one JSON answer on stdout (everything
-    the loading prints goes to stderr)."""
-    answer_fd = os.dup(1)
-    os.dup2(2, 1)
-    answer = _load(json.loads(sys.stdin.read()))
-    with os.fdopen(answer_fd, "w") as out:
-        out.write(json.dumps(answer))
+    except BackboneError as exc:
+        return {"error": str(exc), "memory": any(word in str(exc).lower() for word in MEMORY_WORDS)}
+    return {"content_hash": backbone.content_hash, "facts": backbone.facts}
 
 
 __all__ = ["BackboneSource", "LoadedBackbone", "SubprocessBackboneLoader", "locate_backbone", "public_message",
            "same_source", "shown_source"]
-
-if __name__ == "__main__":
-    main()

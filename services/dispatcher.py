@@ -111,18 +111,38 @@ def private_ray_token() -> Path | None:
 
     Ray writes it with the process's umask, 0644 by default, so any local user could read the token,
     join the cluster and run code as this service. Returns the file (None when there is none, e.g. the
-    token came in RAY_AUTH_TOKEN)."""
+    token came in RAY_AUTH_TOKEN). Never fails the start: a file missing or left as it was is a warning.
+    """
     given = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if given:
-        path = Path(given).expanduser()
-    else:
+    try:
+        path = Path(given).expanduser() if given else _default_ray_token_path()
+    except RuntimeError as exc:  # no home folder to expand
+        log.warning("cannot tell where Ray's token file is (%s)", exc)
+        return None
+    if not path.is_file():
+        token_auth = os.environ.get("RAY_AUTH_MODE", "token").lower() == "token"
+        if token_auth and not os.environ.get("RAY_AUTH_TOKEN"):  # then Ray's token should be in a file
+            log.warning("no Ray token file at %s to make private (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token)",
+                        path)
+        return None
+    try:
+        path.chmod(0o600)
+    except OSError as exc:
+        log.warning("cannot make the Ray token file %s readable by its owner only (%s): other local users "
+                    "may read it and join the cluster", path, exc)
+        return None
+    return path
+
+
+def _default_ray_token_path() -> Path:
+    """Where Ray keeps its token without RAY_AUTH_TOKEN_PATH: Ray's own answer where its (private) helper
+    can be imported, else the documented default, ~/.ray/auth_token."""
+    try:
         from ray._private.authentication.authentication_token_setup import _get_default_token_path
 
-        path = _get_default_token_path()
-    if not path.is_file():
-        return None
-    path.chmod(0o600)
-    return path
+        return Path(_get_default_token_path())
+    except (ImportError, AttributeError, TypeError):
+        return Path.home() / ".ray" / "auth_token"
 
 
 def loopback_only() -> None:

@@ -48,14 +48,6 @@ from services.uploads import TaskUploads, Upload
 
 log = logging.getLogger("pelt.service")
 
-COMPOSE_OPTIONS = {  # the keyword options of pelt_core.compose's functions a request may set
-    "merge": ("weights", "how", "density", "seed", "scale", "combine", "lora_rank"),
-    "average": ("lora_rank",),
-    "merge_lora_svd": ("weights", "rank"),
-    "multi_task": (),
-}
-
-
 @dataclass(frozen=True)
 class DeltaArchive:
     """A version's files, zipped, for download (deltas are small: KB to a few MB)."""
@@ -145,15 +137,38 @@ class PeltService:
         return self._shown(existing)
 
     def ensure_backbone(self, name: str) -> None:
-        """Jobs name their backbone; a packaged alias not registered yet is registered on first use."""
+        """Jobs name their backbone; a packaged alias not registered yet is registered on first use, and
+        a backbone registered without facts (before they were kept) gets them from its config, so the
+        ranges that depend on it apply to its jobs too.
+
+        Registering on first use happens with any write token's submit, although registering a backbone
+        is otherwise admin-only (POST /v1/backbones). That is intended and safe only because it is limited
+        to the packaged backbones, which ship with pelt and are trusted: any other name that is not
+        registered (a model folder, even one inside PELT_BACKBONE_DIRS, or any path) is UnknownBackboneError,
+        a 404, before anything is loaded or written. Keep that check first."""
         from pelt_core.backbones import BACKBONE_ALIASES, PACKAGED_BACKBONES
 
         try:
-            self.registry.get_backbone(name)
+            record = self.registry.get_backbone(name)
         except UnknownBackboneError:
             if name not in PACKAGED_BACKBONES and name not in BACKBONE_ALIASES:
                 raise
             self.register_backbone(name)
+            return
+        if record.facts is None:
+            self._fill_backbone_facts(record)
+
+    def _fill_backbone_facts(self, record: BackboneRecord) -> None:
+        """Store the facts of a backbone registered without them, read from its config alone (no weights).
+        A config that cannot be read leaves it without (logged): its jobs then fail where they load it."""
+        from pelt_core.backbones import BackboneError, read_backbone_facts
+
+        try:
+            facts = read_backbone_facts(record.source)
+        except (BackboneError, OSError, ValueError) as exc:
+            log.warning("backbone %s has no facts and its config cannot be read for them: %s", record.name, exc)
+            return
+        self.registry.set_backbone_facts(record.name, facts)
 
     def _load_backbone(self, location: BackboneSource) -> Any:
         """The loaded backbone at a located source; a failure is a 422 on `source` without server paths."""
@@ -271,18 +286,22 @@ class PeltService:
     def compose(self, op: str, sources: Sequence[str] | Mapping[str, str], into: str,
                 options: Mapping[str, Any] | None = None, aliases: Sequence[str] = (),
                 description: str = "") -> Any:
-        """Compose deltas (merge, average, merge_lora_svd, multi_task) into a new version of `into`."""
+        """Compose deltas (merge, average, merge_lora_svd, multi_task) into a new version of `into`. The
+        request is checked first (`check_compose_request`: pelt_core.compose's options), so no option reaches
+        the store as one of its own parameters; the audit event is recorded inside the store's
+        all-or-nothing step, so a failure to record it takes the version back."""
+        from services.delta_store import check_compose_request
+
         options = dict(options or {})
-        allowed = COMPOSE_OPTIONS.get(op, ())
-        for key in options:
-            if key not in allowed:
-                raise RegistryValidationError(f"options.{key}", f"not an option of {op}; its options: "
-                                              f"{', '.join(allowed) or '(none)'}")
-        composed = self._store().compose(op, sources, into=into, aliases=aliases, description=description,
-                                         **options)
-        self.registry.record_audit("delta.compose", f"{composed.task} version {composed.version}",
-                                   {"op": op, "sources": sources, "aliases": list(aliases)})
-        return composed
+        store = self._store()
+        check_compose_request(op, sources, into, aliases, options)
+
+        def audit(stored: Any) -> None:
+            self.registry.record_audit("delta.compose", f"{into} version {stored.model_version}",
+                                       {"op": op, "sources": sources, "aliases": list(aliases)})
+
+        return store.compose(op, sources, into=into, aliases=aliases, description=description, on_written=audit,
+                             **options)
 
 
 __all__ = ["DeltaArchive", "PeltService", "Upload"]

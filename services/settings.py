@@ -14,6 +14,8 @@ PELT_MAX_DATASET_BYTES    bytes a task's data may decode or unpack to (archives,
 PELT_MAX_ARCHIVE_ENTRIES  files and folders one dataset archive may hold (default 1,000); beyond: 413
 PELT_MAX_ARCHIVE_EXPANSION   unpacked bytes per archive byte (default 50; an archive may always unpack to
                           16 MiB); counted while it unpacks, beyond: 413
+PELT_DATASET_PROBE_MEMORY_BYTES, PELT_DATASET_PROBE_TIMEOUT_SECONDS   limits of the child process that reads
+                          an uploaded task's data (default 4 GiB, 300 s); beyond them (or a crash): 422
 PELT_BACKBONE_DIRS        folders whose model folders may be registered as backbones (os.pathsep-separated
                           or a JSON list; default none: only the packaged backbones); never PELT_DATA_DIR
 PELT_MAX_BACKBONE_PARAMETERS   largest backbone registered, in parameters estimated from its config
@@ -22,6 +24,8 @@ PELT_BACKBONE_LOAD_MEMORY_BYTES, PELT_BACKBONE_LOAD_TIMEOUT_SECONDS   limits of 
 PELT_API_DOCS             serve /docs and /redoc (assets from a CDN) and an open /openapi.json (default off:
                           /openapi.json then needs a token)
 PELT_API_HEADER_TIMEOUT_SECONDS   close a connection whose request head is not complete within this time
+PELT_API_BODY_IDLE_TIMEOUT_SECONDS   close a connection whose request body stops arriving: no byte of it for
+                          this time (default 60; an idle timeout, not a bound on a whole upload)
 PELT_API_MAX_CONNECTIONS  connections (and requests in progress) `pelt serve` takes; beyond: 503
 PELT_MAX_QUEUED_JOBS_PER_TOKEN   queued jobs one API token may have at once; a submit beyond: 429
 PELT_MAX_SWEEP_JOBS       jobs one sweep may queue (methods x seeds x K values); beyond: 422
@@ -82,6 +86,13 @@ class Settings(BaseSettings):
         description="unpacked bytes per archive byte (an archive may always unpack to "
         "limits.ARCHIVE_EXPANSION_FLOOR_BYTES), counted while it unpacks",
     )
+    dataset_probe_memory_bytes: int = Field(
+        default=4 << 30, gt=0,
+        description="address-space limit of the child process that reads an uploaded task's data (the probe)",
+    )
+    dataset_probe_timeout_seconds: float = Field(
+        default=300.0, gt=0, description="time limit of the child process that reads an uploaded task's data"
+    )
     backbone_dirs: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="folders whose model folders may be registered as backbones (os.pathsep-separated or a JSON "
@@ -102,6 +113,10 @@ class Settings(BaseSettings):
     )
     api_header_timeout_seconds: float = Field(
         default=10.0, gt=0, description="close a connection whose request head is not complete within this time"
+    )
+    api_body_idle_timeout_seconds: float = Field(
+        default=60.0, gt=0, description="close a connection whose request body stops arriving: no byte of it for "
+        "this time (an idle timeout between reads: a slow upload whose bytes keep coming is never cut off)"
     )
     api_max_connections: int = Field(
         default=1000, ge=1, description="connections and requests in progress the API takes; beyond them: 503"

@@ -9,9 +9,15 @@ checks the task against them (`services.registry.dataset_probe`); a refused task
 Archives are unpacked with bounds counted on what is actually decompressed and written, whatever their
 headers claim: at most PELT_MAX_ARCHIVE_ENTRIES entries and PELT_MAX_ARCHIVE_EXPANSION bytes per archive
 byte (at least `limits.ARCHIVE_EXPANSION_FLOOR_BYTES`), PELT_MAX_DATASET_BYTES in all (413 beyond); no
-links, devices or paths that leave the folder. A member that cannot be read (encrypted, an unknown
-compression method, corrupt data) is a 422 naming the archive and the member. Errors name the form field
-and the uploaded file, never a path of this machine.
+links, devices, sparse members (whose holes tar writes without reading them) or paths that leave the
+folder. A member that cannot be read (encrypted, an unknown compression method, corrupt data) is a 422
+naming the archive and the member. Errors name the form field and the uploaded file, never a path of
+this machine.
+
+The registry reads the data in a child process (`dataset_probe.probe_dataset_in_child`, under
+PELT_DATASET_PROBE_MEMORY_BYTES and PELT_DATASET_PROBE_TIMEOUT_SECONDS). Uploads run side by side: a
+lock covers only the rename of a staged folder to its content-addressed name and, for a refused task,
+the check that no task and no other upload in progress uses that folder before it is removed.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import hashlib
 import lzma
 import re
 import shutil
+import struct
 import tarfile
 import threading
 import uuid
@@ -37,7 +44,7 @@ from typing import IO, Any
 from pelt_core import limits
 from services.errors import TooLargeError
 from services.registry import Registry, RegistryValidationError, TaskRecord
-from services.registry.dataset_probe import FILE_FORMATS
+from services.registry.dataset_probe import FILE_FORMATS, probe_dataset_in_child
 from services.settings import Settings
 
 SPLITS = ("train", "validation", "test")
@@ -61,13 +68,15 @@ class Upload:
 
 
 class TaskUploads:
-    """Registers tasks from uploaded data for `PeltService` (one upload at a time settles its folder
-    and its task, so a folder in use is never removed by a refused twin)."""
+    """Registers tasks from uploaded data for `PeltService`. Uploads of the same data share their
+    content-addressed folder: it is removed after a refusal only when no task uses it and no other
+    upload is registering from it (counted under the lock)."""
 
     def __init__(self, registry: Registry, settings: Settings) -> None:
         self.registry = registry
         self.settings = settings
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the renames and the in-use checks, never the reading of the data
+        self._registering: dict[Path, int] = {}  # folder -> uploads registering a task from it now
 
     def register_task(self, name: str, files: Mapping[str, Upload], definition: Mapping[str, Any]) -> TaskRecord:
         """Register a task from uploaded files keyed by form field (see the module); the files are kept
@@ -90,24 +99,35 @@ class TaskUploads:
             raise
         final = root / hashlib.sha256("\n".join(manifest).encode()).hexdigest()[:32]
         with self._lock:
-            created = False
             try:
                 staging.rename(final)
-                created = True
             except OSError:  # the same data were uploaded before: keep that folder
                 shutil.rmtree(staging, ignore_errors=True)
-            try:
-                if "dataset" in files:
-                    source: Any = str(final / "dataset")
-                else:
-                    source = {p.stem: str(p) for p in sorted(final.iterdir())}
-                return self.registry.register_task(name, source, **fields)
-            except BaseException as exc:
-                if created and not self._dataset_in_use(final):
-                    shutil.rmtree(final, ignore_errors=True)
-                if isinstance(exc, RegistryValidationError):
-                    raise self._public(exc, files) from None
-                raise
+            self._registering[final] = self._registering.get(final, 0) + 1
+        refused = True
+        try:
+            if "dataset" in files:
+                source: Any = str(final / "dataset")
+            else:
+                source = {p.stem: str(p) for p in sorted(final.iterdir())}
+            task = self.registry.register_task(name, source, **fields, prober=self._probe)
+            refused = False
+            return task
+        except RegistryValidationError as exc:
+            raise self._public(exc, files) from None
+        finally:
+            with self._lock:
+                self._registering[final] -= 1
+                if not self._registering[final]:
+                    del self._registering[final]
+                    if refused and not self._dataset_in_use(final):
+                        shutil.rmtree(final, ignore_errors=True)
+
+    def _probe(self, source: Any, label_field: str | None, limits: Any) -> Any:
+        """The registry's look at the uploaded data, in a child process under the settings' limits."""
+        return probe_dataset_in_child(source, label_field, limits,
+                                      memory_bytes=self.settings.dataset_probe_memory_bytes,
+                                      timeout_seconds=self.settings.dataset_probe_timeout_seconds)
 
     def _stage(self, files: Mapping[str, Upload], staging: Path) -> list[str]:
         """Write the uploads into `staging`; (split, suffix, size, sha256) of each, the folder's name."""
@@ -217,6 +237,7 @@ class _Unpacking:
         self.allowed = bounds.allowed_bytes(archive_bytes)
         self.entries = 0
         self.left = self.allowed
+        self.written = 0  # tar: bytes written to members' files (the stream's count includes headers)
 
     def entry(self, count: int = 1) -> None:
         self.entries += count
@@ -239,6 +260,18 @@ class _Unpacking:
         with destination.open("wb") as out:
             while chunk := source.read(CHUNK):
                 self.spend(len(chunk))
+                out.write(chunk)
+
+    def write_member(self, source: IO[bytes], destination: Path, declared: int) -> None:
+        """A tar member's bytes (already counted by the stream they come from), refused before anything is
+        written when its header declares more than is left, and counted again as they are written."""
+        if declared > self.allowed - self.written:
+            self.spend(self.left + 1)  # the same refusal as the stream's
+        with destination.open("wb") as out:
+            while chunk := source.read(CHUNK):
+                self.written += len(chunk)
+                if self.written > self.allowed:
+                    self.spend(self.left + 1)
                 out.write(chunk)
 
 
@@ -293,12 +326,15 @@ def extract_archive(upload: Upload, target: Path, budget: list[int], bounds: Arc
                         continue
                     if not info.isfile():
                         raise RegistryValidationError("dataset", f"{info.name!r}: links and devices are refused")
+                    if info.issparse():  # tarfile writes its holes without reading them from the stream
+                        raise RegistryValidationError("dataset", f"{info.name!r}: a sparse file; sparse members "
+                                                      "are refused (archive it without --sparse)")
                     destination = _inside(target, info.name)
                     destination.parent.mkdir(parents=True, exist_ok=True)
                     source = archive.extractfile(info)
                     assert source is not None
-                    with source, destination.open("wb") as out:
-                        shutil.copyfileobj(source, out, CHUNK)  # counted by the stream it reads
+                    with source:
+                        unpacking.write_member(source, destination, info.size)
         member = "?"
         _unwrap_single_folder(target)
     except RegistryValidationError:
@@ -315,13 +351,45 @@ def extract_archive(upload: Upload, target: Path, budget: list[int], bounds: Arc
 def _check_zip_directory(path: Path, unpacking: _Unpacking) -> None:
     """Before zipfile reads the central directory into memory: its end record's entry count and size
     (a directory entry is 46 bytes plus its name: MAX_ZIP_ENTRY_BYTES each is plenty)."""
-    with path.open("rb") as stream:
-        end = zipfile._EndRecData(stream)  # the (zip64-aware) end-of-central-directory record
-    if end is None:
-        raise zipfile.BadZipFile("no end of central directory record")
+    entries, size = zip_directory_size(path)
     limit = unpacking.bounds.entries
-    if end[zipfile._ECD_ENTRIES_TOTAL] > limit or end[zipfile._ECD_SIZE] > limit * MAX_ZIP_ENTRY_BYTES:
+    if entries > limit or size > limit * MAX_ZIP_ENTRY_BYTES:
         raise unpacking.too_many_entries()
+
+
+_END_RECORD = struct.Struct("<4s4H2LH")  # end of central directory: signature ... entries, size, offset, comment
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")  # signature, disk, offset of the zip64 end record, disks
+_ZIP64_END_RECORD = struct.Struct("<4sQ2H2L4Q")  # signature, size, versions, disks, entries (2), size, offset
+
+
+def zip_directory_size(path: Path) -> tuple[int, int]:
+    """(entries, bytes) of a zip's central directory, read from its end records (PKWARE APPNOTE 4.3.14-16:
+    the end record is the archive's last 22 bytes plus a comment of at most 65,535; when a field is
+    full, 0xFFFF/0xFFFFFFFF, the zip64 end record found through the locator just before it holds it).
+    zipfile.BadZipFile when there is none, as zipfile finds them (the last end-record signature)."""
+    with path.open("rb") as stream:
+        file_size = stream.seek(0, 2)
+        tail_size = min(file_size, _END_RECORD.size + 0xFFFF + _ZIP64_LOCATOR.size)
+        stream.seek(file_size - tail_size)
+        tail = stream.read(tail_size)
+        at = tail.rfind(b"PK\x05\x06", 0, max(len(tail) - _END_RECORD.size + 4, 0))  # a whole record after it
+        if at < 0:
+            raise zipfile.BadZipFile("no end of central directory record")
+        *_, entries, size, _, _ = _END_RECORD.unpack_from(tail, at)
+        if entries != 0xFFFF and size != 0xFFFFFFFF:
+            return entries, size
+        locator = at - _ZIP64_LOCATOR.size
+        if locator < 0 or tail[locator:locator + 4] != b"PK\x06\x07":
+            raise zipfile.BadZipFile("a zip64 archive without its zip64 end record locator")
+        _, _, offset, _ = _ZIP64_LOCATOR.unpack_from(tail, locator)
+        if offset > file_size - _ZIP64_END_RECORD.size:
+            raise zipfile.BadZipFile("the zip64 end record lies outside the archive")
+        stream.seek(offset)
+        record = stream.read(_ZIP64_END_RECORD.size)
+        signature, _, _, _, _, _, _, entries, size, _ = _ZIP64_END_RECORD.unpack(record)
+        if signature != b"PK\x06\x06":
+            raise zipfile.BadZipFile("no zip64 end record where its locator points")
+        return entries, size
 
 
 def _check_zip_member(info: zipfile.ZipInfo, archive: str) -> None:

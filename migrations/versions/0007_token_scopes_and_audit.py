@@ -7,6 +7,10 @@
 - `job_events.detail`: the full error behind an event's reason (a traceback), shown to admin tokens only.
 - `audit_events`: who submitted, cancelled, composed, registered, created or revoked what, and when.
 
+Downgrading below this revision revokes every token whose scope is not `admin` (sets `revoked_at`):
+before scopes every active token could do everything, so a read or write token kept by the downgrade
+would come back as a full-power one. Admin tokens keep working; make the others again after upgrading.
+
 Revision ID: 0007
 Revises: 0006
 Create Date: 2026-11-22
@@ -15,6 +19,7 @@ Create Date: 2026-11-22
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 import sqlalchemy as sa
 from alembic import op
@@ -48,6 +53,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    revoke_narrow_tokens()
     op.drop_index("ix_audit_events_at", table_name="audit_events")
     op.drop_table("audit_events")
     op.drop_column("job_events", "detail")  # SQLite >= 3.35 drops columns natively
@@ -56,3 +62,14 @@ def downgrade() -> None:
     with op.batch_alter_table("api_tokens") as batch:
         batch.drop_constraint("ck_api_tokens_scope", type_="check")
         batch.drop_column("scope")
+
+
+def revoke_narrow_tokens() -> None:
+    """Revoke every active token that is not admin: without the scope column it would be (see the doc)."""
+    tokens = sa.table("api_tokens", sa.column("scope", sa.String(16)),
+                      sa.column("revoked_at", sa.DateTime(timezone=True)))
+    now = datetime.now(UTC)
+    if op.get_bind().dialect.name == "sqlite":  # the registry keeps naive UTC there (models.UTCDateTime)
+        now = now.replace(tzinfo=None)
+    op.execute(tokens.update().where(tokens.c.scope != "admin", tokens.c.revoked_at.is_(None))
+               .values(revoked_at=now))

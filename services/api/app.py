@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pelt_core.limits import INT32_MAX
 from services.api.bodies import BoundedJsonRoute, check_json_depth, known_form_fields
 from services.api.schemas import (
     AuditEventOut,
@@ -63,8 +64,8 @@ from services.uploads import Upload
 
 log = logging.getLogger("pelt.api")
 
-JobId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="a job id")]
-SweepId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="a sweep id")]
+JobId = Annotated[int, PathParam(ge=1, le=INT32_MAX, description="a job id")]
+SweepId = Annotated[int, PathParam(ge=1, le=INT32_MAX, description="a sweep id")]
 Name = Annotated[str, PathParam(min_length=1, max_length=200)]
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut} for code in (401, 403, 404, 409, 413, 422, 429)
@@ -155,7 +156,7 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
         return service.get_task(name)
 
     @v1.get("/tasks/{name}/leaderboard", response_model=LeaderboardOut, tags=["leaderboard"], dependencies=[READ])
-    def leaderboard(name: Name, k_shot: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+    def leaderboard(name: Name, k_shot: Annotated[int | None, Query(ge=1, le=INT32_MAX)] = None,
                     backbone: Annotated[str | None, Query(max_length=100)] = None) -> Any:
         """One row per method over the task's succeeded jobs, best first (only K = k_shot when given)."""
         task = service.get_task(name)
@@ -206,9 +207,9 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
                   status: Annotated[list[JobStatus] | None, Query()] = None,
                   method: Annotated[str | None, Query(max_length=200)] = None,
                   backbone: Annotated[str | None, Query(max_length=200)] = None,
-                  sweep_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
+                  sweep_id: Annotated[int | None, Query(ge=1, le=INT32_MAX)] = None,
                   limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
-                  offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> Any:
+                  offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0) -> Any:
         """Jobs matching every filter given, oldest first."""
         return service.list_jobs(task=task, status=[s.value for s in status or []], method=method,
                                  backbone=backbone, sweep_id=sweep_id, limit=limit, offset=offset)
@@ -303,7 +304,7 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
 
     @v1.get("/audit", response_model=list[AuditEventOut], tags=["audit"], dependencies=[ADMIN])
     def audit(limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
-              offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> Any:
+              offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0) -> Any:
         """Who registered, submitted, cancelled, composed, created or revoked what, newest first."""
         return service.audit_events(limit=limit, offset=offset)
 

@@ -8,7 +8,6 @@ send the fields its route declares, each once (FastAPI would silently ignore the
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Collection, Coroutine
 from typing import Any
 
@@ -16,29 +15,11 @@ from fastapi import Request, params
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
+from pelt_core.json_nesting import json_depth
 from pelt_core.limits import MAX_JSON_DEPTH
 from services.errors import ServiceError
 
-# a JSON string (escapes included, an unterminated one to the end) or a bracket
-_TOKENS = re.compile(rb'"(?:[^"\\]++|\\.)*+"?|[\[\]{}]')
 _FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
-
-
-def json_depth(text: str | bytes, stop_above: int | None = None) -> int:
-    """The deepest nesting of arrays and objects in a JSON text (brackets inside strings do not count);
-    scanning stops once it passes `stop_above`."""
-    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
-    depth = deepest = 0
-    for match in _TOKENS.finditer(data):
-        token = match.group(0)
-        if token in (b"[", b"{"):
-            depth += 1
-            deepest = max(deepest, depth)
-            if stop_above is not None and deepest > stop_above:
-                break
-        elif token in (b"]", b"}"):
-            depth -= 1
-    return deepest
 
 
 def check_json_depth(text: str | bytes, field: str, limit: int = MAX_JSON_DEPTH) -> None:

@@ -8,14 +8,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pelt_core.limits import MAX_COMPOSE_ALIASES, MAX_COMPOSE_SOURCES, SEED, SWEEP_LIST_LENGTH, TRAIN_RANGES
+from pelt_core.limits import (
+    INT32_MAX,
+    MAX_COMPOSE_ALIASES,
+    MAX_COMPOSE_SOURCES,
+    SEED,
+    SWEEP_LIST_LENGTH,
+    TRAIN_RANGES,
+)
 
-ID = Field(ge=1, le=2**31 - 1)
+ID = Field(ge=1, le=INT32_MAX)
 NAME = Field(min_length=1, max_length=100)
 DEFAULT_BACKBONE = "all-minilm-l6-v2"
 # simple bounds from the table of limits (pelt_core/limits.py); the registry applies the whole table
 Seed = Annotated[int, Field(ge=SEED.low, le=SEED.high)]
 KShot = Annotated[int, Field(ge=TRAIN_RANGES["k_shot"].low, le=TRAIN_RANGES["k_shot"].high)]
+MAX_LENGTH = TRAIN_RANGES["max_length"]
 
 
 class Request(BaseModel):
@@ -39,7 +47,8 @@ class TaskDefinition(Request):
     metric: str = "accuracy"
     metric_direction: Literal["max", "min"] | None = None
     label_names: list[str] | None = None
-    max_length: int = Field(default=128, ge=1, le=8192)
+    max_length: int = Field(default=128, ge=MAX_LENGTH.low, le=MAX_LENGTH.high,
+                            description="tokens kept per example, the jobs' default (cut to a backbone's positions)")
     description: str = Field(default="", max_length=10_000)
 
 
@@ -131,7 +140,7 @@ class BackboneOut(Response):
     facts: dict[str, Any] | None = Field(
         default=None, description="its shape: hidden_size, num_layers, num_heads, num_kv_heads, head_dim, "
         "intermediate_size, max_positions, vocab_size, num_parameters, model_type (null: registered before facts "
-        "were kept)")
+        "were kept; its first job reads them from its config)")
 
 
 class JobOut(Response):

@@ -32,6 +32,7 @@ from services.delta_store.store import (
     MlflowDeltaStore,
     PulledModel,
     VersionInfo,
+    check_compose_request,
     method_alias,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "PulledModel",
     "StoreNotReadyError",
     "VersionInfo",
+    "check_compose_request",
     "check_store",
     "ensure_store",
     "is_server_uri",

@@ -596,7 +596,8 @@ class MlflowDeltaStore:
 
     def compose(self, op: str, sources: Sequence[str | DeltaRef] | Mapping[str, str | DeltaRef], *, into: str,
                 backbone: Backbone | Callable[[str], Backbone] | None = None, aliases: Sequence[str] = (),
-                description: str = "", **options: Any) -> Composed:
+                description: str = "", on_written: Callable[[StoredDelta], None] | None = None,
+                **options: Any) -> Composed:
         """Pull deltas, compose them with pelt_core.compose and register the result as a new version of
         task `into` (a run in its experiment + a model version tagged with the provenance).
 
@@ -604,28 +605,12 @@ class MlflowDeltaStore:
         average (lora_rank), merge_lora_svd (weights, rank), multi_task (a bundle of task deltas on one
         backbone: sources maps each route name to a delta; pulled back it is a MultiTaskModel).
         aliases: set on the new version (e.g. ["soup"]); `best`/`best-*` of a registry task are the
-        registry's to set and are refused here."""
+        registry's to set and are refused here. on_written: called with the new version once it and its
+        aliases are written, inside the all-or-nothing step (the service records its audit event there):
+        if it raises, the version is taken back."""
         from pelt_core import compose as pelt_compose
-        from pelt_core.limits import MAX_COMPOSE_ALIASES, MAX_COMPOSE_SOURCES
 
-        # the whole request is checked before anything is pulled or written
-        if op not in COMPOSE_OPS:
-            raise DeltaStoreError(f"op must be one of {', '.join(COMPOSE_OPS)}, got {op!r}", field="op")
-        if op == "multi_task" and options:
-            raise DeltaStoreError(f"multi_task takes no options, got {', '.join(options)}", field="options")
-        _check_task(into)
-        if isinstance(aliases, str) or len(aliases) > MAX_COMPOSE_ALIASES:
-            raise DeltaStoreError(f"aliases: give a list of at most {MAX_COMPOSE_ALIASES} names", field="aliases")
-        for index, name in enumerate(aliases):
-            _check_alias(name, f"aliases[{index}]")
-        count = len(sources) if isinstance(sources, Sequence | Mapping) and not isinstance(sources, str) else 1
-        if count > MAX_COMPOSE_SOURCES:
-            raise DeltaStoreError(f"sources: at most {MAX_COMPOSE_SOURCES} deltas per composition, got {count}",
-                                  field="sources")
-        try:
-            pelt_compose.check_options(op, options, count)
-        except pelt_compose.CompositionError as exc:
-            raise _option_error(exc) from None
+        check_compose_request(op, sources, into, aliases, options)  # before anything is pulled or written
         named = self._named_sources(sources, bundle=op == "multi_task")
         pulled = {name: self.pull(ref, backbone=backbone) for name, ref in named.items()}
         first = next(iter(pulled.values()))
@@ -683,6 +668,8 @@ class MlflowDeltaStore:
                                                extra_artifacts={"provenance.json": provenance})
                 for name in aliases:
                     self.client.set_registered_model_alias(self.model_name(into), name, stored.model_version)
+                if on_written is not None:
+                    on_written(stored)
             except BaseException:
                 self._take_back(into, stored, new_model)
                 raise
@@ -1104,6 +1091,34 @@ def _check_alias(name: object, field: str) -> None:
                               "give the composed version another alias", field=field)
 
 
+def check_compose_request(op: str, sources: Any, into: str, aliases: Sequence[str],
+                          options: Mapping[str, Any]) -> None:
+    """A composition request before anything is pulled or written: the op, the task `into`, the aliases,
+    the number of sources and the options (pelt_core.compose's `check_options`: names, types, ranges).
+    A caller that passes a request's options on as keywords checks them here first, so no option can
+    name one of `MlflowDeltaStore.compose`'s own parameters."""
+    from pelt_core import compose as pelt_compose
+    from pelt_core.limits import MAX_COMPOSE_ALIASES, MAX_COMPOSE_SOURCES
+
+    if op not in COMPOSE_OPS:
+        raise DeltaStoreError(f"op must be one of {', '.join(COMPOSE_OPS)}, got {op!r}", field="op")
+    if op == "multi_task" and options:
+        raise DeltaStoreError(f"multi_task takes no options, got {', '.join(options)}", field="options")
+    _check_task(into)
+    if isinstance(aliases, str) or len(aliases) > MAX_COMPOSE_ALIASES:
+        raise DeltaStoreError(f"aliases: give a list of at most {MAX_COMPOSE_ALIASES} names", field="aliases")
+    for index, name in enumerate(aliases):
+        _check_alias(name, f"aliases[{index}]")
+    count = len(sources) if isinstance(sources, Sequence | Mapping) and not isinstance(sources, str) else 1
+    if count > MAX_COMPOSE_SOURCES:
+        raise DeltaStoreError(f"sources: at most {MAX_COMPOSE_SOURCES} deltas per composition, got {count}",
+                              field="sources")
+    try:
+        pelt_compose.check_options(op, options, count)
+    except pelt_compose.CompositionError as exc:
+        raise _option_error(exc) from None
+
+
 def _option_error(exc: Exception) -> Exception:
     """pelt_core's error about a composition option, naming it as the request does (`options.<name>`)."""
     field = getattr(exc, "field", None)
@@ -1287,5 +1302,6 @@ __all__ = [
     "MlflowDeltaStore",
     "PulledModel",
     "VersionInfo",
+    "check_compose_request",
     "method_alias",
 ]

@@ -11,21 +11,31 @@ Data come from users, so the probe streams and bounds what it reads (`DatasetLim
 chunks of whole lines, CSV block by block, Parquet batch by batch after its metadata (rows, declared
 sizes) passed; rows of one split and decoded bytes of all splits are counted as they are read and
 refused beyond PELT_MAX_DATASET_ROWS / PELT_MAX_DATASET_BYTES (413). Text files must be UTF-8 (the
-trainer reads them so). A `datasets` folder is checked by `pelt_core.saved_dataset` first (its own
-Arrow files only, rows counted from metadata) and fully validated after it is memory-mapped.
-Errors name the split (`source.<split>`), never a path of this machine.
+trainer reads them so); a JSON Lines row may nest at most `limits.MAX_JSON_ROW_DEPTH` deep (checked on
+its bytes: pyarrow's reader crashes on deep ones). A `datasets` folder is checked by
+`pelt_core.saved_dataset` first (its own Arrow files only, rows counted from metadata), its tables built
+from those files as the trainer builds them (`read_saved_split`) and fully validated. Label columns
+are summarized without decoding a dictionary-encoded one; a class label is at most
+`limits.MAX_LABEL_CHARS` characters. Errors name the split (`source.<split>`), never a path of this
+machine.
+
+Decoding is the part a crafted file can turn against the process (memory, a native reader's crash):
+the service runs it in a child process (`probe_dataset_in_child`, `services.sandbox`) under
+PELT_DATASET_PROBE_MEMORY_BYTES and PELT_DATASET_PROBE_TIMEOUT_SECONDS; a child that dies is a 422
+naming the split it was reading.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pelt_core.limits import MAX_DATASET_BYTES, MAX_DATASET_ROWS
+from pelt_core.json_nesting import too_deep_line
+from pelt_core.limits import MAX_DATASET_BYTES, MAX_DATASET_ROWS, MAX_JSON_ROW_DEPTH, MAX_LABEL_CHARS
 from services.registry.errors import RegistryValidationError
 
 FILE_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
@@ -34,7 +44,8 @@ MAX_DISTINCT_LABELS = 10_000
 STREAM_BLOCK_BYTES = 1 << 20  # a CSV block, a chunk of JSON Lines, a step of the UTF-8 check
 MAX_ROW_BYTES = 16 << 20  # the longest JSON Lines row
 BATCH_BYTES = 16 << 20  # Parquet: rows per batch are chosen so that a batch decodes to about this much
-MAX_BATCH_ROWS = 65_536
+MAX_BATCH_ROWS = 8_192  # ... as declared by the file's metadata, which its writer chose: a cap whatever it says
+Report = Callable[[dict[str, Any]], None]  # a progress note ({"split": name}) to the parent of a child probe
 
 
 @dataclass(frozen=True)
@@ -113,24 +124,82 @@ def resolve_source(source: str | Path | Mapping[str, str | Path]) -> DatasetSour
 
 
 def probe_dataset(
-    source: DatasetSource, label_field: str | None = None, limits: DatasetLimits | None = None
+    source: DatasetSource, label_field: str | None = None, limits: DatasetLimits | None = None,
+    report: Report | None = None,
 ) -> DatasetProbe:
     """Read the columns and split sizes, and summarize the label column of every split, streaming within
-    `limits` (TooLargeError beyond them)."""
+    `limits` (TooLargeError beyond them); `report` hears of each split before it is read."""
     limits = limits or DatasetLimits()
     budget = _Budget(limits.max_bytes)
+    report = report or (lambda note: None)
     if source.kind == "datasets":
-        return _probe_saved_dataset(Path(source.paths["path"]), label_field, limits, budget)
+        return _probe_saved_dataset(Path(source.paths["path"]), label_field, limits, budget, report)
     sizes: dict[str, int] = {}
     columns: dict[str, list[str]] = {}
     labels: dict[str, LabelSummary] = {}
     for split, path in source.paths.items():
+        report({"split": split})
         read = _probe_file(Path(path), split, label_field, limits, budget)
         sizes[split], columns[split] = read.rows, read.columns
         if read.label is not None:
             labels[split] = read.label
     return DatasetProbe(columns=columns.get("train", []), split_sizes=sizes, label=labels.get("train"),
                         split_columns=columns, split_labels=labels)
+
+
+def probe_dataset_in_child(source: DatasetSource, label_field: str | None, limits: DatasetLimits, *,
+                           memory_bytes: int, timeout_seconds: float) -> DatasetProbe:
+    """`probe_dataset` in a child process (`services.sandbox`) under `memory_bytes` of address space
+    (PELT_DATASET_PROBE_MEMORY_BYTES) and `timeout_seconds` (PELT_DATASET_PROBE_TIMEOUT_SECONDS). Its
+    refusals come back as they are; a child that runs out of either, or crashes, is a 422 naming the
+    split it was reading (`source.<split>`; `source` for a `datasets` folder or before any split)."""
+    from services.sandbox import run_in_child
+
+    request = {"source": asdict(source), "label_field": label_field, "limits": asdict(limits)}
+    outcome = run_in_child("dataset_probe", request, memory_bytes=memory_bytes, timeout_seconds=timeout_seconds)
+    answer = outcome.answer or {}
+    if "probe" in answer:
+        return _probe_from_json(answer["probe"])
+    if "refused" in answer:
+        refusal = answer["refused"]
+        error = _too_large if refusal["kind"] == "too_large" else RegistryValidationError
+        raise error(str(refusal["field"]), str(refusal["message"]))
+    split = outcome.last_progress.get("split")
+    field_name = f"source.{split}" if split is not None and source.kind == "files" else "source"
+    what = f"the {split} split" if split is not None else "the data"
+    if outcome.timed_out:
+        raise RegistryValidationError(field_name, f"{what} could not be read within PELT_DATASET_PROBE_TIMEOUT_SECONDS "
+                                      f"({timeout_seconds:g} s)")
+    if answer.get("memory") or outcome.out_of_memory or outcome.answer is None:
+        how = "it ran out of" if answer.get("memory") or outcome.out_of_memory else \
+            f"the reader ended ({outcome.how_it_ended()}); it may have run past"
+        raise RegistryValidationError(field_name, f"{what} could not be read: {how} its memory limit, "
+                                      f"PELT_DATASET_PROBE_MEMORY_BYTES ({memory_bytes:,} bytes)")
+    raise RegistryValidationError(field_name, f"{what} could not be read ({str(answer.get('error'))[:500]})")
+
+
+def probe_in_child(request: dict[str, Any], report: Report) -> dict[str, Any]:
+    """The child's side of `probe_dataset_in_child` (run by services.sandbox): the probe as JSON, or
+    the refusal ({"refused": {kind, field, message}})."""
+    from services.errors import TooLargeError
+
+    source = DatasetSource(**request["source"])
+    try:
+        probe = probe_dataset(source, request["label_field"], DatasetLimits(**request["limits"]), report)
+    except RegistryValidationError as exc:
+        kind = "too_large" if isinstance(exc, TooLargeError) else "validation"
+        return {"refused": {"kind": kind, "field": exc.field, "message": str(exc).removeprefix(f"{exc.field}: ")}}
+    return {"probe": asdict(probe)}
+
+
+def _probe_from_json(data: dict[str, Any]) -> DatasetProbe:
+    def label(summary: dict[str, Any] | None) -> LabelSummary | None:
+        return None if summary is None else LabelSummary(**summary)
+
+    return DatasetProbe(columns=list(data["columns"]), split_sizes=dict(data["split_sizes"]),
+                        label=label(data["label"]), extra=dict(data["extra"]),
+                        split_columns=dict(data["split_columns"]),
+                        split_labels={split: label(summary) for split, summary in data["split_labels"].items()})
 
 
 # --- files ---------------------------------------------------------------------------------------
@@ -282,7 +351,12 @@ def _jsonl_stream(path: Path) -> _Stream:
     import pyarrow.json
 
     def batches() -> Iterator[Any]:
+        lines = 0
         for chunk in _line_chunks(path):
+            deep = too_deep_line(chunk, MAX_JSON_ROW_DEPTH)
+            if deep is not None:
+                raise ValueError(f"line {lines + deep + 1} is JSON nested more than {MAX_JSON_ROW_DEPTH} levels deep")
+            lines += chunk.count(b"\n")
             options = pyarrow.json.ReadOptions(use_threads=False, block_size=len(chunk) + 1)
             yield from pyarrow.json.read_json(pa.BufferReader(chunk), read_options=options).to_batches()
 
@@ -311,6 +385,7 @@ def _parquet_stream(path: Path, split: str, label_field: str | None, limits: Dat
                     budget: _Budget) -> _Stream:
     """The metadata first (rows, each row group's declared size), then batch by batch, row group by row
     group, sized so that a batch decodes to about BATCH_BYTES."""
+    import pyarrow as pa
     import pyarrow.parquet
 
     where = f"source.{split}"
@@ -329,6 +404,10 @@ def _parquet_stream(path: Path, split: str, label_field: str | None, limits: Dat
     widest = max((group.total_byte_size / group.num_rows for group in groups if group.num_rows > 0), default=1.0)
     batch_rows = int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // max(widest, 1.0))))
     class_names = _class_names_from_hf_metadata(parquet.schema_arrow.metadata, label_field) if label_field else None
+    if label_field in names:  # a string label is read dictionary-encoded: _LabelColumn never decodes it
+        kind_of = parquet.schema_arrow.field(label_field).type
+        if pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of) or pa.types.is_binary(kind_of):
+            parquet = pyarrow.parquet.ParquetFile(path, read_dictionary=[label_field])
     return _Stream(parquet.iter_batches(batch_size=batch_rows), names, class_names)
 
 
@@ -340,10 +419,7 @@ def _class_names_from_hf_metadata(metadata: dict[bytes, bytes] | None, label_fie
         features = json.loads(metadata[b"huggingface"]).get("info", {}).get("features", {})
     except (ValueError, AttributeError, RecursionError):
         return None
-    feature = (features.get(label_field) or {}) if isinstance(features, dict) else {}
-    if isinstance(feature, dict) and feature.get("_type") == "ClassLabel" and isinstance(feature.get("names"), list):
-        return [str(name) for name in feature["names"]] or None
-    return None
+    return _class_label_names(features.get(label_field) if isinstance(features, dict) else None)
 
 
 # --- `datasets` folders --------------------------------------------------------------------------
@@ -355,13 +431,19 @@ def _is_saved_dataset(path: Path) -> bool:
     return is_saved_dataset(path)
 
 
-def _probe_saved_dataset(path: Path, label_field: str | None, limits: DatasetLimits, budget: _Budget) -> DatasetProbe:
-    """Check the folder (pelt_core.saved_dataset: its own files only, rows from metadata), then map it
-    and validate every split fully (offsets, UTF-8) before its label column is summarized."""
-    import datasets
+def _probe_saved_dataset(path: Path, label_field: str | None, limits: DatasetLimits, budget: _Budget,
+                         report: Report) -> DatasetProbe:
+    """Check the folder (pelt_core.saved_dataset: its own files only, rows from metadata), then build
+    each split's table from those files as the trainer does and validate it fully (offsets, UTF-8)
+    before its label column is summarized."""
     import pyarrow as pa
 
-    from pelt_core.saved_dataset import SavedDatasetError, SavedDatasetTooLargeError, inspect_saved_dataset
+    from pelt_core.saved_dataset import (
+        SavedDatasetError,
+        SavedDatasetTooLargeError,
+        inspect_saved_dataset,
+        read_saved_split,
+    )
 
     try:
         layout = inspect_saved_dataset(path, max_rows=limits.max_rows)
@@ -372,24 +454,23 @@ def _probe_saved_dataset(path: Path, label_field: str | None, limits: DatasetLim
     if "train" not in layout.splits:
         raise RegistryValidationError("source", f"the dataset has splits {', '.join(layout.splits)} but no 'train' split")
     budget.spend(sum(file.stat().st_size for split in layout.splits.values() for file in split.files), "source")
-    try:
-        loaded = datasets.load_from_disk(str(path), keep_in_memory=False)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise RegistryValidationError("source", f"cannot load the dataset ({type(exc).__name__})") from None
-    splits = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
     sizes: dict[str, int] = {}
     columns: dict[str, list[str]] = {}
     labels: dict[str, LabelSummary] = {}
-    for split, dataset in splits.items():
-        table = dataset.data.table
+    for split, saved in layout.splits.items():
+        report({"split": split})
+        try:
+            table = read_saved_split(saved)
+        except SavedDatasetError as exc:
+            raise RegistryValidationError("source", str(exc)) from None
         _refuse_duplicate_columns(list(table.column_names), split)
         try:
             table.validate(full=True)
         except (pa.ArrowException, ValueError) as exc:
             raise RegistryValidationError("source", f"split {split!r} holds invalid Arrow data: {exc}") from None
-        sizes[split], columns[split] = dataset.num_rows, list(table.column_names)
+        sizes[split], columns[split] = table.num_rows, list(table.column_names)
         if label_field in columns[split]:
-            summary = _LabelColumn(label_field, split, _class_label_names(dataset.features[label_field]))
+            summary = _LabelColumn(label_field, split, _class_label_names(saved.features.get(label_field)))
             for chunk in table.column(label_field).chunks:
                 summary.add(chunk, len(chunk))
             labels[split] = summary.summary()
@@ -398,12 +479,16 @@ def _probe_saved_dataset(path: Path, label_field: str | None, limits: DatasetLim
 
 
 def _class_label_names(feature: Any) -> list[str] | None:
-    import datasets
-
-    for candidate in (feature, getattr(feature, "feature", None), feature[0] if isinstance(feature, list) and feature
-                      else None):
-        if isinstance(candidate, datasets.ClassLabel):
-            return list(candidate.names)
+    """The names of a ClassLabel feature (as datasets writes features to JSON), or of a list of them."""
+    candidates = [feature]
+    if isinstance(feature, dict):
+        candidates.append(feature.get("feature"))  # Sequence / List of ClassLabel
+    elif isinstance(feature, list) and feature:
+        candidates.append(feature[0])
+    for candidate in candidates:
+        if isinstance(candidate, dict) and candidate.get("_type") == "ClassLabel" \
+                and isinstance(candidate.get("names"), list):
+            return [str(name) for name in candidate["names"]] or None
     return None
 
 
@@ -426,16 +511,25 @@ class _LabelColumn:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        if column is None:
+        if column is None or pa.types.is_null(column.type):
             self.nulls += rows
             return
-        if pa.types.is_dictionary(column.type):
-            column = column.dictionary_decode()
-        self.nulls += column.null_count if not pa.types.is_null(column.type) else rows
-        kind, values = self._kind(column)
+        if pa.types.is_dictionary(column.type):  # its dictionary's values in use, never decoded per row
+            values, nulls = _dictionary_values(column)
+            self.nulls += nulls
+            kind = self._scalar_kind(values.type) or self._refuse(values.type)
+        else:
+            self.nulls += column.null_count
+            kind, values = self._kind(column)
         if kind is None:
             return
         self.kinds.add(kind)
+        if kind in ("string", "list") and (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+            longest = pc.max(pc.utf8_length(values)).as_py() if len(values) else None
+            if longest is not None and longest > MAX_LABEL_CHARS:
+                raise RegistryValidationError(
+                    "label_field", f"{self.field!r} holds a label of {longest} characters in the {self.split} "
+                    f"split; a class label is at most {MAX_LABEL_CHARS} characters")
         if pa.types.is_floating(values.type) and pc.any(pc.invert(pc.is_finite(values.drop_null()))).as_py():
             self.non_finite = True
         if self.too_many:
@@ -452,7 +546,7 @@ class _LabelColumn:
         if pa.types.is_list(kind_of) or pa.types.is_large_list(kind_of) or pa.types.is_fixed_size_list(kind_of):
             values = pc.list_flatten(column)
             if pa.types.is_dictionary(values.type):
-                values = values.dictionary_decode()
+                values, _ = _dictionary_values(values)
             element = self._scalar_kind(values.type)
             return ("list" if element is not None or pa.types.is_null(values.type) else self._refuse(values.type)), values
         if pa.types.is_null(kind_of):
@@ -494,5 +588,22 @@ class _LabelColumn:
                             non_finite=self.non_finite)
 
 
+def _dictionary_values(array: Any) -> tuple[Any, int]:
+    """(the dictionary's values the indices use, rows that are null) of a dictionary-encoded array,
+    without decoding it: a million indices into one 100 KB value stay a million indices."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    indices, dictionary = array.indices, array.dictionary
+    values = dictionary.take(pc.unique(indices.drop_null()))
+    nulls = indices.null_count
+    if values.null_count:
+        null_positions = pc.indices_nonzero(pc.is_null(dictionary)).cast(indices.type)
+        nulls += int(pc.sum(pc.is_in(indices, value_set=null_positions)).as_py() or 0)
+    if pa.types.is_dictionary(values.type):
+        raise ValueError("a dictionary of dictionaries")
+    return values, nulls
+
+
 __all__ = ["FILE_FORMATS", "DatasetLimits", "DatasetProbe", "DatasetSource", "LabelSummary", "probe_dataset",
-           "resolve_source"]
+           "probe_dataset_in_child", "resolve_source"]

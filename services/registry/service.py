@@ -30,7 +30,7 @@ from sqlalchemy import URL, Engine, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from pelt_core.limits import SEED, TRAIN_RANGES
+from pelt_core.limits import SEED, TRAIN_RANGES, fitted_max_length
 from services.redaction import error_summary
 from services.registry import dataset_probe
 from services.registry.actor import current_actor
@@ -99,7 +99,6 @@ from services.registry.validation import (
     resolve_method_spec,
     resolve_train_config,
     split_hyperparameters,
-    task_length_on,
 )
 from services.settings import Settings, get_settings
 
@@ -255,10 +254,13 @@ class Registry:
         label_names: Sequence[str] | None = None,
         max_length: int = 128,
         description: str = "",
+        prober: Callable[..., dataset_probe.DatasetProbe] | None = None,
     ) -> TaskRecord:
         """Register a task after checking its fields against the data (train rows are counted, label
         names inferred for classification when not given). Re-registering the same definition returns
-        the existing task; a different one under the same name is an AlreadyExistsError."""
+        the existing task; a different one under the same name is an AlreadyExistsError. `prober`
+        (source, label_field, limits) -> DatasetProbe reads the data (default: `dataset_probe.probe_dataset`
+        in this process; uploads use `probe_dataset_in_child`)."""
         check_name(name)
         definition = check_task_definition(
             text_fields=text_fields,
@@ -272,7 +274,7 @@ class Registry:
         if not isinstance(description, str):
             raise RegistryValidationError("description", "must be a string")
         resolved = dataset_probe.resolve_source(source)
-        probe = dataset_probe.probe_dataset(resolved, definition.label_field, self.dataset_limits)
+        probe = (prober or dataset_probe.probe_dataset)(resolved, definition.label_field, self.dataset_limits)
         names = check_task_against_data(definition, probe, "the train split")
         values: dict[str, Any] = {
             "name": name,
@@ -417,6 +419,18 @@ class Registry:
 
         return _retry_once_on_conflict(write)
 
+    def set_backbone_facts(self, name: str, facts: Mapping[str, Any]) -> BackboneRecord:
+        """Record the facts of a backbone registered without them (before migration 0006). Facts once
+        recorded stay: a backbone's shape never changes under its name."""
+        checked = _backbone_facts(facts)
+        if checked is None:
+            raise RegistryValidationError("facts", "must be a mapping of names to numbers or strings, got None")
+        with self._writing() as session:
+            row = _backbone_row(session, name)
+            if row.facts is None:
+                row.facts = checked
+            return BackboneRecord.of(row)
+
     def get_backbone(self, name: str) -> BackboneRecord:
         """The backbone of that name (UnknownBackboneError lists the known ones)."""
         with self._reading() as session:
@@ -463,7 +477,7 @@ class Registry:
                     given,
                     seed=seed,
                     k_shot=k_shot,
-                    task_max_length=task_length_on(task_row.max_length, facts),
+                    task_max_length=fitted_max_length(task_row.max_length, facts),
                     task_train_size=task_row.train_size,
                     held_out=held_out_rows(task_row.split_sizes, task_row.train_size),
                 )
@@ -598,7 +612,7 @@ class Registry:
                             given,
                             seed=seed_list[0],
                             k_shot=k,
-                            task_max_length=task_length_on(task_row.max_length, facts),
+                            task_max_length=fitted_max_length(task_row.max_length, facts),
                             task_train_size=task_row.train_size,
                             held_out=held_out_rows(task_row.split_sizes, task_row.train_size),
                         )
@@ -698,10 +712,19 @@ class Registry:
 
     def _check_queue_quota(self, session: Session, adding: int) -> None:
         """QuotaExceededError when the current actor would have more than max_queued_jobs_per_token queued
-        jobs after adding `adding` (jobs submitted without an actor are not capped)."""
+        jobs after adding `adding` (jobs submitted without an actor are not capped).
+
+        Counting and then inserting is atomic only if one submit of an actor runs at a time: SQLite's write
+        gate serializes every write; on PostgreSQL (READ COMMITTED) the submit first locks its token's row
+        (`SELECT … FOR UPDATE`; an actor without one, e.g. `cli:<user>`, a transaction-scoped advisory lock
+        on its name), so a second submit of the same token waits and then counts the first one's jobs."""
         actor = current_actor()
         if actor is None:
             return
+        if session.get_bind().dialect.name == "postgresql":
+            token_row = session.scalar(select(ApiToken.id).where(ApiToken.name == actor).with_for_update())
+            if token_row is None:
+                session.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"pelt-queue:{actor}"))))
         queued = session.scalar(
             select(func.count()).select_from(Job).where(Job.submitted_by == actor, Job.status == JobStatus.QUEUED.value)
         ) or 0

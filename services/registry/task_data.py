@@ -66,12 +66,13 @@ def check_task_against_data(definition: TaskDefinition, probe: DatasetProbe, whe
     _check_label_kind(definition, label, "label_field", where)
     names: list[str] | None = None
     if definition.problem_type != "regression":
-        names = definition.label_names or label.names or _names_from_values(label.values or [],
-                                                                             definition.label_field)
+        given = definition.label_names or label.names  # declared or a ClassLabel: positions apply
+        names = given or _names_from_values(label.values or [], definition.label_field)
         _check_labels_fit(names, label.values or [], definition.label_field,
-                          "label_names" if definition.label_names else "label_field", where)
+                          "label_names" if definition.label_names else "label_field", where, positions=bool(given))
     if evaluation is not None:
-        _check_evaluation_split(definition, probe, evaluation, names)
+        _check_evaluation_split(definition, probe, evaluation, names,
+                                positions=bool(definition.label_names or label.names))
     return None if definition.problem_type == "regression" else names
 
 
@@ -100,7 +101,7 @@ def _check_label_kind(definition: TaskDefinition, label: LabelSummary, field: st
 
 
 def _check_evaluation_split(definition: TaskDefinition, probe: DatasetProbe, split: str,
-                            names: list[str] | None) -> None:
+                            names: list[str] | None, *, positions: bool) -> None:
     """The split jobs evaluate on has the task's columns, rows, and labels among the task's classes."""
     field, where = f"source.{split}", f"the {split} split"
     columns = probe.split_columns.get(split)
@@ -119,7 +120,7 @@ def _check_evaluation_split(definition: TaskDefinition, probe: DatasetProbe, spl
         raise RegistryValidationError(field, f"{definition.label_field!r} is empty in {label.nulls} rows of {where}")
     _check_label_kind(definition, label, field, where)
     if names is not None:
-        _check_labels_fit(names, label.values or [], definition.label_field, field, where)
+        _check_labels_fit(names, label.values or [], definition.label_field, field, where, positions=positions)
 
 
 def _names_from_values(values: list[Any], field: str) -> list[str]:
@@ -129,11 +130,13 @@ def _names_from_values(values: list[Any], field: str) -> list[str]:
         raise RegistryValidationError("label_field", f"{field!r} holds {values[:5]!r}: {exc}") from None
 
 
-def _check_labels_fit(names: list[str], values: list[Any], field: str, error_field: str, where: str) -> None:
-    """Every label value is one of the classes: by name, or a whole number as a position (pelt_core.labels)."""
+def _check_labels_fit(names: list[str], values: list[Any], field: str, error_field: str, where: str, *,
+                      positions: bool) -> None:
+    """Every label value is one of the classes: by name, or (`positions`: names declared or a ClassLabel)
+    a whole number as a position (pelt_core.labels)."""
     lookup = {name: index for index, name in enumerate(names)}
     for value in values:
-        if label_index(value, names, lookup) is None:
+        if label_index(value, names, lookup, positions=positions) is None:
             raise RegistryValidationError(
                 error_field, f"{field!r} holds {value!r} in {where}, which is not among the task's labels {names!r}"
             )

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pelt_core import limits
-from pelt_core.config import ALIASES, SPEC_ALIASES, ConfigError, TrainConfig, split_overrides
+from pelt_core.config import ALIASES, ConfigError, TrainConfig, split_overrides
 from pelt_core.limits import LimitError, Range
 from pelt_core.methods import get_method
-from pelt_core.spec import SpecError
+from pelt_core.spec import SpecError, override_field
 from services.registry.errors import RegistryValidationError
 from services.registry.models import DIRECTIONS, PROBLEM_TYPES
 
@@ -157,7 +157,7 @@ def check_task_definition(
             raise RegistryValidationError(
                 "label_names", f"must be distinct non-empty strings, got {label_names!r}"
             )
-    check_int(max_length, "max_length", minimum=1, maximum=1_000_000)
+    check_range(limits.TRAIN_RANGES["max_length"], max_length, "max_length")
     return TaskDefinition(
         text_fields=fields,
         label_field=label_field,
@@ -217,9 +217,7 @@ def check_json_numbers(hyperparameters: Mapping[str, Any] | None) -> None:
     for key, value in hyperparameters.items():
         if not isinstance(key, str):
             continue
-        name = ALIASES.get(key, key)
-        field = SPEC_ALIASES.get(key.rsplit(".", 1)[-1], key.rsplit(".", 1)[-1])
-        bound = limits.TRAIN_RANGES.get(name) or limits.SPEC_RANGES.get(field)
+        bound = limits.TRAIN_RANGES.get(ALIASES.get(key, key)) or limits.SPEC_RANGES.get(override_field(key))
         items = value if isinstance(value, list) else [value]
         if bound is not None and any(isinstance(item, str) for item in items):
             raise RegistryValidationError(
@@ -287,14 +285,6 @@ def resolve_train_config(
     return config.to_dict()
 
 
-def task_length_on(task_max_length: int, facts: Mapping[str, Any] | None) -> int:
-    """The task's default max_length, cut to the backbone's positions when its facts are known."""
-    positions = (facts or {}).get("max_positions")
-    if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
-        return min(task_max_length, positions)
-    return task_max_length
-
-
 def check_against_backbone(
     method_name: str,
     method_spec: Mapping[str, Any],
@@ -317,7 +307,7 @@ def check_against_backbone(
         field = given.get(exc.field, exc.field)
         if ".modules." in exc.field:
             field = _backbone_culprit(method_spec, overrides, train_config, facts, exc.field) or field
-        where = " (PELT_WORKER_MEMORY_BYTES)" if "worker's" in str(exc) else ""
+        where = " (PELT_WORKER_MEMORY_BYTES)" if isinstance(exc, limits.MemoryBudgetError) else ""
         raise RegistryValidationError(field, f"{exc} (method {method_name!r}){where}") from None
 
 
@@ -531,5 +521,4 @@ __all__ = [
     "resolve_method_spec",
     "resolve_train_config",
     "split_hyperparameters",
-    "task_length_on",
 ]

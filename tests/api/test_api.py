@@ -8,19 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.client import PeltAPIError, PeltClient
+from services.client import PeltClient
 from tests.api.conftest import BACKBONE, Api
-
-
-def refused(call, status: int, field: str | None = None, words: str = "") -> PeltAPIError:
-    with pytest.raises(PeltAPIError) as caught:
-        call()
-    error = caught.value
-    assert error.status == status, error
-    if field is not None:
-        assert error.field == field, error
-    assert words.lower() in error.message.lower(), error
-    return error
+from tests.api.helpers import refused
 
 
 def nothing_written(api: Api) -> None:

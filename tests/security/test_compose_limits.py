@@ -14,21 +14,10 @@ from pathlib import Path
 import pytest
 
 from pelt_core import limits
-from services.client import PeltAPIError
 from tests.api.conftest import Api
+from tests.api.helpers import refused
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def refused(call, status: int, field: str | None = None, words: str = "") -> PeltAPIError:
-    with pytest.raises(PeltAPIError) as caught:
-        call()
-    error = caught.value
-    assert error.status == status, error
-    if field is not None:
-        assert error.field == field, error
-    assert words.lower() in error.message.lower(), error
-    return error
 
 
 @pytest.fixture
@@ -134,6 +123,23 @@ def test_a_failure_after_the_version_is_written_leaves_no_version(api, loras, mo
     assert versions(api, "fresh") == []
 
 
+def test_a_composition_whose_audit_fails_is_503_and_leaves_no_version(client, api, loras, monkeypatch):
+    from services.registry.errors import RegistryBusyError
+
+    def busy(*args, **kwargs):
+        raise RegistryBusyError("another writer holds the database")
+
+    monkeypatch.setattr(api.registry, "record_audit", busy)
+    before = versions(api, "toy")
+    refused(lambda: client.compose("merge", loras, "toy", aliases=["soup"]), 503, words="busy")
+    assert versions(api, "toy") == before
+    refused(lambda: client.compose("merge", loras, "fresh"), 503, words="busy")
+    assert versions(api, "fresh") == [] and "delta.compose" not in {e.action for e in api.registry.audit_events()}
+    monkeypatch.undo()
+    composed = client.compose("merge", loras, "fresh")
+    assert api.registry.audit_events()[0].target == f"fresh version {composed.version}"
+
+
 ATTACK = textwrap.dedent("""
     import resource, sys, torch
     from pelt_core.compose import CompositionError, merge, merge_lora_svd
@@ -171,10 +177,17 @@ def test_a_huge_rank_is_refused_before_anything_is_allocated_under_a_memory_limi
     assert lines[3].startswith("refused: rank: must be at most 32"), lines
 
 
-def test_the_service_pelt_core_and_the_table_know_the_same_compose_options():
+def test_the_service_applies_pelt_cores_compose_options_which_the_table_bounds(client, api, loras):
     from pelt_core.compose import OPTIONS
-    from services.service import COMPOSE_OPTIONS
 
-    assert COMPOSE_OPTIONS == OPTIONS
+    refused(lambda: client.compose("average", loras, "soup", how="ties"), 422, "options.how",
+            "not an option of average; its options: lora_rank")
+    assert versions(api, "soup") == []
+    for name in ("backbone", "into", "aliases", "description", "on_written"):  # the store's own parameters
+        body = {"op": "merge", "sources": loras, "into": "soup", "options": {name: "x"}}
+        response = client.http.post("/v1/compose", json=body)
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["field"] == f"options.{name}", response.text
+    assert versions(api, "soup") == []
     numeric = {name for names in OPTIONS.values() for name in names} - {"how", "combine"}
     assert numeric == set(limits.COMPOSE_RANGES)

@@ -18,29 +18,18 @@ from pelt_core.config import ConfigError, TrainConfig, parse_settings
 from pelt_core.limits import LimitError, Range, check_against_backbone, estimate_job_memory
 from pelt_core.methods import get_method
 from pelt_core.spec import MethodSpec, SpecError
-from services.client import PeltAPIError
 from services.errors import classify
 from services.registry import Registry, RegistryValidationError
 from services.registry.db import SQLiteWriteGate, sqlite_path
 from services.registry.errors import RegistryBusyError
 from services.settings import Settings
 from tests.api.conftest import BACKBONE, Api
+from tests.api.helpers import refused
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FACTS = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4, "head_dim": 8,
               "intermediate_size": 64, "max_positions": 64, "vocab_size": 114, "num_parameters": 40_000}
 SIZED = "tiny-bert-facts"  # the tiny backbone registered with its facts
-
-
-def refused(call, status: int, field: str | None = None, words: str = "") -> PeltAPIError:
-    with pytest.raises(PeltAPIError) as caught:
-        call()
-    error = caught.value
-    assert error.status == status, error
-    if field is not None:
-        assert error.field == field, error
-    assert words.lower() in error.message.lower(), error
-    return error
 
 
 def all_ranges() -> list[tuple[str, Range]]:
@@ -84,6 +73,22 @@ def test_command_line_text_is_read_through_the_table_and_inf_nan_are_refused():
                       ("epochs", "1e400"), ("batch_size", "1e3"), ("r", "1e9"), ("seed", str(2**63))):
         with pytest.raises(ConfigError, match=f"^{key}: "):
             parse_settings({key: text})
+
+
+def test_one_alias_table_says_what_r_bottleneck_and_prefix_length_set_everywhere():
+    from pelt_core.spec import SIZE_ALIASES
+    from services.registry.validation import check_json_numbers
+
+    kinds = {"lora": {"lora_q", "lora_v"}, "adapter": {"adapter"}, "prefix": {"prefix"}}
+    for alias, kind in SIZE_ALIASES.items():
+        assert parse_settings({alias: "4"}) == {alias: 4}  # the command line reads it as the size it is
+        with pytest.raises(ConfigError, match=f"^{alias}: must be in \\[1, 16384\\]"):
+            parse_settings({alias: "0"})
+        with pytest.raises(RegistryValidationError) as caught:  # JSON: a number, never text
+            check_json_numbers({alias: "4"})
+        assert caught.value.field == alias
+        spec = get_method("unipelt", {alias: 4})
+        assert {role for role, module in spec.modules.items() if module.size == 4} == kinds[kind]
 
 
 @pytest.mark.parametrize(("values", "field"), [
@@ -227,10 +232,45 @@ def test_ranks_layers_and_lengths_beyond_the_backbone_are_422(client, toy_task, 
     assert api.registry.list_jobs() == []
 
 
-def test_the_tasks_default_length_is_cut_to_the_backbones_positions(client, toy_task, sized):
+def test_the_tasks_default_length_is_cut_to_the_backbones_positions(client, toy_task, api, sized):
     job = client.submit(toy_task, "lora", backbone=sized)  # the task says 128; the backbone takes 64
     assert job.train_config["max_length"] == 64
-    assert client.submit(toy_task, "lora", backbone=BACKBONE).train_config["max_length"] == 128  # no facts
+    registry_alone = api.registry.submit_job(toy_task, "lora", BACKBONE)  # a backbone without facts: not cut
+    assert api.registry.get_backbone(BACKBONE).facts is None and registry_alone.train_config["max_length"] == 128
+
+
+def test_a_backbone_registered_without_facts_gets_them_from_its_config_and_its_bounds_apply(client, toy_task, api,
+                                                                                          tiny_bert_dir):
+    from pelt_core.backbones import Backbone
+
+    assert api.registry.get_backbone(BACKBONE).facts is None  # as a backbone registered before migration 0006
+    refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters={"r": 33}), 422, "r",
+            "at most 32")
+    assert api.registry.list_jobs() == []
+    facts, loaded = api.registry.get_backbone(BACKBONE).facts, Backbone.load(str(tiny_bert_dir)).facts
+    assert {key: value for key, value in facts.items() if key != "num_parameters"} == \
+        {key: value for key, value in loaded.items() if key != "num_parameters"}
+    assert facts["num_parameters"] == pytest.approx(loaded["num_parameters"], rel=0.05)  # estimated from the config
+    assert client.submit(toy_task, "lora", backbone=BACKBONE).train_config["max_length"] == facts["max_positions"]
+
+
+def test_a_tasks_max_length_has_the_one_range_of_the_table_in_the_api_and_the_registry():
+    from pydantic import ValidationError
+
+    from services.api.schemas import TaskDefinition
+    from services.registry.validation import check_task_definition
+
+    bound = limits.TRAIN_RANGES["max_length"]
+    definition = {"text_fields": ["sentence"], "label_field": "label", "problem_type": "single_label_classification",
+                  "metric": "accuracy", "metric_direction": None, "label_names": None}
+    assert check_task_definition(**definition, max_length=int(bound.high)).max_length == bound.high
+    assert TaskDefinition(text_fields="sentence", max_length=int(bound.high)).max_length == bound.high
+    for outside in (int(bound.low) - 1, int(bound.high) + 1):
+        with pytest.raises(RegistryValidationError, match=r"\[1, 131072\]") as caught:
+            check_task_definition(**definition, max_length=outside)
+        assert caught.value.field == "max_length"
+        with pytest.raises(ValidationError):
+            TaskDefinition(text_fields="sentence", max_length=outside)
 
 
 def test_a_job_over_the_worker_memory_budget_is_422_naming_what_to_lower(client, toy_task, api, sized):

@@ -122,6 +122,36 @@ def test_registering_a_backbone_needs_an_admin_token(api: Api, tiny_bert_dir: Pa
     assert [b.name for b in api.registry.list_backbones()] == [BACKBONE]
 
 
+def test_a_write_tokens_submit_registers_nothing_but_a_packaged_backbone(api: Api, toy_task: str,
+                                                                         tiny_bert_dir: Path):
+    """A submit naming an unregistered packaged backbone registers it on first use, with any write token
+    (packaged backbones ship with pelt); a model folder, even one an admin may register, is a 404."""
+    from pelt_core.backbones import BackboneError
+
+    loaded: list[str] = []
+
+    def spy_loader(source: str) -> None:
+        loaded.append(source)
+        raise BackboneError("not loaded in this test")
+
+    api.service._backbone_loader = spy_loader
+    _, secret = api.registry.create_api_token("writer", scope="write")
+    writer = api.client(secret)
+    rows, files, audit = row_counts(api), api.files(), audit_actions(api)
+    for folder in (str(tiny_bert_dir), str(tiny_bert_dir.parent), "../backbones/tiny-bert", "tiny-bert/."):
+        with pytest.raises(PeltAPIError) as refused:
+            writer.submit(toy_task, "lora", backbone=folder)
+        assert (refused.value.status, refused.value.field) == (404, "backbone"), (folder, refused.value)
+        with pytest.raises(PeltAPIError) as refused:
+            writer.sweep(toy_task, ["lora"], backbone=folder)
+        assert refused.value.status == 404, (folder, refused.value)
+    assert loaded == []
+    with pytest.raises(PeltAPIError) as refused:
+        writer.submit(toy_task, "lora", backbone="minilm")  # packaged: loaded for registering, here refused
+    assert refused.value.status == 422 and loaded == ["all-minilm-l6-v2"]
+    assert (row_counts(api), api.files(), audit_actions(api)) == (rows, files, audit)
+
+
 def test_tokens_made_before_scopes_existed_become_admin(tmp_path: Path):
     url = sqlite_url(tmp_path / "registry.db")
     upgrade(url, "0006")

@@ -2,21 +2,29 @@
 
 Over a real `pelt serve` on 127.0.0.1: a handled error (500) keeps the keep-alive connection for the
 client's next request; a connection whose request head is not complete within
-PELT_API_HEADER_TIMEOUT_SECONDS is closed (the first request's or a kept-alive connection's next one);
-connections beyond PELT_API_MAX_CONNECTIONS are answered 503 and the service still answers once they
-go. Everything the service writes under PELT_DATA_DIR is its user's only (folders 0700, files 0600),
-and so is Ray's token file where pelt starts Ray.
+PELT_API_HEADER_TIMEOUT_SECONDS is closed (the first request's or a kept-alive connection's next one),
+and so is one whose request body stops arriving for PELT_API_BODY_IDLE_TIMEOUT_SECONDS; connections
+beyond PELT_API_MAX_CONNECTIONS are answered 503 and the service still answers once they go.
+Everything the service writes under PELT_DATA_DIR is its user's only (folders 0700, files 0600), and so
+is Ray's token file where pelt starts Ray (found even without Ray's private helpers; never failing the
+start).
+
+The server runs in the test's own process (one GIL with the test), on a machine that may be loaded:
+only the tests that expect a close use short timeouts (SHORT_TIMEOUT_SECONDS), every other one long
+ones, and every wait polls for an event up to a deadline far above the timeouts: no test sleeps
+against a timeout.
 """
 
 from __future__ import annotations
 
 import os
-import select
+import queue
 import socket
 import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,15 +37,29 @@ from services.client import PeltClient
 from services.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-DEADLINE_SECONDS = 30.0  # how long a test waits for what must happen (far above the timeouts it sets)
+SHORT_TIMEOUT_SECONDS = 2.0  # the header and body timeouts of the tests that expect a close
+LONG_TIMEOUT_SECONDS = 600.0  # those of every other test: a healthy request is never closed under load
+DEADLINE_SECONDS = 60.0  # how long a test waits for what must happen (far above SHORT_TIMEOUT_SECONDS)
+
+
+def serve(tmp_path: Path, timeout: float, **options: object) -> Service:
+    """`pelt serve` without a dispatcher, with this header and body-idle timeout."""
+    settings = Settings(data_dir=tmp_path / "pelt", ray_address=None, api_header_timeout_seconds=timeout,
+                        api_body_idle_timeout_seconds=timeout, **options)
+    return Service(settings, port=0, dispatcher=False)
 
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Service]:
-    """`pelt serve` without a dispatcher, with a short header timeout and a small connection cap."""
-    settings = Settings(data_dir=tmp_path / "pelt", ray_address=None, api_header_timeout_seconds=0.5,
-                        api_max_connections=8)
-    with Service(settings, port=0, dispatcher=False) as service:
+    """`pelt serve` with long timeouts and a small connection cap: for requests that must be answered."""
+    with serve(tmp_path, LONG_TIMEOUT_SECONDS, api_max_connections=8) as service:
+        yield service
+
+
+@pytest.fixture
+def impatient(tmp_path: Path) -> Iterator[Service]:
+    """`pelt serve` with short timeouts: for the tests that expect the server to close a connection."""
+    with serve(tmp_path, SHORT_TIMEOUT_SECONDS) as service:
         yield service
 
 
@@ -64,6 +86,23 @@ def until_closed(sock: socket.socket) -> bytes:
         received += chunk
 
 
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response (its head and its Content-Length of body) from the connection."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed in a response's head: {received!r}"
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed in a response's body: {received!r}"
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def open_connections(service: Service) -> int:
     return len(service._server.server_state.connections)
 
@@ -83,7 +122,8 @@ def test_an_unexpected_error_is_a_json_500_on_a_connection_that_stays_open(serve
         raise RuntimeError(f"boom in {served.settings.data_dir}")
 
     monkeypatch.setattr(served.app.state.service, "list_tasks", broken)
-    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {served.token}"}) as http:
+    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {served.token}"},
+                      timeout=DEADLINE_SECONDS) as http:
         failed = http.get("/v1/tasks")
         assert failed.status_code == 500, failed.text
         assert failed.json()["error"]["type"] == "InternalError" and "boom" not in failed.text
@@ -97,60 +137,110 @@ def test_an_unexpected_error_is_a_json_500_on_a_connection_that_stays_open(serve
 # --- finding 11: slow clients ---------------------------------------------------------------------------
 
 
-def test_a_connection_sending_half_a_request_line_is_closed_unanswered(served: Service):
-    with connect(served) as sock:
+def test_a_connection_sending_half_a_request_line_is_closed_unanswered(impatient: Service):
+    with connect(impatient) as sock:
         sock.sendall(b"GET /v1/ta")
         assert until_closed(sock) == b""
 
 
-def test_a_connection_that_sends_nothing_is_closed(served: Service):
-    with connect(served) as sock:
+def test_a_connection_that_sends_nothing_is_closed(impatient: Service):
+    with connect(impatient) as sock:
         assert until_closed(sock) == b""
 
 
-def test_a_kept_alive_connection_whose_next_request_head_stalls_is_closed(served: Service):
-    with connect(served) as sock:
+def test_a_kept_alive_connection_whose_next_request_head_stalls_is_closed(impatient: Service):
+    with connect(impatient) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: pelt\r\n\r\n")
-        answer = b""
-        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
-            chunk = sock.recv(65536)
-            assert chunk, answer
-            answer += chunk
-        assert answer.startswith(b"HTTP/1.1 200")
+        assert read_response(sock).startswith(b"HTTP/1.1 200")
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: pe")  # uvicorn's keep-alive timer stops at this first byte
         assert until_closed(sock) == b""
 
 
-def test_many_slow_clients_are_all_closed_and_the_service_still_answers(tmp_path: Path):
-    settings = Settings(data_dir=tmp_path / "pelt", ray_address=None, api_header_timeout_seconds=0.5)
-    with Service(settings, port=0, dispatcher=False) as service:
-        slow = [connect(service) for _ in range(60)]
-        try:
-            for sock in slow:
-                sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: pelt\r\nX-Slow: ")
-            assert httpx.get(f"{service.url}/health").status_code == 200
-            for sock in slow:
-                assert until_closed(sock) == b""
-        finally:
-            for sock in slow:
-                sock.close()
-        wait_for_connections(service, 0)
+def test_many_slow_clients_are_all_closed_and_the_service_still_answers(impatient: Service):
+    slow = [connect(impatient) for _ in range(60)]
+    try:
+        for sock in slow:
+            sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: pelt\r\nX-Slow: ")
+        assert httpx.get(f"{impatient.url}/health", timeout=DEADLINE_SECONDS).status_code == 200
+        for sock in slow:
+            assert until_closed(sock) == b""
+    finally:
+        for sock in slow:
+            sock.close()
+    wait_for_connections(impatient, 0)
+
+
+def job_request_head(service: Service, *, authorized: bool, length: int = 1000) -> bytes:
+    """The head of a POST /v1/jobs announcing a JSON body of `length` bytes."""
+    head = (f"POST /v1/jobs HTTP/1.1\r\nHost: pelt\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n")
+    if authorized:
+        head += f"Authorization: Bearer {service.token}\r\n"
+    return (head + "\r\n").encode()
+
+
+@pytest.mark.parametrize("body_sent", [b"", b'{"task": "toy", "meth'], ids=["no-body-byte", "part-of-the-body"])
+def test_a_request_whose_body_stops_arriving_is_closed_and_writes_nothing(impatient: Service, body_sent: bytes):
+    files_before = sorted(impatient.settings.data_dir.rglob("*"))
+    with connect(impatient) as sock:
+        sock.sendall(job_request_head(impatient, authorized=True) + body_sent)
+        assert until_closed(sock) == b""  # the app was still waiting for the body: nothing answered
+    assert impatient.registry.list_jobs() == []
+    assert sorted(impatient.settings.data_dir.rglob("*")) == files_before
+
+
+def test_a_body_still_trickling_after_an_early_answer_is_closed(impatient: Service):
+    """A 401 answers before the body is read; the client may keep sending its rest (uvicorn's keep-alive
+    timer stops at each byte), but not trickle it forever."""
+    with connect(impatient) as sock:
+        sock.sendall(job_request_head(impatient, authorized=False) + b'{"task": ')
+        assert read_response(sock).startswith(b"HTTP/1.1 401")
+        sock.sendall(b'"toy", ')
+        assert until_closed(sock) == b""
+
+
+def body_deadlines(service: Service) -> list[float]:
+    """When each open connection's request body is due to be closed for idleness (event-loop time)."""
+    return [deadline for protocol in list(service._server.server_state.connections)
+            if (deadline := protocol.body_deadline) is not None]
+
+
+def next_body_deadline(service: Service, after: float | None = None) -> float:
+    """The one body deadline once it is set (and later than `after`); fails at the test's deadline."""
+    waited_until = time.monotonic() + DEADLINE_SECONDS
+    while True:
+        deadlines = body_deadlines(service)
+        if len(deadlines) == 1 and (after is None or deadlines[0] > after):
+            return deadlines[0]
+        assert time.monotonic() < waited_until, f"body deadlines {deadlines}, none after {after}"
+        time.sleep(0.01)
+
+
+def test_each_body_byte_that_arrives_pushes_the_body_deadline_back(served: Service):
+    """The body timeout is an idle timeout (like nginx's client_body_timeout): a slow upload whose bytes
+    keep coming is never cut off, however long it takes in all."""
+    with connect(served) as sock:
+        sock.sendall(job_request_head(served, authorized=True) + b"{")
+        first = next_body_deadline(served)
+        sock.sendall(b" ")
+        second = next_body_deadline(served, after=first)
+        sock.sendall(b" ")
+        next_body_deadline(served, after=second)
 
 
 def test_connections_beyond_the_cap_are_answered_503_until_some_go(tmp_path: Path):
-    settings = Settings(data_dir=tmp_path / "pelt", ray_address=None, api_max_connections=4,
-                        api_header_timeout_seconds=600)  # the held connections stay until the test closes them
-    with Service(settings, port=0, dispatcher=False) as service:
+    # long timeouts: the held connections stay until the test closes them
+    with serve(tmp_path, LONG_TIMEOUT_SECONDS, api_max_connections=4) as service:
         holding = [connect(service) for _ in range(4)]
         try:
             wait_for_connections(service, 4)
-            refused = httpx.get(f"{service.url}/health")
+            refused = httpx.get(f"{service.url}/health", timeout=DEADLINE_SECONDS)
             assert refused.status_code == 503
         finally:
             for sock in holding:
                 sock.close()
         wait_for_connections(service, 0)
-        assert httpx.get(f"{service.url}/health").status_code == 200
+        assert httpx.get(f"{service.url}/health", timeout=DEADLINE_SECONDS).status_code == 200
 
 
 # --- finding 9: file modes ------------------------------------------------------------------------------
@@ -166,17 +256,29 @@ def modes_open_to_others(root: Path) -> list[str]:
     return found
 
 
-def read_line_until(process: subprocess.Popen, marker: str) -> str:
-    """The first line of the process's output that contains `marker` (fails at the deadline)."""
-    deadline = time.monotonic() + 180
-    assert process.stdout is not None
-    seen = []
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], max(deadline - time.monotonic(), 0))
-        if not ready:
+def output_lines(process: subprocess.Popen) -> queue.Queue[str | None]:
+    """The process's output, line by line, read by a thread of its own (None at its end)."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, name="process-output", daemon=True).start()
+    return lines
+
+
+def read_line_until(lines: queue.Queue[str | None], marker: str) -> str:
+    """The first line of the output that contains `marker` (fails at the end of it or at the deadline)."""
+    deadline, seen = time.monotonic() + 180, []
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=remaining)
+        except queue.Empty:
             break
-        line = process.stdout.readline()
-        if not line:
+        if line is None:
             break
         seen.append(line)
         if marker in line:
@@ -196,7 +298,7 @@ def test_pelt_serve_keeps_everything_it_writes_to_its_own_user(tmp_path: Path, t
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     try:
-        url = read_line_until(process, "pelt serving on").split()[3]
+        url = read_line_until(output_lines(process), "pelt serving on").split()[3]
         client = PeltClient(url, settings=Settings(data_dir=data, ray_address=None))
         client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
         client.register_method({"name": "mine", "modules": {"q": {
@@ -219,6 +321,51 @@ def test_the_ray_token_file_is_made_private(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
     assert private_ray_token() == token
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
+
+
+RAY_TOKEN_SETUP = "ray._private.authentication.authentication_token_setup"
+
+
+def test_the_ray_token_file_is_made_private_without_rays_private_helpers(tmp_path: Path, monkeypatch):
+    """A Ray upgrade that moves its private modules must not break starting pelt: ~/.ray/auth_token,
+    Ray's documented default, is found without them."""
+    from services.dispatcher import private_ray_token
+
+    monkeypatch.setitem(sys.modules, RAY_TOKEN_SETUP, None)  # importing it now raises ImportError
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    token = tmp_path / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("secret")
+    token.chmod(0o644)
+    assert private_ray_token() == token
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+
+
+def test_a_ray_token_file_that_is_missing_or_cannot_be_made_private_is_a_warning(tmp_path: Path, monkeypatch,
+                                                                                  caplog):
+    from services.dispatcher import private_ray_token
+
+    monkeypatch.setitem(sys.modules, RAY_TOKEN_SETUP, None)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+    with caplog.at_level("WARNING", logger="pelt.dispatcher"):
+        assert private_ray_token() is None
+    assert "no Ray token file" in caplog.text
+
+    token = tmp_path / "ray-token"
+    token.write_text("secret")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+
+    def refused(self: Path, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted", str(self))
+
+    monkeypatch.setattr(Path, "chmod", refused)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pelt.dispatcher"):
+        assert private_ray_token() is None
+    assert "cannot make the Ray token file" in caplog.text
 
 
 def test_a_local_ray_started_by_pelt_leaves_its_token_file_private(tmp_path: Path):

@@ -203,3 +203,54 @@ def test_dataset_errors_name_the_split_and_the_uploaded_file_not_a_server_path(c
                       "text_fields")
     assert str(api.settings.data_dir) not in message
     nothing_written(api)
+
+
+# --- positions apply to declared names only (round 2) -----------------------------------------------------
+
+
+def test_an_evaluation_label_outside_the_inferred_names_is_refused_not_taken_as_a_position(client, api, tmp_path):
+    """Training labels {1, 2} infer the classes ["1", "2"]: a validation label 0 is no class (not "1")."""
+    train = jsonl(tmp_path / "train.jsonl", [{"sentence": "a", "label": 1}, {"sentence": "b", "label": 2}])
+    validation = jsonl(tmp_path / "validation.jsonl", [{"sentence": "c", "label": 0}])
+    refused(lambda: client.register_task("shifted", train, validation, text_fields=["sentence"]), 422,
+            "source.validation", "0")
+    words = jsonl(tmp_path / "words.jsonl", [{"sentence": "a", "label": "neg"}, {"sentence": "b", "label": "pos"}])
+    refused(lambda: client.register_task("shifted", words, validation, text_fields=["sentence"]), 422,
+            "source.validation", "0")
+    nothing_written(api)
+
+
+def test_declared_label_names_still_take_whole_numbers_as_positions(client, api, tmp_path):
+    train = jsonl(tmp_path / "train.jsonl", [{"sentence": "a", "label": 0}, {"sentence": "b", "label": 1}])
+    validation = jsonl(tmp_path / "validation.jsonl", [{"sentence": "c", "label": 1}])
+    task = client.register_task("declared", train, validation, text_fields=["sentence"], label_names=["neg", "pos"])
+    assert task.label_names == ["neg", "pos"]
+
+
+def test_the_trainer_maps_labels_by_name_only_when_it_inferred_the_names():
+    from datasets import Dataset
+
+    from pelt_core.data import DataError, encode_labels, infer_task_fields
+
+    rows = Dataset.from_dict({"sentence": ["a", "b"], "label": [1, 2]})
+    task = infer_task_fields(rows)
+    assert task.label_names == ["1", "2"]
+    assert encode_labels([2, 1], task, "data").tolist() == [1, 0]
+    with pytest.raises(DataError, match="0"):
+        encode_labels([0], task, "data")
+
+
+def test_the_trainer_loads_a_datasets_folder_without_hashing_its_table(tmp_path, monkeypatch):
+    """Without a fingerprint given, `datasets` pickles and hashes the whole table: one more copy of the data."""
+    import datasets.arrow_dataset
+    from datasets import Dataset
+
+    from pelt_core.saved_dataset import load_saved_dataset
+
+    Dataset.from_dict({"sentence": ["good", "bad"], "label": [1, 0]}).save_to_disk(tmp_path / "ds")
+
+    def hashing_the_table(*args: Any, **kwargs: Any) -> str:
+        raise AssertionError("datasets fingerprinted the split by hashing its table")
+
+    monkeypatch.setattr(datasets.arrow_dataset, "generate_fingerprint", hashing_the_table)
+    assert load_saved_dataset(tmp_path / "ds").num_rows == 2

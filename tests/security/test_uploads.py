@@ -403,3 +403,425 @@ def test_a_deeply_nested_json_body_is_a_422_naming_the_body(api, toy_task, depth
     response = api.client().http.post("/v1/jobs", content=body, headers={"Content-Type": "application/json"})
     refused(response, 422, "body", "nested")
     assert api.registry.list_jobs() == []
+
+
+# --- round 2: what a reviewer found ---------------------------------------------------------------------
+
+
+def run_python(code: str, *arguments: str, memory_bytes: int = 2 << 30) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh interpreter under an address-space limit (a crash there fails only its test)."""
+    bounded = f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({memory_bytes}, {memory_bytes}))\n" + code
+    environment = {**os.environ, "MALLOC_ARENA_MAX": "2", "ARROW_DEFAULT_MEMORY_POOL": "system",
+                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", bounded, *arguments], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], env=environment, timeout=300)
+
+
+def dataset_dict_with_a_root_state_pointing_at(root: Path, victim: Path) -> Path:
+    """A clean DatasetDict folder (dataset_dict.json, train/) plus a root state.json naming `victim`'s
+    Arrow file by its absolute path: `datasets.load_from_disk` loads the root state first."""
+    root.mkdir()
+    saved_dataset(root / "train")
+    (root / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    (root / "dataset_info.json").write_text((victim / "dataset_info.json").read_text())
+    (root / "state.json").write_text((victim / "state.json").read_text())
+    point_data_file_at(root, str(next(victim.glob("*.arrow"))))
+    return root
+
+
+def test_a_dataset_dict_with_a_root_state_json_is_refused_and_never_loads_it(api, tmp_path):
+    victim = saved_dataset(tmp_path / "victim", SECRET_LABELS)
+    root = dataset_dict_with_a_root_state_pointing_at(tmp_path / "dsd", victim)
+
+    response = upload(api, {"dataset": ("dsd.tar.gz", tar_gz(root))})
+
+    refused(response, 422, "dataset", "state.json")
+    assert "secret" not in response.text and str(tmp_path) not in response.text
+    nothing_written(api)
+
+
+def test_the_trainer_refuses_a_dataset_dict_with_a_root_state_json(tmp_path):
+    from pelt_core.data import DataError, load_split, load_table
+
+    victim = saved_dataset(tmp_path / "victim", SECRET_LABELS)
+    root = dataset_dict_with_a_root_state_pointing_at(tmp_path / "dsd", victim)
+    for load in (lambda: load_table(root), lambda: load_split(f"{root}:train")):
+        with pytest.raises(DataError, match=r"state\.json") as caught:
+            load()
+        assert "secret" not in str(caught.value)
+
+
+def nested_row(depth: int) -> bytes:
+    return json.dumps({"text": "deep", "label": 1})[:-1].encode() + b', "x": ' + b"[" * depth + b"]" * depth + b"}\n"
+
+
+def test_a_json_lines_row_nested_20000_deep_is_a_422_and_the_service_survives(settings, tmp_path):
+    """pyarrow's JSON reader crashes the process (SIGSEGV) on it; depth 1,000 it reads."""
+    train = tmp_path / "train.jsonl"
+    train.write_bytes(json.dumps({"text": "fine", "label": 0}).encode() + b"\n" + nested_row(20_000))
+
+    answer = upload_bounded(settings, {"train": ("train.jsonl", train)})
+
+    assert answer["status"] == 422, answer
+    error = answer["body"]["error"]
+    assert error["field"] == "source.train" and "nested" in error["message"] and "line 2" in error["message"], error
+    nothing_kept(settings)
+
+
+def test_the_trainer_refuses_a_json_lines_row_nested_too_deep(tmp_path):
+    deep = tmp_path / "train.jsonl"
+    deep.write_bytes(nested_row(20_000))
+    done = run_python("import sys\nfrom pelt_core.data import DataError, load_table\ntry:\n    load_table(sys.argv[1])\n"
+                      "except DataError as exc:\n    print('REFUSED', exc)\n", str(deep))
+    assert done.returncode == 0 and "REFUSED" in done.stdout and "nested" in done.stdout, (done.returncode,
+                                                                                             done.stderr[-2000:])
+
+
+def test_data_that_decode_past_the_probe_memory_limit_are_a_422_naming_the_split(settings, tmp_path):
+    """8,192 rows of one 1 MB text, dictionary-encoded in a Parquet file of a few KB: one batch decodes
+    to 8 GB. The probe runs in a child process under PELT_DATASET_PROBE_MEMORY_BYTES: the service
+    answers 422 naming the split instead of dying."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 8_192
+    text = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int8()), pa.array(["x" * (1 << 20)]))
+    table = pa.table({"text": text, "label": pa.array([0, 1] * (rows // 2))})
+    pq.write_table(table, tmp_path / "train.parquet", store_schema=False)  # read back as plain strings
+    assert (tmp_path / "train.parquet").stat().st_size < 2 << 20
+
+    answer = upload_bounded(settings, {"train": ("train.parquet", tmp_path / "train.parquet")},
+                            headroom=1 << 30)
+
+    assert answer["status"] in (413, 422), answer
+    error = answer["body"]["error"]
+    assert error["field"] == "source.train", error
+    nothing_kept(settings)
+
+
+def test_a_probe_past_its_memory_limit_is_a_422_and_the_api_stays_up(api, toy_files):
+    api.settings.dataset_probe_memory_bytes = 32 << 20  # too little to start the probe's interpreter
+    train = ("train.jsonl", Path(toy_files["train"]).read_bytes())
+    refused(upload(api, {"train": train}), 422, "source", "could not be read", "PELT_DATASET_PROBE_MEMORY_BYTES")
+    nothing_written(api)
+    api.settings.dataset_probe_memory_bytes = 4 << 30
+    assert upload(api, {"train": train}, definition='{"text_fields": ["sentence"]}').status_code == 201
+
+
+def test_a_probe_past_its_time_limit_is_a_422(api, toy_files):
+    api.settings.dataset_probe_timeout_seconds = 0.001  # no interpreter starts in a millisecond
+    train = ("train.jsonl", Path(toy_files["train"]).read_bytes())
+    refused(upload(api, {"train": train}), 422, "source", "PELT_DATASET_PROBE_TIMEOUT_SECONDS")
+    nothing_written(api)
+
+
+def sparse_tar(path: Path, real_size: int) -> Path:
+    """A pax (GNU sparse 1.0) member of `real_size` bytes whose holes the archive does not hold."""
+    sparse_map = b"1\n0\n1\n".ljust(512, b"\0")  # one data region: offset 0, 1 byte
+    info = tarfile.TarInfo("ds/GNUSparseFile.0/data-00000-of-00001.arrow")
+    info.size = len(sparse_map) + 1
+    info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                        "GNU.sparse.name": "ds/data-00000-of-00001.arrow", "GNU.sparse.realsize": str(real_size)}
+    with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as archive:
+        archive.addfile(info, io.BytesIO(sparse_map + b"x"))
+    return path
+
+
+def test_a_sparse_tar_member_is_refused_before_its_holes_are_written(settings, tmp_path):
+    bomb = sparse_tar(tmp_path / "ds.tar.gz", 10 << 30)
+    assert bomb.stat().st_size < 4096
+
+    answer = upload_bounded(settings, {"dataset": ("ds.tar.gz", bomb)})
+
+    assert answer["status"] in (413, 422), answer
+    error = answer["body"]["error"]
+    assert error["field"] == "dataset" and "sparse" in error["message"], error
+    nothing_kept(settings)
+
+
+def test_a_dictionary_encoded_label_is_summarized_without_decoding_it(settings, tmp_path):
+    """One million int8 indices into one 100 KB label: 100 GB decoded. The label is refused (too long)
+    from its dictionary, in a few MB."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 1_000_000
+    label = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int8()), pa.array(["y" * 100_000]))
+    pq.write_table(pa.table({"text": pa.array(["t"] * rows), "label": label}), tmp_path / "train.parquet")
+
+    answer = upload_bounded(settings, {"train": ("train.parquet", tmp_path / "train.parquet")}, headroom=384 << 20)
+
+    assert answer["status"] == 422, answer
+    error = answer["body"]["error"]
+    assert error["field"] == "label_field" and "characters" in error["message"], error
+    nothing_kept(settings)
+
+
+def test_a_datasets_folder_with_dictionary_encoded_columns_is_refused(tmp_path):
+    import pyarrow as pa
+
+    from pelt_core.saved_dataset import SavedDatasetError, inspect_saved_dataset
+
+    ds = saved_dataset(tmp_path / "ds")
+    arrow = next(ds.glob("*.arrow"))
+    with pa.memory_map(str(arrow)) as source:
+        table = pa.ipc.open_stream(source).read_all()
+    encoded = table.set_column(1, "label", table.column("label").combine_chunks().dictionary_encode())
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, encoded.schema) as writer:
+        writer.write_table(encoded)
+    with pytest.raises(SavedDatasetError, match="dictionary"):
+        inspect_saved_dataset(ds)
+
+
+def without_listed_features(ds: Path) -> Path:
+    info_file = ds / "dataset_info.json"
+    info = json.loads(info_file.read_text())
+    del info["features"]
+    info_file.write_text(json.dumps(info))
+    return ds
+
+
+def image_dataset(folder: Path) -> Path:
+    """A save_to_disk folder whose `text` column is an Image feature (in its Arrow schema's metadata)."""
+    from datasets import Dataset, Features, Image, Value
+
+    Dataset.from_dict({"text": [{"bytes": None, "path": "/etc/hostname"}] * 2, "label": ["a", "b"]},
+                      features=Features({"text": Image(), "label": Value("string")})).save_to_disk(folder)
+    return folder
+
+
+def test_features_from_the_arrow_schema_metadata_are_checked_too(api, tmp_path):
+    """Without `features` in dataset_info.json, datasets takes them from the Arrow schema's metadata."""
+    ds = without_listed_features(image_dataset(tmp_path / "ds"))
+    response = upload(api, {"dataset": ("ds.tar.gz", tar_gz(ds))})
+    refused(response, 422, "dataset", "features")
+    nothing_written(api)
+
+
+def test_the_trainer_never_takes_features_from_the_arrow_schema_metadata(tmp_path):
+    from pelt_core.data import DataError, load_table
+
+    with pytest.raises(DataError, match="features"):
+        load_table(without_listed_features(image_dataset(tmp_path / "ds")))
+
+
+def test_a_slow_upload_does_not_hold_up_another(api, toy_files, tmp_path, monkeypatch):
+    """The upload lock covers the folder's rename and its in-use check, not the probe of the data."""
+    import threading
+
+    from services.service import Upload
+
+    entered, release, finished = threading.Event(), threading.Event(), threading.Event()
+    register = api.registry.register_task
+
+    def slow_for_the_first(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "slow":
+            entered.set()
+            release.wait(60)
+        return register(name, *args, **kwargs)
+
+    monkeypatch.setattr(api.registry, "register_task", slow_for_the_first)
+    slow_file = tmp_path / "slow.jsonl"
+    slow_file.write_bytes(Path(toy_files["train"]).read_bytes() + b'{"sentence": "one more", "label": 1}\n')
+    slow = threading.Thread(target=lambda: (api.service.register_task(
+        "slow", {"train": Upload("slow.jsonl", slow_file.open("rb"))}, {"text_fields": ["sentence"]}),
+        finished.set()))
+    slow.start()
+    try:
+        assert entered.wait(60)
+        with Path(toy_files["train"]).open("rb") as train:
+            fast = api.service.register_task("fast", {"train": Upload("train.jsonl", train)},
+                                             {"text_fields": ["sentence"]})
+        assert fast.name == "fast" and not finished.is_set()
+    finally:
+        release.set()
+        slow.join(60)
+    assert finished.is_set() and {task.name for task in api.registry.list_tasks()} == {"slow", "fast"}
+
+
+def test_the_zip_end_record_is_read_without_private_zipfile_internals():
+    source = (Path(__file__).resolve().parents[2] / "services" / "uploads.py").read_text()
+    assert "zipfile._" not in source
+
+
+# --- round 3: zip64 end records, tar headers, concurrent probes, the sandboxed child ---------------------
+
+
+def crafted_zip64(entries: int) -> bytes:
+    """A zip whose end record, and the zip64 end record its locator points at, say one entry of 46 bytes,
+    while the zip64 end record just before the locator (the one Python's zipfile reads) lists `entries`."""
+    import struct
+
+    central = struct.Struct("<4s4B4HL2L5H2L")  # a central directory entry (APPNOTE 4.3.12), 46 bytes
+    names = [f"ds/{index}.json".encode() for index in range(entries)]
+    directory = b"".join(central.pack(b"PK\x01\x02", 20, 0, 20, 0, 0, 0, 0, 0, 0, 0, 0, len(name), 0, 0, 0, 0,
+                                      0, 0) + name for name in names)
+    zip64_end = struct.Struct("<4sQ2H2L4Q")
+    decoy = zip64_end.pack(b"PK\x06\x06", 44, 45, 45, 0, 0, 1, 1, 46, zip64_end.size)
+    real = zip64_end.pack(b"PK\x06\x06", 44, 45, 45, 0, 0, entries, entries, len(directory), zip64_end.size)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, 0, 1)  # points at the decoy, at offset 0
+    end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 1, 1, 46, zip64_end.size, 0)
+    return decoy + directory + real + locator + end
+
+
+def test_a_zip_whose_end_records_disagree_is_refused_before_zipfile_reads_its_directory(api, monkeypatch):
+    archive = crafted_zip64(3_000)
+    assert len(zipfile.ZipFile(io.BytesIO(archive)).infolist()) == 3_000  # what zipfile would build in memory
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("zipfile read the central directory of an archive pelt should have refused")
+
+    monkeypatch.setattr(zipfile, "ZipFile", never)
+    response = upload(api, {"dataset": ("ds.zip", archive)})
+
+    assert response.status_code in (413, 422), response.text
+    assert response.json()["error"]["field"] == "dataset"
+    nothing_written(api)
+
+
+@pytest.mark.parametrize("shape", ["empty", "plain", "commented", "zip64", "zip64-commented", "zip64-65536"])
+def test_the_zip_directory_pelt_checks_is_the_one_zipfile_reads(tmp_path, monkeypatch, shape):
+    from services.uploads import zip_directory_size
+
+    count = {"empty": 0, "zip64-65536": 65_536}.get(shape, 5)
+    if shape in ("zip64", "zip64-commented"):
+        monkeypatch.setattr(zipfile, "ZIP_FILECOUNT_LIMIT", 2)  # zipfile then writes zip64 end records
+    path = tmp_path / "data.zip"
+    with zipfile.ZipFile(path, "w") as archive:
+        for index in range(count):
+            archive.writestr(f"ds/{index}.json", b"{}" * (index % 7))
+        if shape.endswith("commented"):
+            archive.comment = b"a comment"
+
+    entries, size = zip_directory_size(path)
+
+    with zipfile.ZipFile(path) as archive:
+        assert entries == len(archive.infolist()) == count
+    assert (b"PK\x06\x06" in path.read_bytes()) == shape.startswith("zip64")
+    assert size >= 46 * count
+
+
+def test_a_tar_with_a_2_mib_pax_header_is_refused_as_the_header_is_read(api, tmp_path):
+    folder = saved_dataset(tmp_path / "ds")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        archive.add(folder, arcname="ds")
+        notes = tarfile.TarInfo("ds/notes.txt")
+        notes.pax_headers = {"comment": "x" * (2 << 20)}
+        archive.addfile(notes, io.BytesIO(b""))
+
+    response = upload(api, {"dataset": ("ds.tar", buffer.getvalue())})
+
+    refused(response, 413, "dataset", "ds.tar", "header")
+    nothing_written(api)
+
+
+def test_a_tar_of_many_small_files_with_pax_headers_still_unpacks(tmp_path):
+    from services.uploads import ArchiveBounds, Upload, extract_archive
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for index in range(999):  # GNU tar --format=posix: a pax header of times for each member
+            info = tarfile.TarInfo(f"ds/{index}.json")
+            info.pax_headers = {"mtime": "1700000000.123456789", "atime": "1700000000.1", "ctime": "1700000000.2"}
+            info.size = 3
+            archive.addfile(info, io.BytesIO(b"{}\n"))
+    target = tmp_path / "out" / "dataset"
+    target.parent.mkdir()
+
+    extract_archive(Upload("ds.tar", io.BytesIO(buffer.getvalue())), target, [1 << 30], ArchiveBounds())
+
+    assert len(list(target.iterdir())) == 999
+
+
+def test_uploads_past_the_probe_concurrency_are_a_503_with_retry_after_and_write_nothing(api, toy_files):
+    slots = api.service.uploads.probe_slots
+    taken = [slots.acquire(blocking=False) for _ in range(api.settings.dataset_probe_concurrency)]
+    train = ("train.jsonl", Path(toy_files["train"]).read_bytes())
+    try:
+        assert all(taken)
+        response = upload(api, {"train": train}, definition='{"text_fields": ["sentence"]}')
+        refused(response, 503, "train", "PELT_DATASET_PROBE_CONCURRENCY")
+        assert int(response.headers["Retry-After"]) >= 1
+        nothing_written(api)
+    finally:
+        for _ in taken:
+            slots.release()
+    assert upload(api, {"train": train}, definition='{"text_fields": ["sentence"]}').status_code == 201
+
+
+def test_the_probe_memory_limit_defaults_above_the_dataset_bound_and_must_exceed_it(tmp_path):
+    from pydantic import ValidationError
+
+    assert Settings(data_dir=tmp_path).dataset_probe_memory_bytes == (4 << 30) + (2 << 30)
+    assert Settings(data_dir=tmp_path, max_dataset_bytes=8 << 30).dataset_probe_memory_bytes == 10 << 30
+    with pytest.raises(ValidationError, match="PELT_DATASET_PROBE_MEMORY_BYTES"):
+        Settings(data_dir=tmp_path, dataset_probe_memory_bytes=1 << 30)
+
+
+def test_a_string_view_label_longer_than_a_class_name_is_refused(api, tmp_path):
+    import pyarrow as pa
+
+    folder = saved_dataset(tmp_path / "ds", ["neg", "p" * 2_000])
+    data_file = next(folder.glob("*.arrow"))
+    table = pa.ipc.open_stream(data_file.read_bytes()).read_all()
+    table = table.set_column(1, "label", table.column("label").cast(pa.string_view()))
+    with pa.ipc.new_stream(str(data_file), table.schema) as writer:
+        writer.write_table(table)
+
+    response = upload(api, {"dataset": ("ds.tar.gz", tar_gz(folder))}, definition=json.dumps(
+        {"text_fields": ["text"], "label_field": "label"}))
+
+    refused(response, 422, "label_field", "2000 characters")
+    nothing_written(api)
+
+
+def sandboxed(monkeypatch: pytest.MonkeyPatch, function: str, **request: Any) -> Any:
+    """A function of tests/security/sandbox_targets.py run by services.sandbox as its targets are run."""
+    from services import sandbox
+
+    monkeypatch.setitem(sandbox.TARGETS, "test", f"tests.security.sandbox_targets:{function}")
+    return sandbox.run_in_child("test", request, memory_bytes=2 << 30, timeout_seconds=120)
+
+
+def test_the_sandboxed_child_sees_no_secrets_no_working_folder_and_writes_no_files(monkeypatch):
+    import resource
+
+    monkeypatch.setenv("PELT_DATABASE_URL", "postgresql://pelt:secret@db/pelt")
+    monkeypatch.setenv("PELT_API_TOKEN", "secret-token")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+
+    seen = sandboxed(monkeypatch, "what_the_child_sees").answer
+
+    assert seen is not None
+    assert not [name for name in seen["environment"] if name.startswith(("PELT_", "AWS_", "RAY_"))], seen
+    assert seen["cwd"] != os.getcwd() and seen["cwd_entries"] == []
+    assert os.getcwd() not in seen["path"] and "" not in seen["path"]
+    assert seen["core"] == 0 and seen["file_size"] == 0
+    assert seen["open_files"] != resource.RLIM_INFINITY
+
+
+@pytest.mark.parametrize("function", ["invalid_utf8_on_stderr", "a_flood_of_progress"])
+def test_a_child_sending_bytes_that_are_not_utf8_or_a_flood_of_output_ends_cleanly(monkeypatch, function):
+    from services.sandbox import MAX_STDERR_TAIL_BYTES
+
+    outcome = sandboxed(monkeypatch, function)
+
+    if function == "invalid_utf8_on_stderr":
+        assert outcome.answer == {"done": True}
+        assert 0 < len(outcome.stderr_tail.encode()) <= 4 * MAX_STDERR_TAIL_BYTES  # replacement characters
+    else:
+        assert outcome.answer is None and "output" in outcome.how_it_ended()
+
+
+def test_an_unexpected_error_in_the_probe_reports_its_type_not_its_text(tmp_path):
+    from services.registry import RegistryValidationError
+    from services.registry.dataset_probe import DatasetLimits, DatasetSource, probe_dataset_in_child
+
+    source = DatasetSource("files", {"train": str(tmp_path / "train.secret-detail")})  # no reader for it
+    with pytest.raises(RegistryValidationError) as caught:
+        probe_dataset_in_child(source, None, DatasetLimits(), memory_bytes=2 << 30, timeout_seconds=120)
+
+    assert caught.value.field == "source.train" and "KeyError" in str(caught.value)
+    assert "secret-detail" not in str(caught.value) and str(tmp_path) not in str(caught.value)
