@@ -384,6 +384,16 @@ def dev_split_rows(train_rows: int) -> int:
     return max(1, min(DEV_SPLIT_MAX_ROWS, int(train_rows * DEV_SPLIT_FRACTION)))
 
 
+# --- reading uploads: tar headers, the probe's memory and concurrency ---------------------------------------
+
+# bytes of tar headers that are not one plain 512-byte header per entry (pax records, GNU long names):
+# tarfile reads such a record whole into memory, so it is refused past this while it is read
+MAX_TAR_HEADER_BYTES = 1 << 20
+# the probe memory-maps a split whole: its child's default address space is PELT_MAX_DATASET_BYTES plus this
+DATASET_PROBE_MEMORY_HEADROOM_BYTES = 2 << 30
+DEFAULT_DATASET_PROBE_CONCURRENCY = 2  # uploads whose data are checked at once; PELT_DATASET_PROBE_CONCURRENCY
+
+
 # --- the table for the README -----------------------------------------------------------------------------
 
 
@@ -422,6 +432,8 @@ __all__ = [
     "BACKBONE_CONFIG",
     "BACKBONE_WEIGHT_BYTES_ALLOWANCE",
     "COMPOSE_RANGES",
+    "DATASET_PROBE_MEMORY_HEADROOM_BYTES",
+    "DEFAULT_DATASET_PROBE_CONCURRENCY",
     "DEFAULT_MAX_SWEEP_JOBS",
     "DEFAULT_WORKER_MEMORY_BYTES",
     "DEV_SPLIT_FRACTION",
@@ -438,6 +450,7 @@ __all__ = [
     "MAX_DATASET_ROWS",
     "MAX_JSON_DEPTH",
     "MAX_MODULES",
+    "MAX_TAR_HEADER_BYTES",
     "MAX_TRAIN_STEPS",
     "REQUIRED_BACKBONE_CONFIG",
     "SEED",

@@ -24,6 +24,7 @@ pyarrow (and `datasets` for `load_saved_dataset`), no torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import stat
@@ -137,13 +138,24 @@ def load_saved_dataset(folder: str | Path, *, max_rows: int | None = None) -> An
         try:
             features = datasets.Features.from_dict(split.features)
             loaded[name] = datasets.Dataset(InMemoryTable(read_saved_split(split)),
-                                            info=datasets.DatasetInfo(features=features), split=name)
+                                            info=datasets.DatasetInfo(features=features), split=name,
+                                            fingerprint=split_fingerprint(split))
         except SavedDatasetError:
             raise
         except (ValueError, KeyError, TypeError) as exc:
             raise SavedDatasetError(f"split {name!r}: its features do not fit its data ({type(exc).__name__}: "
                                     f"{_without(exc, Path(folder))})"[:2000]) from None
     return datasets.DatasetDict(loaded) if layout.is_dict else loaded["train"]
+
+
+def split_fingerprint(split: SavedSplit) -> str:
+    """The `datasets` fingerprint of a checked split: sha256 of its name, features and its files' paths, sizes
+    and modification times. Without one given, `datasets` pickles and hashes the whole table (another copy)."""
+    digest = hashlib.sha256(json.dumps([split.name, split.features], sort_keys=True).encode())
+    for path in split.files:
+        status = path.stat()
+        digest.update(f"\0{path.resolve()}\0{status.st_size}\0{status.st_mtime_ns}".encode())
+    return digest.hexdigest()[:32]
 
 
 # --- one split ------------------------------------------------------------------------------------------
@@ -338,4 +350,4 @@ def _without(exc: BaseException, folder: Path) -> str:
 
 
 __all__ = ["SavedDataset", "SavedDatasetError", "SavedDatasetTooLargeError", "SavedSplit", "inspect_saved_dataset",
-           "is_saved_dataset", "load_saved_dataset", "read_saved_split"]
+           "is_saved_dataset", "load_saved_dataset", "read_saved_split", "split_fingerprint"]

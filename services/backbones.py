@@ -142,7 +142,8 @@ class SubprocessBackboneLoader:
             "backbone", {"source": source, "max_parameters": self.settings.max_backbone_parameters},
             memory_bytes=memory, timeout_seconds=timeout,
             environment={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-                         "TOKENIZERS_PARALLELISM": "false"})
+                         "TOKENIZERS_PARALLELISM": "false"},
+            write_files=True)  # transformers' imports need a usable temporary folder (tempfile writes to test it)
         if outcome.timed_out:
             raise BackboneError(f"loading backbone {source!r} took longer than PELT_BACKBONE_LOAD_TIMEOUT_SECONDS "
                                 f"({timeout:g} s)")

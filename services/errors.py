@@ -15,10 +15,12 @@ from services.registry.errors import RegistryValidationError
 class ServiceError(Exception):
     """An error the service raises on purpose, with its HTTP status."""
 
-    def __init__(self, message: str, *, status: int = 400, field: str | None = None) -> None:
+    def __init__(self, message: str, *, status: int = 400, field: str | None = None,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.field = field
+        self.retry_after = retry_after  # seconds: sent as Retry-After (a 503 for a resource that is busy now)
 
 
 class TooLargeError(RegistryValidationError):
@@ -72,7 +74,8 @@ def classify(exc: BaseException) -> ErrorView | None:
 
     kind = type(exc).__name__
     if isinstance(exc, ServiceError):
-        return ErrorView(exc.status, kind, str(exc), exc.field)
+        retry = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after is not None else None
+        return ErrorView(exc.status, kind, str(exc), exc.field, headers=retry)
     if isinstance(exc, TooLargeError):
         return ErrorView(413, kind, str(exc), exc.field)
     if isinstance(exc, NotFoundError):

@@ -12,19 +12,31 @@ Only the functions listed in TARGETS run there (the request names one of them, n
 choosing). A target is `function(request: dict, report: Callable[[dict], None]) -> dict`; `report`
 sends a progress note at once (it survives a crash that follows). Everything the function prints goes
 to stderr; stdout carries only JSON lines: {"progress": ...} notes, then {"answer": ...}.
+
+The child holds no more than it needs: an allow-list of the environment (`child_environment`: no
+PELT_* settings, tokens, cloud keys or RAY_* addresses), `python -P` in a fresh empty working folder
+(nothing there is imported), no core files, no files written at all unless the caller allows it
+(RLIMIT_FSIZE 0), at most MAX_OPEN_FILES open files. Its output is read as bytes and bounded: at most
+MAX_ANSWER_BYTES of stdout (beyond, the child is stopped), the last MAX_STDERR_TAIL_BYTES of stderr;
+bytes that are not UTF-8 become U+FFFD.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 TARGETS = {
     "backbone": "services.backbones:load_in_child",
@@ -32,6 +44,12 @@ TARGETS = {
 }
 MEMORY_WORDS = ("memoryerror", "cannot allocate memory", "can't allocate memory", "failed to map segment",
                 "bad_alloc", "out of memory", "malloc of size", "std::bad_alloc")
+MAX_ANSWER_BYTES = 8 << 20  # the child's stdout kept (progress notes and its answer); beyond, it is stopped
+MAX_STDERR_TAIL_BYTES = 64 << 10  # the end of its stderr kept (to tell an end for lack of memory)
+MAX_OPEN_FILES = 4096  # RLIMIT_NOFILE of the child
+PASSED_VARIABLES = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                    "OPENBLAS_NUM_THREADS", "ARROW_DEFAULT_MEMORY_POOL")  # and LC_*: the rest stays in the parent
+PROJECT_ROOT = Path(__file__).resolve().parents[1]  # where `services` and `pelt_core` are imported from
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,8 @@ class ChildOutcome:
     timed_out: bool = False
     out_of_memory: bool = False
     progress: list[dict[str, Any]] = field(default_factory=list)
+    stderr_tail: str = ""  # the last MAX_STDERR_TAIL_BYTES of its stderr, for the operator's log
+    output_overflow: bool = False  # it sent more than MAX_ANSWER_BYTES on stdout and was stopped
 
     @property
     def last_progress(self) -> dict[str, Any]:
@@ -51,6 +71,8 @@ class ChildOutcome:
 
     def how_it_ended(self) -> str:
         """How a child without an answer ended, for a message ("killed by signal 11", "exit code 1")."""
+        if self.output_overflow:
+            return f"it sent more than {MAX_ANSWER_BYTES:,} bytes of output"
         if self.timed_out:
             return "it ran past its time limit"
         if self.returncode is not None and self.returncode < 0:
@@ -59,22 +81,93 @@ class ChildOutcome:
 
 
 def run_in_child(target: str, request: Mapping[str, Any], *, memory_bytes: int, timeout_seconds: float,
-                 environment: Mapping[str, str] | None = None) -> ChildOutcome:
+                 environment: Mapping[str, str] | None = None, write_files: bool = False) -> ChildOutcome:
     """Run TARGETS[target](request) in a child process under `memory_bytes` of address space and
-    `timeout_seconds`; `environment` adds variables to the child's (set before it imports anything)."""
+    `timeout_seconds`; `environment` adds variables to the child's (`child_environment`, set before it
+    imports anything); `write_files`: the child may write files (else RLIMIT_FSIZE is 0)."""
     if target not in TARGETS:
         raise ValueError(f"no such sandbox target: {target!r}")
-    message = json.dumps({"target": target, "request": dict(request), "memory_bytes": int(memory_bytes)})
-    env = {**os.environ, "MALLOC_ARENA_MAX": "2", **(environment or {})}  # fewer arenas: less address space
-    try:
-        done = subprocess.run([sys.executable, "-m", "services.sandbox"], input=message, capture_output=True,
-                              text=True, timeout=timeout_seconds, env=env, check=False)
-    except subprocess.TimeoutExpired as exc:
-        stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return ChildOutcome(None, None, timed_out=True, progress=_lines(stdout)[0])
-    progress, answer = _lines(done.stdout)
-    memory = any(word in done.stderr.lower() for word in MEMORY_WORDS)
-    return ChildOutcome(answer, done.returncode, out_of_memory=memory, progress=progress)
+    message = json.dumps({"function": TARGETS[target], "request": dict(request), "memory_bytes": int(memory_bytes),
+                          "write_files": write_files}).encode()
+    with tempfile.TemporaryDirectory(prefix="pelt-sandbox-") as folder:
+        process = subprocess.Popen([sys.executable, "-P", "-m", "services.sandbox"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=folder,
+                                   env=child_environment(environment), start_new_session=True)
+        assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+        output = _Capture(process.stdout, head=MAX_ANSWER_BYTES, on_overflow=lambda: _stop(process))
+        errors = _Capture(process.stderr, tail=MAX_STDERR_TAIL_BYTES)
+        feeder = threading.Thread(target=_feed, args=(process.stdin, message), daemon=True)
+        for thread in (output, errors, feeder):
+            thread.start()
+        timed_out = False
+        try:
+            process.wait(timeout=timeout_seconds)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        _stop(process)  # and whatever it started, which could hold its pipes open
+        process.wait()
+        for thread in (output, errors, feeder):
+            thread.join()
+    stdout, stderr = output.text(), errors.text()
+    progress, answer = _lines(stdout)
+    if timed_out or output.overflowed:
+        answer = None
+    memory = any(word in stderr.lower() for word in MEMORY_WORDS)
+    return ChildOutcome(answer, None if timed_out else process.returncode, timed_out=timed_out, out_of_memory=memory,
+                        progress=progress, stderr_tail=stderr, output_overflow=output.overflowed)
+
+
+def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: PASSED_VARIABLES and LC_* of this one (never PELT_*, tokens, cloud keys,
+    RAY_*), this project and the absolute entries of PYTHONPATH to import from, hubs offline, no
+    bytecode written, fewer malloc arenas (less address space); then `extra`."""
+    passed = {name: value for name, value in os.environ.items() if name in PASSED_VARIABLES or name.startswith("LC_")}
+    paths = [str(PROJECT_ROOT), *(entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                  if os.path.isabs(entry))]
+    return {**passed, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONNOUSERSITE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MALLOC_ARENA_MAX": "2",
+            **(extra or {})}
+
+
+class _Capture(threading.Thread):
+    """Reads one of the child's pipes to its end as bytes, keeping at most its first `head` bytes
+    (`on_overflow` beyond them) or its last `tail` bytes."""
+
+    def __init__(self, pipe: IO[bytes], *, head: int | None = None, tail: int | None = None,
+                 on_overflow: Callable[[], None] | None = None) -> None:
+        super().__init__(daemon=True)
+        self.pipe, self.head, self.tail, self.on_overflow = pipe, head, tail, on_overflow
+        self.kept = bytearray()
+        self.overflowed = False
+
+    def run(self) -> None:
+        with self.pipe:
+            while chunk := os.read(self.pipe.fileno(), 1 << 16):
+                if self.tail is not None:
+                    self.kept += chunk
+                    del self.kept[:max(0, len(self.kept) - self.tail)]
+                elif self.overflowed:
+                    continue  # drained until the stopped child's pipe closes
+                elif self.head is not None and len(self.kept) + len(chunk) > self.head:
+                    self.overflowed = True
+                    if self.on_overflow is not None:
+                        self.on_overflow()
+                else:
+                    self.kept += chunk
+
+    def text(self) -> str:
+        return self.kept.decode("utf-8", errors="replace")
+
+
+def _feed(pipe: IO[bytes], message: bytes) -> None:
+    with contextlib.suppress(OSError), pipe:  # BrokenPipeError: the child ended before it read its request
+        pipe.write(message)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to the child's process group (its session, started for it)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _lines(stdout: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -102,8 +195,22 @@ def _limit_memory(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
+def _limit_resources(memory_bytes: int, write_files: bool) -> None:
+    """The child's limits, before it imports the function: address space, no core files, no file written
+    unless `write_files` (a write then fails instead of killing it), MAX_OPEN_FILES."""
+    _limit_memory(memory_bytes)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if not write_files:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    files = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(MAX_OPEN_FILES, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
+
 def main() -> None:
-    """`python -m services.sandbox`: {"target", "request", "memory_bytes"} on stdin; JSON lines on stdout."""
+    """`python -m services.sandbox`: {"function", "request", "memory_bytes", "write_files"} on stdin (from
+    `run_in_child`, whose TARGETS chose the function); JSON lines on stdout."""
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the function prints goes to stderr
 
@@ -111,22 +218,24 @@ def main() -> None:
         out.write(json.dumps(item) + "\n")
         out.flush()
 
-    message = json.loads(sys.stdin.read())
-    _limit_memory(int(message["memory_bytes"]))
+    message = json.loads(sys.stdin.buffer.read())
+    _limit_resources(int(message["memory_bytes"]), bool(message.get("write_files")))
     try:
-        module, _, name = TARGETS[message["target"]].partition(":")
+        module, _, name = str(message["function"]).partition(":")
         function: Callable[..., dict[str, Any]] = getattr(importlib.import_module(module), name)
         answer = function(message["request"], lambda note: send({"progress": note}))
     except MemoryError as exc:
-        answer = {"error": f"MemoryError: {exc}", "memory": True}
+        answer = {"error": f"MemoryError: {exc}", "error_type": "MemoryError", "memory": True}
     except Exception as exc:  # the caller turns every failure into a refusal
         text = f"{type(exc).__name__}: {exc}"
-        answer = {"error": text, "memory": any(word in text.lower() for word in MEMORY_WORDS)}
+        answer = {"error": text, "error_type": type(exc).__name__,
+                  "memory": any(word in text.lower() for word in MEMORY_WORDS)}
     send({"answer": answer})
     out.close()
 
 
-__all__ = ["TARGETS", "ChildOutcome", "run_in_child"]
+__all__ = ["MAX_ANSWER_BYTES", "MAX_STDERR_TAIL_BYTES", "TARGETS", "ChildOutcome", "child_environment",
+           "run_in_child"]
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,10 @@ PELT_MAX_ARCHIVE_ENTRIES  files and folders one dataset archive may hold (defaul
 PELT_MAX_ARCHIVE_EXPANSION   unpacked bytes per archive byte (default 50; an archive may always unpack to
                           16 MiB); counted while it unpacks, beyond: 413
 PELT_DATASET_PROBE_MEMORY_BYTES, PELT_DATASET_PROBE_TIMEOUT_SECONDS   limits of the child process that reads
-                          an uploaded task's data (default 4 GiB, 300 s); beyond them (or a crash): 422
+                          an uploaded task's data (default PELT_MAX_DATASET_BYTES + 2 GiB, which it must exceed: a
+                          split is memory-mapped whole; 300 s); beyond them (or a crash): 422
+PELT_DATASET_PROBE_CONCURRENCY   uploads whose data are unpacked and checked at once (default 2, each in a
+                          child of up to PELT_DATASET_PROBE_MEMORY_BYTES); beyond: 503 with Retry-After
 PELT_BACKBONE_DIRS        folders whose model folders may be registered as backbones (os.pathsep-separated
                           or a JSON list; default none: only the packaged backbones); never PELT_DATA_DIR
 PELT_MAX_BACKBONE_PARAMETERS   largest backbone registered, in parameters estimated from its config
@@ -87,8 +90,15 @@ class Settings(BaseSettings):
         "limits.ARCHIVE_EXPANSION_FLOOR_BYTES), counted while it unpacks",
     )
     dataset_probe_memory_bytes: int = Field(
-        default=4 << 30, gt=0,
-        description="address-space limit of the child process that reads an uploaded task's data (the probe)",
+        default=0, ge=0,
+        description="address-space limit of the child process that reads an uploaded task's data (the probe); "
+        "0: max_dataset_bytes + limits.DATASET_PROBE_MEMORY_HEADROOM_BYTES (2 GiB); must exceed max_dataset_bytes "
+        "(a split is memory-mapped whole)",
+    )
+    dataset_probe_concurrency: int = Field(
+        default=limits.DEFAULT_DATASET_PROBE_CONCURRENCY, ge=1,
+        description="uploads whose data are unpacked and checked at once, each with a probe of up to "
+        "dataset_probe_memory_bytes; an upload beyond them is a 503 with Retry-After",
     )
     dataset_probe_timeout_seconds: float = Field(
         default=300.0, gt=0, description="time limit of the child process that reads an uploaded task's data"
@@ -164,6 +174,11 @@ class Settings(BaseSettings):
             self.mlflow_tracking_uri = f"sqlite:///{self.data_dir / 'mlflow.db'}"
         if not self.mlflow_artifact_root:
             self.mlflow_artifact_root = str(self.data_dir / "mlartifacts")
+        if not self.dataset_probe_memory_bytes:
+            self.dataset_probe_memory_bytes = self.max_dataset_bytes + limits.DATASET_PROBE_MEMORY_HEADROOM_BYTES
+        elif self.dataset_probe_memory_bytes <= self.max_dataset_bytes:
+            raise ValueError("PELT_DATASET_PROBE_MEMORY_BYTES must exceed PELT_MAX_DATASET_BYTES: the probe "
+                             "memory-maps a split whole")
         return self
 
 

@@ -10,13 +10,16 @@ Archives are unpacked with bounds counted on what is actually decompressed and w
 headers claim: at most PELT_MAX_ARCHIVE_ENTRIES entries and PELT_MAX_ARCHIVE_EXPANSION bytes per archive
 byte (at least `limits.ARCHIVE_EXPANSION_FLOOR_BYTES`), PELT_MAX_DATASET_BYTES in all (413 beyond); no
 links, devices, sparse members (whose holes tar writes without reading them) or paths that leave the
-folder. A member that cannot be read (encrypted, an unknown compression method, corrupt data) is a 422
-naming the archive and the member. Errors name the form field and the uploaded file, never a path of
+folder. A zip's central directory is checked against PELT_MAX_ARCHIVE_ENTRIES from every end record
+before zipfile reads it (records that disagree are refused); a tar's extended headers (pax records, GNU
+long names) hold at most `limits.MAX_TAR_HEADER_BYTES`. A member that cannot be read (encrypted, an
+unknown compression method, corrupt data) is a 422 naming the archive and the member. Errors name the form field and the uploaded file, never a path of
 this machine.
 
 The registry reads the data in a child process (`dataset_probe.probe_dataset_in_child`, under
-PELT_DATASET_PROBE_MEMORY_BYTES and PELT_DATASET_PROBE_TIMEOUT_SECONDS). Uploads run side by side: a
-lock covers only the rename of a staged folder to its content-addressed name and, for a refused task,
+PELT_DATASET_PROBE_MEMORY_BYTES and PELT_DATASET_PROBE_TIMEOUT_SECONDS). At most
+PELT_DATASET_PROBE_CONCURRENCY uploads are unpacked and probed at once; one more is a 503 with
+Retry-After before anything is written. Uploads run side by side: a lock covers only the rename of a staged folder to its content-addressed name and, for a refused task,
 the check that no task and no other upload in progress uses that folder before it is removed.
 """
 
@@ -42,7 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pelt_core import limits
-from services.errors import TooLargeError
+from services.errors import ServiceError, TooLargeError
 from services.registry import Registry, RegistryValidationError, TaskRecord
 from services.registry.dataset_probe import FILE_FORMATS, probe_dataset_in_child
 from services.settings import Settings
@@ -55,6 +58,7 @@ ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar")
 ZIP_METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
 CHUNK = 1 << 20
 MAX_ZIP_ENTRY_BYTES = 4096  # central-directory bytes per allowed entry (name, extra fields, comment)
+PROBE_RETRY_AFTER_SECONDS = 5  # Retry-After of an upload refused while PELT_DATASET_PROBE_CONCURRENCY are checked
 _ARCHIVE_ERRORS = (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, ValueError, RuntimeError,
                    lzma.LZMAError, zlib.error)  # RuntimeError: encrypted; NotImplementedError: unknown method
 
@@ -77,15 +81,30 @@ class TaskUploads:
         self.settings = settings
         self._lock = threading.Lock()  # the renames and the in-use checks, never the reading of the data
         self._registering: dict[Path, int] = {}  # folder -> uploads registering a task from it now
+        # uploads unpacked and probed at once (PELT_DATASET_PROBE_CONCURRENCY): one service per process
+        self.probe_slots = threading.BoundedSemaphore(settings.dataset_probe_concurrency)
 
     def register_task(self, name: str, files: Mapping[str, Upload], definition: Mapping[str, Any]) -> TaskRecord:
         """Register a task from uploaded files keyed by form field (see the module); the files are kept
-        under PELT_DATA_DIR/datasets/<sha256>, nothing is kept when the task is refused."""
+        under PELT_DATA_DIR/datasets/<sha256>, nothing is kept when the task is refused. When
+        PELT_DATASET_PROBE_CONCURRENCY uploads are being checked already: a 503 with Retry-After, before
+        anything is written."""
         from services.registry.validation import check_name
 
         check_name(name)
         _check_file_fields(files)
         fields = task_definition(definition)
+        if not self.probe_slots.acquire(blocking=False):
+            raise ServiceError(
+                f"{self.settings.dataset_probe_concurrency} uploads are being checked now, as many as "
+                "PELT_DATASET_PROBE_CONCURRENCY allows; nothing was kept: send it again shortly",
+                status=503, field="dataset" if "dataset" in files else "train", retry_after=PROBE_RETRY_AFTER_SECONDS)
+        try:
+            return self._register(name, files, fields)
+        finally:
+            self.probe_slots.release()
+
+    def _register(self, name: str, files: Mapping[str, Upload], fields: dict[str, Any]) -> TaskRecord:
         root = self.settings.data_dir / "datasets"
         root.mkdir(parents=True, exist_ok=True)
         staging = root / f".upload-{uuid.uuid4().hex}"
@@ -238,6 +257,7 @@ class _Unpacking:
         self.entries = 0
         self.left = self.allowed
         self.written = 0  # tar: bytes written to members' files (the stream's count includes headers)
+        self.member_blocks = 0  # tar: 512-byte blocks of the members handed to write_member (data and padding)
 
     def entry(self, count: int = 1) -> None:
         self.entries += count
@@ -262,11 +282,22 @@ class _Unpacking:
                 self.spend(len(chunk))
                 out.write(chunk)
 
+    def check_tar_headers(self) -> None:
+        """Tar: the stream's bytes that are not members' data, beyond three 512-byte blocks per entry (a
+        header, and a pax header of a few times), stay within limits.MAX_TAR_HEADER_BYTES: tarfile reads a
+        pax record or a GNU long name whole into memory, so one is refused while it is read."""
+        read = self.allowed - self.left
+        headers = read - self.member_blocks * tarfile.BLOCKSIZE - 3 * tarfile.BLOCKSIZE * (self.entries + 1)
+        if headers > limits.MAX_TAR_HEADER_BYTES + 2 * tarfile.RECORDSIZE:  # its read-ahead, the end blocks
+            raise TooLargeError("dataset", f"{self.archive!r} holds more than {limits.MAX_TAR_HEADER_BYTES} bytes of "
+                                "tar headers (pax records, long names) besides one header per entry")
+
     def write_member(self, source: IO[bytes], destination: Path, declared: int) -> None:
         """A tar member's bytes (already counted by the stream they come from), refused before anything is
         written when its header declares more than is left, and counted again as they are written."""
         if declared > self.allowed - self.written:
             self.spend(self.left + 1)  # the same refusal as the stream's
+        self.member_blocks += -(-declared // tarfile.BLOCKSIZE)
         with destination.open("wb") as out:
             while chunk := source.read(CHUNK):
                 self.written += len(chunk)
@@ -276,8 +307,9 @@ class _Unpacking:
 
 
 class _CountedStream:
-    """A decompressed stream whose bytes count against the unpacking bounds as they are read (tar
-    headers and pax records included), so no single read can ask for more than is left."""
+    """A decompressed tar stream whose bytes count against the unpacking bounds as they are read (tar
+    headers and pax records included), so no single read can ask for more than is left, and whose
+    header bytes stay within limits.MAX_TAR_HEADER_BYTES (`_Unpacking.check_tar_headers`)."""
 
     def __init__(self, inner: IO[bytes], unpacking: _Unpacking) -> None:
         self.inner, self.unpacking = inner, unpacking
@@ -287,6 +319,7 @@ class _CountedStream:
             size = self.unpacking.left + 1
         data = self.inner.read(size)
         self.unpacking.spend(len(data))
+        self.unpacking.check_tar_headers()
         return data
 
 
@@ -363,33 +396,48 @@ _ZIP64_END_RECORD = struct.Struct("<4sQ2H2L4Q")  # signature, size, versions, di
 
 
 def zip_directory_size(path: Path) -> tuple[int, int]:
-    """(entries, bytes) of a zip's central directory, read from its end records (PKWARE APPNOTE 4.3.14-16:
-    the end record is the archive's last 22 bytes plus a comment of at most 65,535; when a field is
-    full, 0xFFFF/0xFFFFFFFF, the zip64 end record found through the locator just before it holds it).
-    zipfile.BadZipFile when there is none, as zipfile finds them (the last end-record signature)."""
+    """(entries, bytes) of a zip's central directory, from every end record that states them (PKWARE
+    APPNOTE 4.3.14-16): the end record (the archive's last 22 bytes plus a comment of at most 65,535)
+    and, when a zip64 locator precedes it, both the zip64 end record just before the locator (the one
+    Python's zipfile reads) and the one at the locator's offset (the one the format names); a classic
+    field that is full (0xFFFF, 0xFFFFFFFF) leaves it to them. zipfile.BadZipFile when a record is
+    missing or they disagree, so that the numbers checked are the ones zipfile will use."""
     with path.open("rb") as stream:
         file_size = stream.seek(0, 2)
         tail_size = min(file_size, _END_RECORD.size + 0xFFFF + _ZIP64_LOCATOR.size)
-        stream.seek(file_size - tail_size)
+        tail_start = file_size - tail_size
+        stream.seek(tail_start)
         tail = stream.read(tail_size)
         at = tail.rfind(b"PK\x05\x06", 0, max(len(tail) - _END_RECORD.size + 4, 0))  # a whole record after it
         if at < 0:
             raise zipfile.BadZipFile("no end of central directory record")
-        *_, entries, size, _, _ = _END_RECORD.unpack_from(tail, at)
-        if entries != 0xFFFF and size != 0xFFFFFFFF:
-            return entries, size
+        _, _, _, disk_entries, entries, size, _, _ = _END_RECORD.unpack_from(tail, at)
+        counts = {count for count in (disk_entries, entries) if count != 0xFFFF}
+        sizes = {size} if size != 0xFFFFFFFF else set()
         locator = at - _ZIP64_LOCATOR.size
-        if locator < 0 or tail[locator:locator + 4] != b"PK\x06\x07":
+        if locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":
+            _, _, offset, _ = _ZIP64_LOCATOR.unpack_from(tail, locator)
+            for record_at in (tail_start + locator - _ZIP64_END_RECORD.size, offset):
+                record_counts, record_size = _zip64_end_record(stream, record_at, file_size)
+                counts.update(record_counts)
+                sizes.add(record_size)
+        elif not counts or not sizes:
             raise zipfile.BadZipFile("a zip64 archive without its zip64 end record locator")
-        _, _, offset, _ = _ZIP64_LOCATOR.unpack_from(tail, locator)
-        if offset > file_size - _ZIP64_END_RECORD.size:
-            raise zipfile.BadZipFile("the zip64 end record lies outside the archive")
-        stream.seek(offset)
-        record = stream.read(_ZIP64_END_RECORD.size)
-        signature, _, _, _, _, _, _, entries, size, _ = _ZIP64_END_RECORD.unpack(record)
-        if signature != b"PK\x06\x06":
-            raise zipfile.BadZipFile("no zip64 end record where its locator points")
-        return entries, size
+        if len(counts) != 1 or len(sizes) != 1:
+            raise zipfile.BadZipFile("its end records disagree on the central directory's entries or size")
+        return counts.pop(), sizes.pop()
+
+
+def _zip64_end_record(stream: IO[bytes], offset: int, file_size: int) -> tuple[set[int], int]:
+    """({entries on this disk, entries}, directory bytes) of the zip64 end record at `offset`."""
+    if not 0 <= offset <= file_size - _ZIP64_END_RECORD.size:
+        raise zipfile.BadZipFile("a zip64 end record would lie outside the archive")
+    stream.seek(offset)
+    signature, _, _, _, _, _, disk_entries, entries, size, _ = _ZIP64_END_RECORD.unpack(
+        stream.read(_ZIP64_END_RECORD.size))
+    if signature != b"PK\x06\x06":
+        raise zipfile.BadZipFile("no zip64 end record where one should be")
+    return {disk_entries, entries}, size
 
 
 def _check_zip_member(info: zipfile.ZipInfo, archive: str) -> None:

@@ -175,7 +175,8 @@ def probe_dataset_in_child(source: DatasetSource, label_field: str | None, limit
             f"the reader ended ({outcome.how_it_ended()}); it may have run past"
         raise RegistryValidationError(field_name, f"{what} could not be read: {how} its memory limit, "
                                       f"PELT_DATASET_PROBE_MEMORY_BYTES ({memory_bytes:,} bytes)")
-    raise RegistryValidationError(field_name, f"{what} could not be read ({str(answer.get('error'))[:500]})")
+    error_type = str(answer.get("error_type") or "error")[:100]  # its text may name files of this machine
+    raise RegistryValidationError(field_name, f"{what} could not be read: the reader failed ({error_type})")
 
 
 def probe_in_child(request: dict[str, Any], report: Report) -> dict[str, Any]:
@@ -524,8 +525,9 @@ class _LabelColumn:
         if kind is None:
             return
         self.kinds.add(kind)
-        if kind in ("string", "list") and (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
-            longest = pc.max(pc.utf8_length(values)).as_py() if len(values) else None
+        if kind in ("string", "list") and self._scalar_kind(values.type) == "string":
+            text = values.cast(pa.large_string()) if pa.types.is_string_view(values.type) else values  # no kernel
+            longest = pc.max(pc.utf8_length(text)).as_py() if len(values) else None
             if longest is not None and longest > MAX_LABEL_CHARS:
                 raise RegistryValidationError(
                     "label_field", f"{self.field!r} holds a label of {longest} characters in the {self.split} "
