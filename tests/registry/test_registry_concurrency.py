@@ -7,15 +7,32 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from services.registry import JobStatus, Registry
-from services.registry.testing import EXAMPLE_RESULT, claim_and_hold, claim_until_empty
+from services.registry.testing import EXAMPLE_RESULT, FakeClock, claim_and_hold, claim_until_empty
 
 SPAWN = multiprocessing.get_context("spawn")
+
+
+def aware(moment: datetime | None) -> datetime:
+    """A timestamp read back from the database, as a UTC-aware datetime."""
+    assert moment is not None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> bool:
+    """Poll `predicate` until it holds, failing (never timing anything) after a generous deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+    return True
 
 
 @pytest.fixture
@@ -72,7 +89,9 @@ def test_two_processes_claiming_500_jobs_at_once_take_each_exactly_once(
 def test_a_claimer_killed_while_holding_a_lease_loses_the_job_to_the_lease_and_it_ends_with_one_result(
     queue_db: str, processes: list
 ) -> None:
-    with Registry(queue_db, retry_backoff_seconds=0) as registry:
+    # The victim's lease and heartbeats run on real time; here, time moves only when the test says so.
+    clock = FakeClock(datetime.now(UTC))
+    with Registry(queue_db, retry_backoff_seconds=0, clock=clock) as registry:
         job_id = registry.submit_job("sst2", "lora", "tiny-bert").id
         out = SPAWN.Queue()
         victim = SPAWN.Process(target=claim_and_hold, args=(queue_db, "victim", 1.5, 0.1, out), daemon=True)
@@ -81,7 +100,13 @@ def test_a_claimer_killed_while_holding_a_lease_loses_the_job_to_the_lease_and_i
         worker, claimed, pid = out.get(timeout=120)
         assert (worker, claimed) == ("victim", job_id)
 
-        time.sleep(2.0)  # longer than the 1.5 s lease: the victim's heartbeats (every 0.1 s) keep it
+        first = registry.get_job(job_id)
+        first_expiry = aware(first.lease_expires_at)
+        # a heartbeat (every 0.1 s) renews the 1.5 s lease: at the moment the claim's lease ran out, it holds
+        renewed = wait_until(lambda: aware(registry.get_job(job_id).heartbeat_at) > aware(first.heartbeat_at),
+                             "a heartbeat from the victim")
+        assert renewed
+        clock.now = first_expiry + timedelta(milliseconds=1)
         assert registry.requeue_expired_leases() == []
         assert registry.get_job(job_id).lease_owner == "victim"
 
@@ -90,10 +115,9 @@ def test_a_claimer_killed_while_holding_a_lease_loses_the_job_to_the_lease_and_i
         assert victim.exitcode == -signal.SIGKILL
         assert registry.get_job(job_id).status == JobStatus.RUNNING  # nothing knows yet
 
-        rescued, deadline = None, time.monotonic() + 20
-        while rescued is None and time.monotonic() < deadline:
-            rescued = registry.claim_job("rescuer")
-            time.sleep(0.1)
+        assert registry.claim_job("rescuer") is None  # its last lease has not run out yet
+        clock.now = aware(registry.get_job(job_id).lease_expires_at) + timedelta(seconds=1)
+        rescued = registry.claim_job("rescuer")  # the claim takes back the expired lease, then the job
         assert rescued is not None and rescued.id == job_id
         assert rescued.attempts == 2
         registry.complete_job(job_id, "rescuer", EXAMPLE_RESULT)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -140,12 +139,11 @@ def test_stop_release_gives_the_job_back_and_stop_cancel_ends_it(worker, tiny_ba
         thread = threading.Thread(target=lambda lease=lease, outcome=outcome: outcome.append(worker.run(
             job_spec(tiny_backbone, toy_data, 7, steps=100_000), lease, LocalDeltaSink(tmp_path))))
         thread.start()
-        wait_for(lambda lease=lease: lease.reports, 30, "training to start")
+        wait_for(lambda lease=lease: lease.reports, 60, "training to start")
         assert worker.stop(8, reason) is False  # not the job it runs
         assert worker.stop(7, reason) is True
-        started = time.monotonic()
-        thread.join(10)
-        assert time.monotonic() - started < 5
+        thread.join(120)
+        assert not thread.is_alive(), f"stop({reason!r}) did not end the job"
         assert lease.ends() == [end]
         assert outcome[0].status == ("released" if reason == "release" else "cancelled")
 
@@ -183,15 +181,20 @@ def test_a_failing_delta_store_is_a_retryable_failure(worker, tiny_backbone, toy
 def test_a_worker_runs_one_job_at_a_time(worker, tiny_backbone, toy_data, tmp_path):
     from workers.worker import WorkerBusyError
 
-    lease = RecordingLease(1)
-    thread = threading.Thread(target=worker.run, args=(job_spec(tiny_backbone, toy_data, steps=100_000), lease,
-                                                       LocalDeltaSink(tmp_path)))
+    lease, second = RecordingLease(1), RecordingLease(2)
+    outcome: list[Any] = []
+    thread = threading.Thread(target=lambda: outcome.append(worker.run(
+        job_spec(tiny_backbone, toy_data, steps=100_000), lease, LocalDeltaSink(tmp_path))))
     thread.start()
-    wait_for(lambda: lease.reports, 30, "training to start")
+    wait_for(lambda: lease.reports, 60, "training to start")
     with pytest.raises(WorkerBusyError):
-        worker.run(job_spec(tiny_backbone, toy_data, 2), RecordingLease(2), LocalDeltaSink(tmp_path))
-    worker.stop(1, "cancel")
-    thread.join(10)
+        worker.run(job_spec(tiny_backbone, toy_data, 2), second, LocalDeltaSink(tmp_path))
+    assert second.calls == []  # the refused job was never started
+    assert worker.stop(1, "cancel") is True
+    thread.join(120)
+    assert not thread.is_alive(), "the cancelled job did not end"
+    assert outcome[0].status == "cancelled" and lease.ends() == ["cancelled"]
+    assert worker.info()["job_id"] is None  # the one slot is free again
 
 
 def test_a_worker_with_two_slots_trains_two_jobs_at_once_and_stops_one_only(tiny_backbone, toy_data, tmp_path):
@@ -201,26 +204,37 @@ def test_a_worker_with_two_slots_trains_two_jobs_at_once_and_stops_one_only(tiny
     worker = PeltWorker("w2", WorkerConfig(threads=None, slots=2, heartbeat_seconds=0.02, lease_seconds=5),
                         backbones=source)
     sink = LocalDeltaSink(tmp_path / "deltas")
+    finish = threading.Event()
+
+    class HeldSink:  # job 2 cannot end (store, then complete) before the test lets it
+        def store(self, *args: Any) -> Any:
+            assert finish.wait(120), "the test never let job 2 finish"
+            return sink.store(*args)
+
+    sinks = {1: sink, 2: HeldSink()}
     leases = {job_id: RecordingLease(job_id) for job_id in (1, 2)}
     leases[1].worker_id, leases[2].worker_id = "w2#0", "w2#1"
     outcomes: dict[int, Any] = {}
-    steps = {1: 100_000, 2: 400}
+    steps = {1: 100_000, 2: 40}
     threads = [threading.Thread(target=lambda j=j: outcomes.__setitem__(j, worker.run(
-        job_spec(tiny_backbone, toy_data, j, steps=steps[j]), leases[j], sink))) for j in (1, 2)]
+        job_spec(tiny_backbone, toy_data, j, steps=steps[j]), leases[j], sinks[j]))) for j in (1, 2)]
     for thread in threads:
         thread.start()
-    wait_for(lambda: leases[1].reports and leases[2].reports, 30, "both jobs to be training")
+    wait_for(lambda: leases[1].reports and leases[2].reports, 60, "both jobs to be training")
     running = worker.info()["jobs"]
     assert sorted((j["job_id"], j["owner"]) for j in running) == [(1, "w2#0"), (2, "w2#1")]
     with pytest.raises(WorkerBusyError):  # two slots, both taken
         worker.run(job_spec(tiny_backbone, toy_data, 3), RecordingLease(3), sink)
     assert worker.stop(1, "cancel") is True
-    threads[0].join(10)
+    threads[0].join(120)
+    assert not threads[0].is_alive(), "the cancelled job did not end"
     assert outcomes[1].status == "cancelled" and leases[1].ends() == ["cancelled"]
     assert 2 not in outcomes and leases[2].ends() == []  # the other job goes on
+    finish.set()
     threads[1].join(120)
+    assert not threads[1].is_alive(), "the other job did not end"
     assert (outcomes[2].status, outcomes[2].worker_id) == ("succeeded", "w2#1")
-    assert leases[2].ends() == ["complete"] and leases[2].reports[-1]["total"] == 400
+    assert leases[2].ends() == ["complete"] and leases[2].reports[-1]["total"] == 40
     assert source.loads == [tiny_backbone[0]]  # one mapping of the backbone for both jobs
     assert sorted(p.name for p in (tmp_path / "deltas" / "toy").iterdir()) == ["job-2"]
     assert worker.info()["jobs"] == [] and worker.info()["outcomes"] == {1: "cancelled", 2: "succeeded"}
