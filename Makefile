@@ -18,9 +18,11 @@ demo: install
 	$(VENV)/bin/pelt demo
 
 lint: install
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
 test: install
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	PELT_TEST_DATABASE_URL="$${PELT_TEST_DATABASE_URL:-$$(bash deploy/local-postgres.sh)}" \
 		$(PY) -m pytest $(PYTEST_ARGS)

@@ -79,11 +79,13 @@ def run_peft(args, path, tokenizer, train_rows, dev_rows) -> dict:
     from transformers import AutoModelForSequenceClassification, get_linear_schedule_with_warmup
 
     if args.method == "lora":
-        config = LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=8, lora_dropout=0.0,
-                            target_modules=["query", "value"])
+        config = LoraConfig(
+            task_type="SEQ_CLS", r=8, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"]
+        )
     elif args.method == "prefix":
-        config = PrefixTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=10, prefix_projection=True,
-                                    encoder_hidden_size=512)
+        config = PrefixTuningConfig(
+            task_type="SEQ_CLS", num_virtual_tokens=10, prefix_projection=True, encoder_hidden_size=512
+        )
     else:
         raise SystemExit(f"peft peer has no method {args.method!r}")
     torch.manual_seed(args.seed)
@@ -95,8 +97,9 @@ def run_peft(args, path, tokenizer, train_rows, dev_rows) -> dict:
     dev_set = tokenize(tokenizer, dev_rows, args.fields, args.max_length, padding=False)
     counter = Counter(lambda ex: tokenizer.pad(ex, padding="longest", return_tensors="pt"))
     generator = torch.Generator().manual_seed(args.seed)
-    train_loader = DataLoader(train_set, shuffle=True, collate_fn=counter, batch_size=args.batch_size,
-                              generator=generator)
+    train_loader = DataLoader(
+        train_set, shuffle=True, collate_fn=counter, batch_size=args.batch_size, generator=generator
+    )
     dev_loader = DataLoader(dev_set, shuffle=False, collate_fn=counter, batch_size=args.eval_batch_size)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -129,8 +132,15 @@ def run_peft(args, path, tokenizer, train_rows, dev_rows) -> dict:
                 logits.append(model(**batch).logits.float().numpy())
             labels.append(gold.numpy())
     metric = accuracy(np.concatenate(logits), np.concatenate(labels))
-    return {"steps": steps, "train_seconds": train_seconds, "tokens": counter.tokens, "padded_tokens": counter.padded,
-            "examples": counter.examples, "accuracy": metric, "trainable": trainable}
+    return {
+        "steps": steps,
+        "train_seconds": train_seconds,
+        "tokens": counter.tokens,
+        "padded_tokens": counter.padded,
+        "examples": counter.examples,
+        "accuracy": metric,
+        "trainable": trainable,
+    }
 
 
 def adapters_config(method: str, stock: bool):
@@ -155,8 +165,10 @@ def adapters_config(method: str, stock: bool):
             LoRAConfig(r=8, alpha=16, use_gating=True),
         )
     if method == "mam":  # pelt: prefix l=30 (MLP 512) + parallel FFN adapter 512, scale 4
-        return MAMConfig(PrefixTuningConfig(prefix_length=30, bottleneck_size=512),
-                         ParBnConfig(reduction_factor=384 / 512, scaling=4.0))
+        return MAMConfig(
+            PrefixTuningConfig(prefix_length=30, bottleneck_size=512),
+            ParBnConfig(reduction_factor=384 / 512, scaling=4.0),
+        )
     raise SystemExit(f"adapters peer has no method {method!r}")
 
 
@@ -199,15 +211,25 @@ def run_adapters(args, path, tokenizer, train_rows, dev_rows) -> dict:
             remove_unused_columns=False,
             disable_tqdm=True,
         )
-        trainer = AdapterTrainer(model=model, args=training_args, train_dataset=train_set, data_collator=counter)
+        trainer = AdapterTrainer(
+            model=model, args=training_args, train_dataset=train_set, data_collator=counter
+        )
         result = trainer.train()
         counter.active = False
         prediction = trainer.predict(dev_set)
-    logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+    logits = (
+        prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+    )
     metric = accuracy(np.asarray(logits), np.asarray([r["labels"] for r in dev_set]))
-    return {"steps": int(result.global_step), "train_seconds": float(result.metrics["train_runtime"]),
-            "tokens": counter.tokens, "padded_tokens": counter.padded, "examples": counter.examples,
-            "accuracy": metric, "trainable": trainable}
+    return {
+        "steps": int(result.global_step),
+        "train_seconds": float(result.metrics["train_runtime"]),
+        "tokens": counter.tokens,
+        "padded_tokens": counter.padded,
+        "examples": counter.examples,
+        "accuracy": metric,
+        "trainable": trainable,
+    }
 
 
 def main() -> None:
@@ -225,10 +247,17 @@ def main() -> None:
     parser.add_argument("--warmup-ratio", type=float, default=0.06)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--padding", choices=("max_length", "longest"), default="max_length",
-                        help="adapters only: the quick start pads to max_length; 'longest' pads per batch")
-    parser.add_argument("--stock-configs", action="store_true",
-                        help="adapters only: the stock 'seq_bn'/'unipelt'/'mam' strings instead of pelt-sized ones")
+    parser.add_argument(
+        "--padding",
+        choices=("max_length", "longest"),
+        default="max_length",
+        help="adapters only: the quick start pads to max_length; 'longest' pads per batch",
+    )
+    parser.add_argument(
+        "--stock-configs",
+        action="store_true",
+        help="adapters only: the stock 'seq_bn'/'unipelt'/'mam' strings instead of pelt-sized ones",
+    )
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (the quick starts train in fp32)")
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args()
@@ -247,9 +276,18 @@ def main() -> None:
     import transformers
 
     version = __import__(args.lib).__version__
-    result.update({"lib": args.lib, "lib_version": version, "transformers": transformers.__version__,
-                   "torch": torch.__version__, "threads": torch.get_num_threads(), "lr": args.lr,
-                   "bf16": args.bf16, "padding": "longest" if args.lib == "peft" else args.padding})
+    result.update(
+        {
+            "lib": args.lib,
+            "lib_version": version,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "lr": args.lr,
+            "bf16": args.bf16,
+            "padding": "longest" if args.lib == "peft" else args.padding,
+        }
+    )
     sys.stdout.flush()
     print(json.dumps(result))
 

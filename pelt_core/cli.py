@@ -32,8 +32,12 @@ def resolve_method(method: str, overrides: dict[str, str]):
 
 
 @click.command("methods")
-@click.option("--backbone", default="all-minilm-l6-v2", show_default=True,
-              help="Packaged backbone alias or local model directory used for the parameter counts.")
+@click.option(
+    "--backbone",
+    default="all-minilm-l6-v2",
+    show_default=True,
+    help="Packaged backbone alias or local model directory used for the parameter counts.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def methods_command(backbone: str, as_json: bool) -> None:
     """List every built-in PELT method with its trainable parameters on BACKBONE."""
@@ -49,34 +53,75 @@ def methods_command(backbone: str, as_json: bool) -> None:
     rows = []
     for name, spec in BUILTIN_METHODS.items():
         counts = JobDelta(spec, loaded, num_labels=2).parameter_counts()
-        rows.append({"method": name, "parameters": counts["pelt"], "percent": 100.0 * counts["pelt"] / total,
-                     "description": spec.description})
+        rows.append(
+            {
+                "method": name,
+                "parameters": counts["pelt"],
+                "percent": 100.0 * counts["pelt"] / total,
+                "description": spec.description,
+            }
+        )
     if as_json:
-        click.echo(json.dumps({"backbone": loaded.name, "backbone_parameters": total, "methods": rows}, indent=2))
+        click.echo(
+            json.dumps({"backbone": loaded.name, "backbone_parameters": total, "methods": rows}, indent=2)
+        )
         return
     click.echo(f"backbone {loaded.name}: {total:,} parameters (head not counted below)")
     click.echo(f"{'method':<26}{'parameters':>12}{'%':>9}  description")
     for row in rows:
-        click.echo(f"{row['method']:<26}{row['parameters']:>12,}{row['percent']:>8.3f}%  {row['description']}")
+        click.echo(
+            f"{row['method']:<26}{row['parameters']:>12,}{row['percent']:>8.3f}%  {row['description']}"
+        )
 
 
 @click.command("train")
-@click.option("--backbone", default="all-minilm-l6-v2", show_default=True,
-              help="Packaged backbone alias (all-minilm-l6-v2, smollm2-135m) or a local model directory.")
-@click.option("--train", "train_path", required=True, help="Training data: .jsonl, .csv, .parquet or a datasets folder.")
+@click.option(
+    "--backbone",
+    default="all-minilm-l6-v2",
+    show_default=True,
+    help="Packaged backbone alias (all-minilm-l6-v2, smollm2-135m) or a local model directory.",
+)
+@click.option(
+    "--train", "train_path", required=True, help="Training data: .jsonl, .csv, .parquet or a datasets folder."
+)
 @click.option("--validation", "validation_path", help="Evaluation data (same formats).")
 @click.option("--method", required=True, help="A built-in method name or a JSON method-spec file.")
-@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="Training hyperparameter (lr, epochs, batch_size, seed, k_shot, ...) or method-spec override "
-                   "(r, bottleneck, prefix_length, role.field, bias). Repeatable.")
-@click.option("--text-field", "text_fields", multiple=True, help="Text column(s); detected from GLUE-style names if omitted.")
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Training hyperparameter (lr, epochs, batch_size, seed, k_shot, ...) or method-spec override "
+    "(r, bottleneck, prefix_length, role.field, bias). Repeatable.",
+)
+@click.option(
+    "--text-field",
+    "text_fields",
+    multiple=True,
+    help="Text column(s); detected from GLUE-style names if omitted.",
+)
 @click.option("--label-field", help="Label column; detected if omitted.")
-@click.option("--problem-type", type=click.Choice(["single_label_classification", "multi_label_classification",
-                                                   "regression"]), help="Detected from the labels if omitted.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Where the delta is written.")
+@click.option(
+    "--problem-type",
+    type=click.Choice(["single_label_classification", "multi_label_classification", "regression"]),
+    help="Detected from the labels if omitted.",
+)
+@click.option(
+    "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Where the delta is written."
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def train_command(backbone, train_path, validation_path, method, settings, text_fields, label_field, problem_type,
-                  out_dir, quiet) -> None:
+def train_command(
+    backbone,
+    train_path,
+    validation_path,
+    method,
+    settings,
+    text_fields,
+    label_field,
+    problem_type,
+    out_dir,
+    quiet,
+) -> None:
     """Train one PELT job locally and write its delta; the last line printed is the metrics as JSON."""
     from tqdm import tqdm
 
@@ -93,7 +138,9 @@ def train_command(backbone, train_path, validation_path, method, settings, text_
         eval_data = load_split(validation_path) if validation_path else None
         task = infer_task_fields(train_data, text_fields or None, label_field, problem_type)
         loaded = Backbone.load(backbone, dtype=config.backbone_dtype)
-        if "max_length" in train_overrides:  # given: refused above the backbone's positions (else cut to them)
+        if (
+            "max_length" in train_overrides
+        ):  # given: refused above the backbone's positions (else cut to them)
             check_against_backbone({"max_length": config.max_length}, {}, loaded.facts)
     except (SpecError, ConfigError, DataError, BackboneError, LimitError) as exc:
         _fail(str(exc))
@@ -109,8 +156,16 @@ def train_command(backbone, train_path, validation_path, method, settings, text_
         bar.refresh()
 
     try:
-        result = train(loaded, spec, train_data, eval_data, config, task=task, progress=progress,
-                       on_epoch_end=lambda r: click.echo(json.dumps(r), err=True))
+        result = train(
+            loaded,
+            spec,
+            train_data,
+            eval_data,
+            config,
+            task=task,
+            progress=progress,
+            on_epoch_end=lambda r: click.echo(json.dumps(r), err=True),
+        )
     except (TrainingError, DataError, SpecError, ConfigError) as exc:  # SpecError: a rank above the backbone
         _fail(str(exc))
     finally:
@@ -118,14 +173,28 @@ def train_command(backbone, train_path, validation_path, method, settings, text_
             bar.close()
 
     summary = {
-        "method": spec.name, "backbone": loaded.name, "metrics": result.metrics, "steps": result.steps,
-        "train_seconds": round(result.train_seconds, 2), "tokens_per_second": round(result.tokens_per_second, 1),
-        "pelt_parameters": result.parameter_counts["pelt"], "trainable_percent": result.trainable_percent,
-        "gates": result.gate_values, "labels": task.label_names, "out": str(out_dir),
+        "method": spec.name,
+        "backbone": loaded.name,
+        "metrics": result.metrics,
+        "steps": result.steps,
+        "train_seconds": round(result.train_seconds, 2),
+        "tokens_per_second": round(result.tokens_per_second, 1),
+        "pelt_parameters": result.parameter_counts["pelt"],
+        "trainable_percent": result.trainable_percent,
+        "gates": result.gate_values,
+        "labels": task.label_names,
+        "out": str(out_dir),
     }
-    saved = save_delta(result.delta, loaded, out_dir, extra={"metrics": result.metrics, "train": config.to_dict(),
-                                                              "task": {"text_fields": list(task.text_fields),
-                                                                       "label_field": task.label_field}})
+    saved = save_delta(
+        result.delta,
+        loaded,
+        out_dir,
+        extra={
+            "metrics": result.metrics,
+            "train": config.to_dict(),
+            "task": {"text_fields": list(task.text_fields), "label_field": task.label_field},
+        },
+    )
     summary["sha256"] = saved.sha256
     try:
         export_peft_lora(result.delta, loaded, Path(out_dir) / "peft")

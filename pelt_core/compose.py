@@ -108,18 +108,27 @@ def check_options(op: str, options: Mapping[str, Any], sources: int) -> None:
         raise CompositionError(f"op must be one of {', '.join(OPTIONS)}, got {op!r}", field="op")
     for name, value in options.items():
         if name not in OPTIONS[op]:
-            raise CompositionError(f"{name}: not an option of {op}; its options: {', '.join(OPTIONS[op]) or '(none)'}",
-                                   field=name)
+            raise CompositionError(
+                f"{name}: not an option of {op}; its options: {', '.join(OPTIONS[op]) or '(none)'}",
+                field=name,
+            )
         if name == "how" and value not in MERGE_METHODS:
-            raise CompositionError(f"how must be one of {', '.join(MERGE_METHODS)}, got {value!r}", field=name)
+            raise CompositionError(
+                f"how must be one of {', '.join(MERGE_METHODS)}, got {value!r}", field=name
+            )
         if name == "combine" and value not in DARE_COMBINES:
-            raise CompositionError(f"combine must be one of {', '.join(DARE_COMBINES)}, got {value!r}", field=name)
+            raise CompositionError(
+                f"combine must be one of {', '.join(DARE_COMBINES)}, got {value!r}", field=name
+            )
         if name == "weights" and value is not None:
             if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-                raise CompositionError(f"weights must be a list of {sources} numbers, got {value!r}", field=name)
+                raise CompositionError(
+                    f"weights must be a list of {sources} numbers, got {value!r}", field=name
+                )
             if len(value) != sources:
-                raise CompositionError(f"{len(value)} weights for {sources} deltas; give one weight per delta",
-                                       field=name)
+                raise CompositionError(
+                    f"{len(value)} weights for {sources} deltas; give one weight per delta", field=name
+                )
             for index, weight in enumerate(value):
                 _in_range("weights", weight, f"weights[{index}]")
         elif name in COMPOSE_RANGES and not (value is None and name in ("lora_rank", "density")):
@@ -153,8 +162,9 @@ def trim_to_density(tensor: torch.Tensor, density: float) -> torch.Tensor:
     return torch.where(keep, flat, torch.zeros_like(flat)).view_as(tensor)
 
 
-def ties_combine(tensors: Sequence[torch.Tensor], density: float = 1.0,
-                 weights: Sequence[float] | None = None) -> torch.Tensor:
+def ties_combine(
+    tensors: Sequence[torch.Tensor], density: float = 1.0, weights: Sequence[float] | None = None
+) -> torch.Tensor:
     """TIES on one tensor of n task vectors: trim each, elect the sign of Σ w_i τ̂_i, weighted disjoint mean."""
     if not tensors:
         raise CompositionError("ties_combine: no tensors")
@@ -168,7 +178,9 @@ def ties_combine(tensors: Sequence[torch.Tensor], density: float = 1.0,
     agree = (torch.sign(trimmed) == elected) & (elected != 0)
     total = (weighted * agree).sum(0)
     mass = (w * agree).sum(0)
-    return torch.where(agree.any(0), total / mass.where(mass != 0, torch.ones_like(mass)), torch.zeros_like(total))
+    return torch.where(
+        agree.any(0), total / mass.where(mass != 0, torch.ones_like(mass)), torch.zeros_like(total)
+    )
 
 
 def dare_sparsify(tensor: torch.Tensor, drop_rate: float, generator: torch.Generator) -> torch.Tensor:
@@ -181,7 +193,9 @@ def dare_sparsify(tensor: torch.Tensor, drop_rate: float, generator: torch.Gener
 
 def is_low_rank(spec: ModuleSpec) -> bool:
     """A LoRA-like module: a linear bottleneck without biases or gate, so its effect is ΔW = s·B·A."""
-    return spec.form == "bottleneck" and spec.nonlinearity == "identity" and not spec.proj_bias and not spec.gate
+    return (
+        spec.form == "bottleneck" and spec.nonlinearity == "identity" and not spec.proj_bias and not spec.gate
+    )
 
 
 def tensors_sha256(delta: JobDelta) -> str:
@@ -245,14 +259,25 @@ def merge(
         _check_density(density)
     spec = views[0].delta.method
     low_roles = _low_rank_roles(spec)
-    provenance: dict[str, Any] = {"op": f"merge({how})" if how != "dare" or combine == "linear" else "merge(dare+ties)",
-                                  "how": how, "weights": w, "scale": scale}
+    provenance: dict[str, Any] = {
+        "op": f"merge({how})" if how != "dare" or combine == "linear" else "merge(dare+ties)",
+        "how": how,
+        "weights": w,
+        "scale": scale,
+    }
 
     if how == "linear":
-        dense = {key: scale * sum(wi * v.dense[key] for wi, v in zip(w, views, strict=True)) for key in views[0].dense}
+        dense = {
+            key: scale * sum(wi * v.dense[key] for wi, v in zip(w, views, strict=True))
+            for key in views[0].dense
+        }
         low_rank = {
-            path: _Factors(torch.cat([v.low_rank[path].down for v in views], 0),
-                           torch.cat([scale * wi * v.low_rank[path].up_scaled for wi, v in zip(w, views, strict=True)], 1))
+            path: _Factors(
+                torch.cat([v.low_rank[path].down for v in views], 0),
+                torch.cat(
+                    [scale * wi * v.low_rank[path].up_scaled for wi, v in zip(w, views, strict=True)], 1
+                ),
+            )
             for path in views[0].low_rank
         }
         if lora_rank is None:
@@ -260,13 +285,16 @@ def merge(
         else:
             ranks = dict.fromkeys(low_roles, lora_rank)
             low_rank = {path: _svd_factors(f.delta_weight(), lora_rank) for path, f in low_rank.items()}
-        provenance["lora"] = (("concat" if lora_rank is None else "svd") if low_rank else None)
+        provenance["lora"] = ("concat" if lora_rank is None else "svd") if low_rank else None
     else:
         vectors = [_task_vector(v) for v in views]
         if how == "dare":
             drop_rate = 1.0 - density
             generator = torch.Generator().manual_seed(seed)
-            vectors = [{key: dare_sparsify(t, drop_rate, generator) for key, t in vector.items()} for vector in vectors]
+            vectors = [
+                {key: dare_sparsify(t, drop_rate, generator) for key, t in vector.items()}
+                for vector in vectors
+            ]
             provenance.update(density=density, drop_rate=drop_rate, seed=seed, combine=combine)
         else:
             provenance.update(density=density)
@@ -292,8 +320,9 @@ def average(deltas: Deltas, *, lora_rank: int | None = None, backbone: Backbone 
     return result
 
 
-def merge_lora_svd(deltas: Deltas, weights: Sequence[float] | None, rank: int, *,
-                   backbone: Backbone | None = None) -> JobDelta:
+def merge_lora_svd(
+    deltas: Deltas, weights: Sequence[float] | None, rank: int, *, backbone: Backbone | None = None
+) -> JobDelta:
     """LoRA deltas of possibly different ranks → Σ w_i ΔW_i per matrix → truncated SVD to `rank`
     (A = S^½Vᵀ, B = U S^½ / s): exact when rank ≥ the sum's rank, else the best rank-`rank` approximation.
     Any other tensors (head, BitFit biases) are summed with the same weights; w defaults to 1/n."""
@@ -304,30 +333,45 @@ def merge_lora_svd(deltas: Deltas, weights: Sequence[float] | None, rank: int, *
     spec = views[0].delta.method
     low_roles = _low_rank_roles(spec)
     if not low_roles:
-        raise CompositionError(f"merge_lora_svd: method {spec.name!r} has no LoRA module (a linear bottleneck "
-                               "without biases or gate); use merge()")
+        raise CompositionError(
+            f"merge_lora_svd: method {spec.name!r} has no LoRA module (a linear bottleneck "
+            "without biases or gate); use merge()"
+        )
     w = _weights(weights, len(views), default=1.0 / len(views), positive=False)
     dense = {key: sum(wi * v.dense[key] for wi, v in zip(w, views, strict=True)) for key in views[0].dense}
     low_rank = {
-        path: _svd_factors(sum(wi * v.low_rank[path].delta_weight() for wi, v in zip(w, views, strict=True)), rank)
+        path: _svd_factors(
+            sum(wi * v.low_rank[path].delta_weight() for wi, v in zip(w, views, strict=True)), rank
+        )
         for path in views[0].low_rank
     }
-    provenance = {"op": "merge_lora_svd", "weights": w, "lora_rank": rank, "lora": "svd",
-                  "input_ranks": [{role: v.delta.method.modules[role].size for role in low_roles} for v in views]}
-    return _compose(views, _spec_with_ranks(spec, dict.fromkeys(low_roles, rank)), dense, low_rank, provenance,
-                    backbone)
+    provenance = {
+        "op": "merge_lora_svd",
+        "weights": w,
+        "lora_rank": rank,
+        "lora": "svd",
+        "input_ranks": [{role: v.delta.method.modules[role].size for role in low_roles} for v in views],
+    }
+    return _compose(
+        views, _spec_with_ranks(spec, dict.fromkeys(low_roles, rank)), dense, low_rank, provenance, backbone
+    )
 
 
-def save_composed(delta: JobDelta, backbone: Backbone, out_dir: str | Path,
-                  extra: dict[str, Any] | None = None) -> SavedDelta:
+def save_composed(
+    delta: JobDelta, backbone: Backbone, out_dir: str | Path, extra: dict[str, Any] | None = None
+) -> SavedDelta:
     """`save_delta` with the delta's provenance in the manifest, under `extra["composition"]`."""
     provenance = getattr(delta, "provenance", None)
     if provenance is None:
-        raise CompositionError("this delta was not composed by pelt_core.compose (no provenance); use save_delta")
+        raise CompositionError(
+            "this delta was not composed by pelt_core.compose (no provenance); use save_delta"
+        )
     known = provenance.get("backbone_hash")
     if known is not None and known != backbone.content_hash:
-        raise CompositionError(f"this delta was composed from deltas of backbone {known[:12]}…, "
-                               f"not of {backbone.name!r} ({backbone.content_hash[:12]}…)")
+        raise CompositionError(
+            f"this delta was composed from deltas of backbone {known[:12]}…, "
+            f"not of {backbone.name!r} ({backbone.content_hash[:12]}…)"
+        )
     return save_delta(delta, backbone, out_dir, extra={**(extra or {}), "composition": provenance})
 
 
@@ -341,8 +385,13 @@ class MultiTaskModel(PeltModel):
     def tasks(self) -> list[str]:
         return list(self.deltas)
 
-    def forward_tasks(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, tasks: Sequence[str],
-                      token_type_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward_tasks(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        tasks: Sequence[str],
+        token_type_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
         """Per-row logits (one 1-D tensor per row, in input order); row i goes through task tasks[i]."""
         if len(tasks) != input_ids.shape[0]:
             raise ValueError(f"{len(tasks)} task names for a batch of {input_ids.shape[0]} rows")
@@ -353,9 +402,12 @@ class MultiTaskModel(PeltModel):
             groups.setdefault(task, []).append(row)
         order = [row for rows in groups.values() for row in rows]
         index = torch.tensor(order, device=input_ids.device)
-        outputs = self(input_ids[index], attention_mask[index],
-                       None if token_type_ids is None else token_type_ids[index],
-                       routes=[(task, len(rows)) for task, rows in groups.items()])
+        outputs = self(
+            input_ids[index],
+            attention_mask[index],
+            None if token_type_ids is None else token_type_ids[index],
+            routes=[(task, len(rows)) for task, rows in groups.items()],
+        )
         if isinstance(outputs, torch.Tensor):
             outputs = [outputs]
         per_row: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
@@ -364,27 +416,33 @@ class MultiTaskModel(PeltModel):
         return per_row
 
     @torch.no_grad()
-    def predict(self, items: Sequence[tuple[str, str | tuple[str, str]]], batch_size: int = 32,
-                max_length: int = 128) -> list[dict]:
+    def predict(
+        self, items: Sequence[tuple[str, str | tuple[str, str]]], batch_size: int = 32, max_length: int = 128
+    ) -> list[dict]:
         """Predictions for (task, text) or (task, (text, text_pair)) items, in input order; each chunk of
         `batch_size` items is one backbone forward. Same result format as `pelt_core.model.predict`, plus "task"."""
         for position, item in enumerate(items):
             if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
-                raise ValueError(f"item {position}: expected (task, text) or (task, (text, text_pair)), got {item!r}")
+                raise ValueError(
+                    f"item {position}: expected (task, text) or (task, (text, text_pair)), got {item!r}"
+                )
         was_training = self.training
         self.eval()
         device = next(self.deltas.parameters()).device
         results: list[dict] = []
         try:
             for start in range(0, len(items), batch_size):
-                chunk = items[start:start + batch_size]
+                chunk = items[start : start + batch_size]
                 tasks = [task for task, _ in chunk]
                 batch = _tokenize(self.backbone.tokenizer, [text for _, text in chunk], max_length, device)
-                rows = self.forward_tasks(batch["input_ids"], batch["attention_mask"], tasks,
-                                          batch.get("token_type_ids"))
+                rows = self.forward_tasks(
+                    batch["input_ids"], batch["attention_mask"], tasks, batch.get("token_type_ids")
+                )
                 for task, logits in zip(tasks, rows, strict=True):
                     delta = self.deltas[task]
-                    result = _predictions(delta.problem_type, delta.label_names, logits.float().unsqueeze(0))[0]
+                    result = _predictions(delta.problem_type, delta.label_names, logits.float().unsqueeze(0))[
+                        0
+                    ]
                     results.append({"task": task, **result})
         finally:
             self.train(was_training)
@@ -405,8 +463,9 @@ def multi_task(backbone: Backbone, deltas: Mapping[str, JobDelta]) -> MultiTaskM
 class FoldedModel(nn.Module):
     """A standalone transformers model with LoRA folded into its dense weights, plus the task head."""
 
-    def __init__(self, model: nn.Module, head: nn.Module, tokenizer, problem_type: str,
-                 label_names: list[str] | None):
+    def __init__(
+        self, model: nn.Module, head: nn.Module, tokenizer, problem_type: str, label_names: list[str] | None
+    ):
         super().__init__()
         self.model = model
         self.head = head
@@ -414,8 +473,13 @@ class FoldedModel(nn.Module):
         self.problem_type = problem_type
         self.label_names = label_names
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
@@ -423,8 +487,9 @@ class FoldedModel(nn.Module):
         return hidden if return_hidden else self.head(hidden, attention_mask)
 
     @torch.no_grad()
-    def predict(self, texts: Sequence[str | tuple[str, str]], batch_size: int = 32,
-                max_length: int = 128) -> list[dict]:
+    def predict(
+        self, texts: Sequence[str | tuple[str, str]], batch_size: int = 32, max_length: int = 128
+    ) -> list[dict]:
         """Same result format as `pelt_core.model.predict`."""
         was_training = self.training
         self.eval()
@@ -432,8 +497,10 @@ class FoldedModel(nn.Module):
         results: list[dict] = []
         try:
             for start in range(0, len(texts), batch_size):
-                batch = _tokenize(self.tokenizer, list(texts[start:start + batch_size]), max_length, device)
-                logits = self(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")).float()
+                batch = _tokenize(self.tokenizer, list(texts[start : start + batch_size]), max_length, device)
+                logits = self(
+                    batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
+                ).float()
                 results.extend(_predictions(self.problem_type, self.label_names, logits))
         finally:
             self.train(was_training)
@@ -490,7 +557,8 @@ def _view(name: str, delta: JobDelta) -> _View:
             if isinstance(module, Bottleneck) and is_low_rank(module.spec):
                 low_rank[path] = _Factors(
                     module.down.weight.detach().to("cpu", torch.float64),
-                    module.up.weight.detach().to("cpu", torch.float64) * float(module.scale.detach()))
+                    module.up.weight.detach().to("cpu", torch.float64) * float(module.scale.detach()),
+                )
         dense = {
             key: tensor.detach().to("cpu", torch.float64)
             for key, tensor in sorted(delta.state_dict().items())
@@ -502,7 +570,11 @@ def _view(name: str, delta: JobDelta) -> _View:
 def _views(deltas: Deltas, op: str) -> list[_View]:
     if isinstance(deltas, JobDelta):
         raise CompositionError(f"{op}: give a list (or a name -> delta mapping) of deltas, not one delta")
-    items = list(deltas.items()) if isinstance(deltas, Mapping) else [(f"delta{i}", d) for i, d in enumerate(deltas)]
+    items = (
+        list(deltas.items())
+        if isinstance(deltas, Mapping)
+        else [(f"delta{i}", d) for i, d in enumerate(deltas)]
+    )
     if not items:
         raise CompositionError(f"{op}: no deltas given")
     return [_view(str(name), delta) for name, delta in items]
@@ -548,8 +620,14 @@ def _spec_with_ranks(spec: MethodSpec, ranks: dict[str, int]) -> MethodSpec:
     return MethodSpec.from_dict(data)
 
 
-def _compose(views: list[_View], spec: MethodSpec, dense: dict[str, torch.Tensor],
-             low_rank: dict[str, _Factors], provenance: dict[str, Any], backbone: Backbone | None) -> JobDelta:
+def _compose(
+    views: list[_View],
+    spec: MethodSpec,
+    dense: dict[str, torch.Tensor],
+    low_rank: dict[str, _Factors],
+    provenance: dict[str, Any],
+    backbone: Backbone | None,
+) -> JobDelta:
     """A new delta shaped like the first input, with `spec` and the given tensors."""
     result = copy.deepcopy(views[0].delta)
     with torch.random.fork_rng(devices=[]):  # a module's init draws must not move the caller's random stream
@@ -558,7 +636,8 @@ def _compose(views: list[_View], spec: MethodSpec, dense: dict[str, torch.Tensor
                 parent_path, role = path.rsplit(".", 1)
                 weight = module.down.weight
                 result.get_submodule(parent_path)[role] = Bottleneck(
-                    spec.modules[role], module.down.in_features, module.up.out_features).to(weight.device, weight.dtype)
+                    spec.modules[role], module.down.in_features, module.up.out_features
+                ).to(weight.device, weight.dtype)
     result.method = spec
     result.reindex()  # rebuild the per-site plan over the new modules
     state = dict(dense)
@@ -587,20 +666,29 @@ def _compose(views: list[_View], spec: MethodSpec, dense: dict[str, torch.Tensor
     return result.eval()
 
 
-def _provenance(views: list[_View], spec: MethodSpec, record: dict[str, Any],
-                backbone_hash: str | None) -> dict[str, Any]:
+def _provenance(
+    views: list[_View], spec: MethodSpec, record: dict[str, Any], backbone_hash: str | None
+) -> dict[str, Any]:
     from pelt_core import __version__
 
     inputs = []
     for view in views:
-        entry = {"name": view.name, "method": view.delta.method.name,
-                 "tensors_sha256": tensors_sha256(view.delta)}
+        entry = {
+            "name": view.name,
+            "method": view.delta.method.name,
+            "tensors_sha256": tensors_sha256(view.delta),
+        }
         ranks = {role: m.size for role, m in view.delta.method.modules.items() if is_low_rank(m)}
         if ranks:
             entry["lora_ranks"] = ranks
         inputs.append(entry)
-    return {**record, "inputs": inputs, "method": spec.name, "backbone_hash": backbone_hash,
-            "pelt_version": __version__}
+    return {
+        **record,
+        "inputs": inputs,
+        "method": spec.name,
+        "backbone_hash": backbone_hash,
+        "pelt_version": __version__,
+    }
 
 
 def _known_hash(delta: JobDelta) -> str | None:
@@ -622,11 +710,15 @@ def _check_on_backbone(name: str, delta: JobDelta, backbone: Backbone, op: str) 
         raise CompositionError(f"{op}: {name} is a {type(delta).__name__}, not a JobDelta")
     known = _known_hash(delta)
     if known is not None and known != backbone.content_hash:
-        raise CompositionError(f"{op}: {name} belongs to backbone {known[:12]}…, not to {backbone.name!r} "
-                               f"({backbone.content_hash[:12]}…)")
+        raise CompositionError(
+            f"{op}: {name} belongs to backbone {known[:12]}…, not to {backbone.name!r} "
+            f"({backbone.content_hash[:12]}…)"
+        )
     if delta.num_layers != backbone.num_layers or delta.head.classifier.in_features != backbone.hidden_size:
-        raise CompositionError(f"{op}: {name} has the shape of another backbone ({delta.num_layers} layers, "
-                               f"hidden {delta.head.classifier.in_features}) than {backbone.name!r}")
+        raise CompositionError(
+            f"{op}: {name} has the shape of another backbone ({delta.num_layers} layers, "
+            f"hidden {delta.head.classifier.in_features}) than {backbone.name!r}"
+        )
 
 
 def _check_compatible(views: list[_View], backbone: Backbone | None, op: str, same_ranks: bool) -> None:
@@ -640,37 +732,64 @@ def _check_compatible(views: list[_View], backbone: Backbone | None, op: str, sa
             for other in views:
                 other_hash = _known_hash(other.original)
                 if other_hash is not None and other_hash != hash_:
-                    raise CompositionError(f"{op}: {view.name} and {other.name} come from different backbones "
-                                           f"(content hash {hash_[:12]}… vs {other_hash[:12]}…)")
+                    raise CompositionError(
+                        f"{op}: {view.name} and {other.name} come from different backbones "
+                        f"(content hash {hash_[:12]}… vs {other_hash[:12]}…)"
+                    )
     for view in views[1:]:
         a, b = first.delta.method, view.delta.method
         if a.name != b.name:
-            raise CompositionError(f"{op}: {view.name} uses method {b.name!r} but {first.name} uses {a.name!r}; "
-                                   "only deltas of one method compose")
+            raise CompositionError(
+                f"{op}: {view.name} uses method {b.name!r} but {first.name} uses {a.name!r}; "
+                "only deltas of one method compose"
+            )
         diffs = _differences(_spec_key(a, same_ranks), _spec_key(b, same_ranks))
         if diffs:
-            hint = (" (merge_lora_svd merges LoRA deltas of different ranks)"
-                    if same_ranks and _spec_key(a, False) == _spec_key(b, False) else "")
-            raise CompositionError(f"{op}: the method spec of {view.name} differs from that of {first.name}: "
-                                   f"{'; '.join(diffs[:5])}{hint}")
+            hint = (
+                " (merge_lora_svd merges LoRA deltas of different ranks)"
+                if same_ranks and _spec_key(a, False) == _spec_key(b, False)
+                else ""
+            )
+            raise CompositionError(
+                f"{op}: the method spec of {view.name} differs from that of {first.name}: "
+                f"{'; '.join(diffs[:5])}{hint}"
+            )
         for label, x, y in (
             ("problem type", first.delta.problem_type, view.delta.problem_type),
-            ("number of labels", first.delta.head.classifier.out_features, view.delta.head.classifier.out_features),
+            (
+                "number of labels",
+                first.delta.head.classifier.out_features,
+                view.delta.head.classifier.out_features,
+            ),
             ("pooling", first.delta.head.pooling, view.delta.head.pooling),
         ):
             if x != y:
-                raise CompositionError(f"{op}: the heads differ: {label} {x!r} ({first.name}) vs {y!r} ({view.name})")
-        if first.delta.label_names and view.delta.label_names and first.delta.label_names != view.delta.label_names:
-            raise CompositionError(f"{op}: the heads differ: label names {first.delta.label_names} ({first.name}) "
-                                   f"vs {view.delta.label_names} ({view.name})")
+                raise CompositionError(
+                    f"{op}: the heads differ: {label} {x!r} ({first.name}) vs {y!r} ({view.name})"
+                )
+        if (
+            first.delta.label_names
+            and view.delta.label_names
+            and first.delta.label_names != view.delta.label_names
+        ):
+            raise CompositionError(
+                f"{op}: the heads differ: label names {first.delta.label_names} ({first.name}) "
+                f"vs {view.delta.label_names} ({view.name})"
+            )
         shapes_a = {k: tuple(t.shape) for k, t in first.dense.items()}
-        shapes_a.update({p + DELTA_WEIGHT: (f.up_scaled.shape[0], f.down.shape[1]) for p, f in first.low_rank.items()})
+        shapes_a.update(
+            {p + DELTA_WEIGHT: (f.up_scaled.shape[0], f.down.shape[1]) for p, f in first.low_rank.items()}
+        )
         shapes_b = {k: tuple(t.shape) for k, t in view.dense.items()}
-        shapes_b.update({p + DELTA_WEIGHT: (f.up_scaled.shape[0], f.down.shape[1]) for p, f in view.low_rank.items()})
+        shapes_b.update(
+            {p + DELTA_WEIGHT: (f.up_scaled.shape[0], f.down.shape[1]) for p, f in view.low_rank.items()}
+        )
         if shapes_a != shapes_b:
             diff = _differences(shapes_a, shapes_b)
-            raise CompositionError(f"{op}: {view.name} does not have the shape of {first.name} (different backbones?): "
-                                   f"{'; '.join(diff[:3])}")
+            raise CompositionError(
+                f"{op}: {view.name} does not have the shape of {first.name} (different backbones?): "
+                f"{'; '.join(diff[:3])}"
+            )
 
 
 def _spec_key(spec: MethodSpec, same_ranks: bool) -> dict[str, Any]:
@@ -734,12 +853,16 @@ def _check_rank_fits(rank: int, name: str, views: list[_View]) -> None:
     summed = max(sum(v.low_rank[path].down.shape[0] for v in views) for path in views[0].low_rank)
     bound = max(exact, summed)
     if rank > bound:
-        raise CompositionError(f"{name}: must be at most {bound}, the larger of min(d_in, d_out) of the LoRA "
-                               f"matrices ({exact}) and the sources' summed rank ({summed}), got {rank}", field=name)
+        raise CompositionError(
+            f"{name}: must be at most {bound}, the larger of min(d_in, d_out) of the LoRA "
+            f"matrices ({exact}) and the sources' summed rank ({summed}), got {rank}",
+            field=name,
+        )
 
 
 def _tokenize(tokenizer, texts: list, max_length: int, device) -> dict[str, torch.Tensor]:
     """Tokenize single texts, (text, text_pair) pairs, or a mix of both (rows encoded one by one, then padded)."""
+
     def is_pair(text):
         return isinstance(text, tuple | list) and len(text) == 2 and all(isinstance(t, str) for t in text)
 
@@ -750,12 +873,18 @@ def _tokenize(tokenizer, texts: list, max_length: int, device) -> dict[str, torc
     if all(isinstance(t, str) for t in texts):
         batch = tokenizer(list(texts), padding=True, return_tensors="pt", **options)
     elif all(is_pair(t) for t in texts):
-        batch = tokenizer([a for a, _ in texts], [b for _, b in texts], padding=True, return_tensors="pt", **options)
+        batch = tokenizer(
+            [a for a, _ in texts], [b for _, b in texts], padding=True, return_tensors="pt", **options
+        )
     else:
-        rows = [dict(tokenizer(t, **options) if isinstance(t, str) else tokenizer(t[0], t[1], **options))
-                for t in texts]
+        rows = [
+            dict(tokenizer(t, **options) if isinstance(t, str) else tokenizer(t[0], t[1], **options))
+            for t in texts
+        ]
         batch = tokenizer.pad(rows, padding=True, return_tensors="pt")
-    return {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    return {
+        k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")
+    }
 
 
 def _predictions(problem_type: str, label_names: list[str] | None, logits: torch.Tensor) -> list[dict]:
@@ -764,8 +893,13 @@ def _predictions(problem_type: str, label_names: list[str] | None, logits: torch
         return [{"value": float(v)} for v in logits.squeeze(-1)]
     names = label_names or [str(i) for i in range(logits.shape[-1])]
     if problem_type == "multi_label_classification":
-        return [{"labels": [names[i] for i, p in enumerate(row) if p > 0.5],
-                 "scores": {names[i]: float(p) for i, p in enumerate(row)}} for row in torch.sigmoid(logits)]
+        return [
+            {
+                "labels": [names[i] for i, p in enumerate(row) if p > 0.5],
+                "scores": {names[i]: float(p) for i, p in enumerate(row)},
+            }
+            for row in torch.sigmoid(logits)
+        ]
     results = []
     for row in torch.softmax(logits, -1):
         best = int(row.argmax())

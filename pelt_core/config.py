@@ -43,6 +43,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Every number within its range of `limits.TRAIN_RANGES` (finite, of its kind); the choices known."""
+
         def bad(name: str, message: str) -> ConfigError:
             return ConfigError(f"{name}: {message}")
 
@@ -68,7 +69,9 @@ class TrainConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(fields))
         if unknown:
-            raise ConfigError(f"{', '.join(unknown)}: unknown training hyperparameter(s); known: {', '.join(fields)}")
+            raise ConfigError(
+                f"{', '.join(unknown)}: unknown training hyperparameter(s); known: {', '.join(fields)}"
+            )
         converted = {name: _convert(name, fields[name].type, value) for name, value in values.items()}
         config = cls(**converted)
         config.validate()
@@ -79,8 +82,15 @@ class TrainConfig:
 
 
 TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
-OPTIONAL_FIELDS = frozenset({"learning_rate", "k_shot", "max_steps"})  # None: the method's default / all / epochs
-ALIASES = {"lr": "learning_rate", "k": "k_shot", "K": "k_shot", "bs": "batch_size"}  # the method spec's: spec.py
+OPTIONAL_FIELDS = frozenset(
+    {"learning_rate", "k_shot", "max_steps"}
+)  # None: the method's default / all / epochs
+ALIASES = {
+    "lr": "learning_rate",
+    "k": "k_shot",
+    "K": "k_shot",
+    "bs": "batch_size",
+}  # the method spec's: spec.py
 
 
 def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -140,7 +150,9 @@ def parse_settings(pairs: dict[str, str]) -> dict[str, Any]:
 def _convert(name: str, annotation: Any, value: Any) -> Any:
     if not isinstance(value, str):
         if "float" in str(annotation) and isinstance(value, int) and not isinstance(value, bool):
-            return float(value) if abs(value) < 2**1000 else value  # too large for a float: the range refuses it
+            return (
+                float(value) if abs(value) < 2**1000 else value
+            )  # too large for a float: the range refuses it
         return value
     text = value.strip()
     kind = str(annotation)

@@ -56,7 +56,9 @@ def load_table(path: str | Path, split: str | None = None):
                 raise DataError(f"{path}: {exc}") from None
             if isinstance(loaded, datasets.DatasetDict):
                 if split is None:
-                    raise DataError(f"{path}: a DatasetDict with splits {', '.join(loaded)}; name one (e.g. {path}:train)")
+                    raise DataError(
+                        f"{path}: a DatasetDict with splits {', '.join(loaded)}; name one (e.g. {path}:train)"
+                    )
                 if split not in loaded:
                     raise DataError(f"{path}: no split {split!r}; it has {', '.join(loaded)}")
                 return loaded[split]
@@ -77,19 +79,23 @@ def load_table(path: str | Path, split: str | None = None):
         raise  # not the file's fault (an import, a bug, memory): no DataError, which would end the job for good
     except Exception as exc:  # the readers raise many types; the user needs the file and the reason
         raise DataError(f"{path}: cannot read it as {p.suffix or 'a datasets folder'}: {exc}") from exc
-    raise DataError(f"{path}: unsupported file type {p.suffix!r}; use .jsonl, .json, .csv, .tsv, .parquet "
-                    "or a datasets folder")
+    raise DataError(
+        f"{path}: unsupported file type {p.suffix!r}; use .jsonl, .json, .csv, .tsv, .parquet "
+        "or a datasets folder"
+    )
 
 
 def _check_json_nesting(path: Path, suffix: str) -> None:
     """A JSON (Lines) file whose rows nest deeper than MAX_JSON_ROW_DEPTH is a DataError naming the line."""
     import gzip
 
-    with (gzip.open(path, "rb") if suffix.endswith(".gz") else path.open("rb")) as stream:
+    with gzip.open(path, "rb") if suffix.endswith(".gz") else path.open("rb") as stream:
         if suffix.startswith(".jsonl"):
             for number, line in enumerate(stream, start=1):
                 if too_deep_line(line, MAX_JSON_ROW_DEPTH) is not None:
-                    raise DataError(f"{path}: line {number} is JSON nested more than {MAX_JSON_ROW_DEPTH} levels deep")
+                    raise DataError(
+                        f"{path}: line {number} is JSON nested more than {MAX_JSON_ROW_DEPTH} levels deep"
+                    )
         elif json_depth(stream.read(), stop_above=MAX_JSON_ROW_DEPTH) > MAX_JSON_ROW_DEPTH:
             raise DataError(f"{path}: JSON nested more than {MAX_JSON_ROW_DEPTH} levels deep")
 
@@ -111,15 +117,18 @@ class TaskFields:
     label_field: str
     problem_type: str = "single_label_classification"
     label_names: list[str] = field(default_factory=list)
-    label_positions: bool = True  # a whole number naming no class is a position (declared names, not inferred)
+    label_positions: bool = (
+        True  # a whole number naming no class is a position (declared names, not inferred)
+    )
 
     @property
     def num_labels(self) -> int:
         return 1 if self.problem_type == "regression" else len(self.label_names)
 
 
-def detect_fields(columns: list[str], text_fields: tuple[str, ...] | list[str] | None = None,
-                  label_field: str | None = None) -> tuple[tuple[str, ...], str]:
+def detect_fields(
+    columns: list[str], text_fields: tuple[str, ...] | list[str] | None = None, label_field: str | None = None
+) -> tuple[tuple[str, ...], str]:
     """Pick text and label columns from GLUE-style names unless given; errors name the missing field."""
     if text_fields:
         for name in text_fields:
@@ -129,8 +138,10 @@ def detect_fields(columns: list[str], text_fields: tuple[str, ...] | list[str] |
     else:
         found = next((c for c in TEXT_FIELD_CANDIDATES if all(name in columns for name in c)), None)
         if found is None:
-            raise DataError(f"cannot tell which column holds the text (columns: {', '.join(columns)}); "
-                            "name it with --text-field")
+            raise DataError(
+                f"cannot tell which column holds the text (columns: {', '.join(columns)}); "
+                "name it with --text-field"
+            )
         texts = found
     if len(texts) not in (1, 2):
         raise DataError(f"one or two text fields are supported, got {len(texts)}")
@@ -141,13 +152,20 @@ def detect_fields(columns: list[str], text_fields: tuple[str, ...] | list[str] |
     else:
         label = next((c for c in LABEL_FIELD_CANDIDATES if c in columns), None)
         if label is None:
-            raise DataError(f"cannot tell which column holds the label (columns: {', '.join(columns)}); "
-                            "name it with --label-field")
+            raise DataError(
+                f"cannot tell which column holds the label (columns: {', '.join(columns)}); "
+                "name it with --label-field"
+            )
     return texts, label
 
 
-def infer_task_fields(dataset, text_fields=None, label_field=None, problem_type: str | None = None,
-                      label_names: list[str] | None = None) -> TaskFields:
+def infer_task_fields(
+    dataset,
+    text_fields=None,
+    label_field=None,
+    problem_type: str | None = None,
+    label_names: list[str] | None = None,
+) -> TaskFields:
     """Detect fields and the label space from the training data."""
     texts, label = detect_fields(list(dataset.column_names), text_fields, label_field)
     values = dataset[label]
@@ -181,8 +199,12 @@ def hold_out_dev_split(dataset, seed: int):
     capped at 1,000, at least 1) drawn by seed, the rest for training; K-shot samples are then drawn
     from the rest only, so they never overlap the dev split."""
     if len(dataset) < 2:
-        raise DataError(f"the training data has {len(dataset)} row(s); holding out a dev split needs at least 2")
-    held_out = set(random.Random(f"dev-split-{seed}").sample(range(len(dataset)), dev_split_rows(len(dataset))))
+        raise DataError(
+            f"the training data has {len(dataset)} row(s); holding out a dev split needs at least 2"
+        )
+    held_out = set(
+        random.Random(f"dev-split-{seed}").sample(range(len(dataset)), dev_split_rows(len(dataset)))
+    )
     rest = [i for i in range(len(dataset)) if i not in held_out]
     return dataset.select(rest), dataset.select(sorted(held_out))
 
@@ -218,15 +240,21 @@ def encode_labels(values: list[Any], task: TaskFields, where: str) -> np.ndarray
         try:
             return np.asarray(values, dtype=np.float32)
         except (TypeError, ValueError) as exc:
-            raise DataError(f"{where}: label field {task.label_field!r} must hold numbers for regression") from exc
+            raise DataError(
+                f"{where}: label field {task.label_field!r} must hold numbers for regression"
+            ) from exc
     index = {name: i for i, name in enumerate(task.label_names)}
 
-    def one(value: Any) -> int:  # by name, else (declared names) a whole number as a position (pelt_core.labels)
+    def one(
+        value: Any,
+    ) -> int:  # by name, else (declared names) a whole number as a position (pelt_core.labels)
         position = label_index(value, task.label_names, index, positions=task.label_positions)
         if position is None:
             positions = f" (nor a position 0..{len(task.label_names) - 1})" if task.label_positions else ""
-            raise DataError(f"{where}: label {value!r} in field {task.label_field!r} is not one of "
-                            f"{', '.join(task.label_names)}{positions}")
+            raise DataError(
+                f"{where}: label {value!r} in field {task.label_field!r} is not one of "
+                f"{', '.join(task.label_names)}{positions}"
+            )
         return position
 
     if task.problem_type == "multi_label_classification":
@@ -242,14 +270,18 @@ def encode(dataset, tokenizer, task: TaskFields, max_length: int, where: str = "
     """Tokenise once (truncated to max_length, no padding) and map labels to indices."""
     for name in (*task.text_fields, task.label_field):
         if name not in dataset.column_names:
-            raise DataError(f"{where}: field {name!r} is missing (columns: {', '.join(dataset.column_names)})")
+            raise DataError(
+                f"{where}: field {name!r} is missing (columns: {', '.join(dataset.column_names)})"
+            )
     columns = [["" if t is None else str(t) for t in dataset[name]] for name in task.text_fields]
     tokens = tokenizer(*columns, truncation=True, max_length=max_length)
     token_types = tokens.get("token_type_ids")
     return Encoded(tokens["input_ids"], token_types, encode_labels(dataset[task.label_field], task, where))
 
 
-def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, shuffle: bool = True) -> list[list[int]]:
+def length_grouped_batches(
+    lengths: list[int], batch_size: int, seed: int, shuffle: bool = True
+) -> list[list[int]]:
     """Batches of similar lengths (little padding) in random order.
 
     Indices are shuffled, cut into mega-batches of 50 batches, sorted by length inside each, then cut into
@@ -257,15 +289,15 @@ def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, shuff
     """
     if not shuffle:
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     rng = random.Random(seed)
     order = list(range(len(lengths)))
     rng.shuffle(order)
     mega = batch_size * 50
     batches = []
     for start in range(0, len(order), mega):
-        chunk = sorted(order[start:start + mega], key=lambda i: lengths[i], reverse=True)
-        batches.extend(chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size))
+        chunk = sorted(order[start : start + mega], key=lambda i: lengths[i], reverse=True)
+        batches.extend(chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size))
     rng.shuffle(batches)
     return batches
 

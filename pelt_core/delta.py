@@ -46,7 +46,9 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def build_manifest(delta: JobDelta, backbone: Backbone, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def build_manifest(
+    delta: JobDelta, backbone: Backbone, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     from pelt_core import __version__
 
     counts = delta.parameter_counts()
@@ -79,13 +81,16 @@ def build_manifest(delta: JobDelta, backbone: Backbone, extra: dict[str, Any] | 
     }
 
 
-def save_delta(delta: JobDelta, backbone: Backbone, out_dir: str | Path,
-               extra: dict[str, Any] | None = None) -> SavedDelta:
+def save_delta(
+    delta: JobDelta, backbone: Backbone, out_dir: str | Path, extra: dict[str, Any] | None = None
+) -> SavedDelta:
     """Write the delta (after dropping any training-only reparameterisation) and its manifest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     delta.drop_reparameterization()
-    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in delta.state_dict().items()}
+    tensors = {
+        name: t.detach().to("cpu", torch.float32).contiguous() for name, t in delta.state_dict().items()
+    }
     manifest = build_manifest(delta, backbone, extra)
     # one metadata key: safetensors writes several keys in random order, which would change the file's sha256
     header = json.dumps({"format": FORMAT, "backbone_hash": backbone.content_hash}, sort_keys=True)
@@ -103,8 +108,10 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if manifest.get("format") != FORMAT:
         raise DeltaError(f"{manifest_path}: format {manifest.get('format')!r} is not {FORMAT!r}")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise DeltaError(f"{manifest_path}: format version {manifest['format_version']} is newer than this pelt "
-                         f"understands ({FORMAT_VERSION}); upgrade pelt")
+        raise DeltaError(
+            f"{manifest_path}: format version {manifest['format_version']} is newer than this pelt "
+            f"understands ({FORMAT_VERSION}); upgrade pelt"
+        )
     return manifest
 
 
@@ -115,7 +122,9 @@ def load_delta(path: str | Path, backbone: Backbone, expected_sha256: str | None
     if expected_sha256 is not None:
         actual = sha256_file(folder / DELTA_FILE)
         if actual != expected_sha256:
-            raise DeltaError(f"{folder / DELTA_FILE}: sha256 {actual} does not match the recorded {expected_sha256}")
+            raise DeltaError(
+                f"{folder / DELTA_FILE}: sha256 {actual} does not match the recorded {expected_sha256}"
+            )
     wanted = manifest["backbone"]
     if wanted["content_hash"] != backbone.content_hash:
         raise DeltaError(
@@ -124,15 +133,21 @@ def load_delta(path: str | Path, backbone: Backbone, expected_sha256: str | None
         )
     head = manifest["head"]
     delta = JobDelta(
-        MethodSpec.from_dict(manifest["method"]), backbone, num_labels=head["num_labels"],
-        problem_type=head["problem_type"], pooling=head["pooling"], label_names=head["label_names"],
+        MethodSpec.from_dict(manifest["method"]),
+        backbone,
+        num_labels=head["num_labels"],
+        problem_type=head["problem_type"],
+        pooling=head["pooling"],
+        label_names=head["label_names"],
         reparameterize_prefix=False,
     )
     state = load_file(str(folder / DELTA_FILE))
     missing, unexpected = delta.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise DeltaError(f"{folder}: tensors do not match the manifest's method "
-                         f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})")
+        raise DeltaError(
+            f"{folder}: tensors do not match the manifest's method "
+            f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})"
+        )
     delta.manifest = manifest
     return delta.eval()
 
@@ -151,11 +166,21 @@ def export_peft_lora(delta: JobDelta, backbone: Backbone, out_dir: str | Path) -
         raise DeltaError("only pure LoRA deltas export to PEFT (no adapters, prefixes, bias or norm deltas)")
     first = next(iter(modules.values()))
     for role, spec in modules.items():
-        if not (spec.form == "bottleneck" and spec.nonlinearity == "identity" and not spec.proj_bias
-                and spec.insertion == "parallel" and not spec.gate and not spec.learned_scale
-                and spec.representation.count(".") == 1):
+        if not (
+            spec.form == "bottleneck"
+            and spec.nonlinearity == "identity"
+            and not spec.proj_bias
+            and spec.insertion == "parallel"
+            and not spec.gate
+            and not spec.learned_scale
+            and spec.representation.count(".") == 1
+        ):
             raise DeltaError(f"module {role!r} is not a plain LoRA on a weight matrix; PEFT cannot load it")
-        if (spec.size, spec.effective_scale, spec.layers) != (first.size, first.effective_scale, first.layers):
+        if (spec.size, spec.effective_scale, spec.layers) != (
+            first.size,
+            first.effective_scale,
+            first.layers,
+        ):
             raise DeltaError("PEFT export needs one rank, scale and layer set shared by all LoRA modules")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -164,7 +189,9 @@ def export_peft_lora(delta: JobDelta, backbone: Backbone, out_dir: str | Path) -
         path = backbone.linear_path(layer, concrete)
         targets.add(backbone.arch.linear_paths[concrete].split(".")[-1])
         for module in ops.parallel_x:
-            tensors[f"base_model.model.{path}.lora_A.weight"] = module.down.weight.detach().float().contiguous()
+            tensors[f"base_model.model.{path}.lora_A.weight"] = (
+                module.down.weight.detach().float().contiguous()
+            )
             tensors[f"base_model.model.{path}.lora_B.weight"] = module.up.weight.detach().float().contiguous()
     config = {
         "peft_type": "LORA",
@@ -182,6 +209,8 @@ def export_peft_lora(delta: JobDelta, backbone: Backbone, out_dir: str | Path) -
     }
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.detach().float().contiguous() for k, v in delta.head.state_dict().items()},
-              str(out / "head.safetensors"))
+    save_file(
+        {k: v.detach().float().contiguous() for k, v in delta.head.state_dict().items()},
+        str(out / "head.safetensors"),
+    )
     return out

@@ -24,15 +24,21 @@ from torch.nn import functional as F
 RESOLUTION = 1 << 16  # p is a multiple of 1/RESOLUTION
 
 
-def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device | str = "cpu",
-              generator: torch.Generator | None = None) -> torch.Tensor:
+def keep_mask(
+    shape: torch.Size | tuple[int, ...],
+    p: float,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """A boolean mask of `shape`, each element True (kept) with probability 1 - p (p rounded to 1/65536)."""
     threshold = round(p * RESOLUTION) if 0.0 <= p < 1.0 else RESOLUTION
     if threshold >= RESOLUTION:
         raise ValueError(f"dropout probability must be in [0, 1 - 2**-17), got {p}")
     count = math.prod(shape)
     bits = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
-    bits.random_(-(1 << 63), (1 << 63) - 1, generator=generator)  # the full 64 bits (plain random_() leaves the top one 0)
+    bits.random_(
+        -(1 << 63), (1 << 63) - 1, generator=generator
+    )  # the full 64 bits (plain random_() leaves the top one 0)
     return keep_from_int16(bits.view(torch.int16)[:count].view(shape), threshold)
 
 
@@ -83,9 +89,15 @@ def use_backbone_dropout(model: nn.Module) -> int:
     return replaced
 
 
-def attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, p: float, scale: float | None = None,
-                           is_causal: bool = False) -> torch.Tensor:
+def attention_with_dropout(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    p: float,
+    scale: float | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
     """softmax(q kᵀ · scale + mask) with dropout, times v: what `scaled_dot_product_attention` computes.
 
     query (B, H, Q, D), key/value (B, H, K, D) (GQA heads already repeated); attention_mask broadcastable

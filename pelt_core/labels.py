@@ -34,8 +34,9 @@ def label_key(value: Any) -> str | None:
     return None
 
 
-def label_index(value: Any, names: Sequence[str], lookup: dict[str, int] | None = None, *,
-                positions: bool = True) -> int | None:
+def label_index(
+    value: Any, names: Sequence[str], lookup: dict[str, int] | None = None, *, positions: bool = True
+) -> int | None:
     """The class index of `value` among `names` (see the module's rule), or None when it fits none.
     `lookup` ({name: index}) saves rebuilding it per value; `positions`: the names were given (declared
     or a ClassLabel), so a whole number that names no class is a position; False for inferred names."""
@@ -63,7 +64,9 @@ def class_names(values: Iterable[Any]) -> list[str]:
     if all(not isinstance(v, bool | str) and label_key(v) is not None for v in distinct):
         return [str(number) for number in sorted({int(label_key(v)) for v in distinct})]  # type: ignore[arg-type]
     odd = next((v for v in distinct if label_key(v) is None), distinct[0])
-    raise ValueError(f"class labels must be strings or whole numbers (or booleans), all of one kind; got {odd!r}")
+    raise ValueError(
+        f"class labels must be strings or whole numbers (or booleans), all of one kind; got {odd!r}"
+    )
 
 
 __all__ = ["class_names", "label_index", "label_key"]

@@ -91,7 +91,9 @@ class Bottleneck(nn.Module):
     def delta_weight(self) -> torch.Tensor:
         """ΔW = s · W_up W_down for a linear bottleneck (LoRA): the matrix added to W when merged."""
         if self.spec.nonlinearity != "identity" or self.spec.proj_bias or self.gate is not None:
-            raise ValueError("only an ungated linear bottleneck without biases (LoRA) folds into a weight matrix")
+            raise ValueError(
+                "only an ungated linear bottleneck without biases (LoRA) folds into a weight matrix"
+            )
         return (self.up.weight @ self.down.weight) * self.scale
 
 

@@ -48,8 +48,10 @@ class Range:
     def describe(self) -> str:
         """The range as a reader writes it: `[1, 4096]`, `(0, 1]`, `>= 0`."""
         if self.low is not None and self.high is not None:
-            return (f"{'(' if self.low_open else '['}{_show(self.low)}, {_show(self.high)}"
-                    f"{')' if self.high_open else ']'}")
+            return (
+                f"{'(' if self.low_open else '['}{_show(self.low)}, {_show(self.high)}"
+                f"{')' if self.high_open else ']'}"
+            )
         if self.low is not None:
             return f"{'>' if self.low_open else '>='} {_show(self.low)}"
         if self.high is not None:
@@ -60,7 +62,9 @@ class Range:
         """The value if it is a number of this kind within range; else a LimitError naming `field`."""
         noun = "a whole number" if self.kind == "int" else "a number"
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise LimitError(field, f"must be {noun} in {self.describe()}, got {type(value).__name__} {value!r}")
+            raise LimitError(
+                field, f"must be {noun} in {self.describe()}, got {type(value).__name__} {value!r}"
+            )
         if self.kind == "int" and not isinstance(value, int):
             raise LimitError(field, f"must be {noun} in {self.describe()}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value):
@@ -117,8 +121,13 @@ BACKBONE_CONFIG: dict[str, Range] = {
     "type_vocab_size": Range("int", 1, 1_024, doc="token types (BERT's segment embeddings)"),
 }
 # fields every supported config has; the others are checked where present
-REQUIRED_BACKBONE_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                            "vocab_size")
+REQUIRED_BACKBONE_CONFIG = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 MAX_BACKBONE_PARAMETERS = 20_000_000_000  # estimated from the config; PELT_MAX_BACKBONE_PARAMETERS lowers it
 MAX_BACKBONE_CONFIG_BYTES = 1 << 20  # a model's config.json (real ones are a few KB)
 # weight files may hold this many bytes per estimated parameter (fp32 is 4; a folder with both a
@@ -138,8 +147,12 @@ TRAIN_RANGES: dict[str, Range] = {
     "batch_size": Range("int", 1, 4_096, doc="training examples per step (`bs`)"),
     "eval_batch_size": Range("int", 1, 4_096, doc="examples per evaluation batch"),
     "seed": SEED,
-    "k_shot": Range("int", 1, INT32_MAX, doc="K training examples sampled by seed (`k`); at most the task's rows"),
-    "warmup_ratio": Range("float", 0, 1, high_open=True, doc="share of the steps with a rising learning rate"),
+    "k_shot": Range(
+        "int", 1, INT32_MAX, doc="K training examples sampled by seed (`k`); at most the task's rows"
+    ),
+    "warmup_ratio": Range(
+        "float", 0, 1, high_open=True, doc="share of the steps with a rising learning rate"
+    ),
     "weight_decay": Range("float", 0, 10, doc="AdamW's decoupled weight decay"),
     "max_grad_norm": Range("float", 0, 1e6, low_open=True, doc="gradient clipping norm"),
     "max_length": Range("int", 1, 131_072, doc="tokens kept per example; at most the backbone's positions"),
@@ -155,10 +168,15 @@ def check_train_steps(train_config: Mapping[str, Any], train_rows: int) -> int:
     if max_steps is not None:
         return int(max_steps)
     rows = train_config.get("k_shot") or train_rows
-    steps = math.ceil(float(train_config["epochs"]) * math.ceil(max(rows, 1) / int(train_config["batch_size"])))
+    steps = math.ceil(
+        float(train_config["epochs"]) * math.ceil(max(rows, 1) / int(train_config["batch_size"]))
+    )
     if steps > MAX_TRAIN_STEPS:
-        raise LimitError("epochs", f"{train_config['epochs']!r} epochs of {rows} examples at batch_size "
-                                   f"{train_config['batch_size']} make {steps:,} steps; at most {MAX_TRAIN_STEPS:,}")
+        raise LimitError(
+            "epochs",
+            f"{train_config['epochs']!r} epochs of {rows} examples at batch_size "
+            f"{train_config['batch_size']} make {steps:,} steps; at most {MAX_TRAIN_STEPS:,}",
+        )
     return max(1, steps)
 
 
@@ -166,8 +184,13 @@ def check_train_steps(train_config: Mapping[str, Any], train_rows: int) -> int:
 
 MAX_MODULES = 32  # modules of one method spec
 SPEC_RANGES: dict[str, Range] = {
-    "size": Range("int", 1, 16_384, doc="LoRA rank (`r`), adapter width (`bottleneck`) or prefix length "
-                                        "(`prefix_length`); the backbone bounds it further"),
+    "size": Range(
+        "int",
+        1,
+        16_384,
+        doc="LoRA rank (`r`), adapter width (`bottleneck`) or prefix length "
+        "(`prefix_length`); the backbone bounds it further",
+    ),
     "scale": Range("float", -10_000, 10_000, doc="s in h + s·Δh (composition `scaled`)"),
     "alpha": Range("float", 0, 1e6, low_open=True, doc="LoRA's α (s = α / r)"),
     "init_std": Range("float", 0, 100, low_open=True, doc="standard deviation of the initial weights"),
@@ -186,8 +209,13 @@ COMPOSE_RANGES: dict[str, Range] = {
     "density": Range("float", 0, 1, low_open=True, doc="kept fraction: TIES trim, DARE keep probability"),
     "seed": Range("int", 0, INT32_MAX, doc="seed of DARE's drop masks"),
     "scale": Range("float", -100, 100, doc="λ, the merge's overall scale"),
-    "lora_rank": Range("int", 1, 16_384, doc="rank of composed LoRA modules (merge, average); at most the "
-                                             "larger of min(d_in, d_out) of their matrices and the sources' summed rank"),
+    "lora_rank": Range(
+        "int",
+        1,
+        16_384,
+        doc="rank of composed LoRA modules (merge, average); at most the "
+        "larger of min(d_in, d_out) of their matrices and the sources' summed rank",
+    ),
     "rank": Range("int", 1, 16_384, doc="merge_lora_svd's rank; bounded like lora_rank"),
 }
 
@@ -201,7 +229,9 @@ DEFAULT_MAX_SWEEP_JOBS = 2_000  # jobs of one sweep; PELT_MAX_SWEEP_JOBS changes
 # --- the backbone: ranges that depend on it, and a job's memory --------------------------------------------
 
 DEFAULT_WORKER_MEMORY_BYTES = 32 << 30  # PELT_WORKER_MEMORY_BYTES changes the budget the service checks
-_FLOAT = 4  # bytes: PELT parameters, their gradients, AdamW's moments and activations are fp32 (an upper bound)
+_FLOAT = (
+    4  # bytes: PELT parameters, their gradients, AdamW's moments and activations are fp32 (an upper bound)
+)
 _SQUARE_REPRESENTATIONS = ("attn", "ffn", "attn.q", "attn.k", "attn.v", "attn.o")
 
 
@@ -233,8 +263,9 @@ class MemoryEstimate:
         return self.backbone + self.parameters + self.activations
 
 
-def estimate_job_memory(train_config: Mapping[str, Any], method_spec: Mapping[str, Any],
-                        facts: Mapping[str, int]) -> MemoryEstimate:
+def estimate_job_memory(
+    train_config: Mapping[str, Any], method_spec: Mapping[str, Any], facts: Mapping[str, int]
+) -> MemoryEstimate:
     """One job's memory on a backbone (facts: hidden_size, num_layers, num_heads, intermediate_size,
     num_parameters), from its batch size, max_length and modules.
 
@@ -269,8 +300,13 @@ def estimate_job_memory(train_config: Mapping[str, Any], method_spec: Mapping[st
     )
 
 
-def check_against_backbone(train_config: Mapping[str, Any], method_spec: Mapping[str, Any],
-                           facts: Mapping[str, Any], *, memory_budget: int | None = None) -> None:
+def check_against_backbone(
+    train_config: Mapping[str, Any],
+    method_spec: Mapping[str, Any],
+    facts: Mapping[str, Any],
+    *,
+    memory_budget: int | None = None,
+) -> None:
     """The ranges that depend on the backbone; a LimitError naming the field (`max_length`,
     `<method>.modules.<role>.size`, `...layers`, `batch_size`) when one is out of range.
 
@@ -290,7 +326,9 @@ def check_against_backbone(train_config: Mapping[str, Any], method_spec: Mapping
     h, ffn = known.get("hidden_size"), known.get("intermediate_size")
     max_length = train_config.get("max_length")
     if positions is not None and isinstance(max_length, int) and max_length > positions:
-        raise LimitError("max_length", f"must be at most {positions}, the backbone's positions, got {max_length}")
+        raise LimitError(
+            "max_length", f"must be at most {positions}, the backbone's positions, got {max_length}"
+        )
     name = method_spec.get("name") or "method"
     for role, module in (method_spec.get("modules") or {}).items():
         where = f"{name}.modules.{role}"
@@ -299,7 +337,10 @@ def check_against_backbone(train_config: Mapping[str, Any], method_spec: Mapping
             bound, what = positions, "the backbone's positions"
         elif h is not None and module.get("nonlinearity") == "identity":
             d_in, d_out = _dims(str(module.get("representation")), h, ffn or 4 * h, _kv_width(known, h))
-            bound, what = min(d_in, d_out), f"min(d_in, d_out) = min({d_in}, {d_out}) of the matrix it modifies"
+            bound, what = (
+                min(d_in, d_out),
+                f"min(d_in, d_out) = min({d_in}, {d_out}) of the matrix it modifies",
+            )
         else:  # adapters may be wider than the backbone (He et al.'s 512 on MiniLM's 384): memory bounds them
             bound, what = None, ""
         if bound is not None and size > bound:
@@ -307,8 +348,10 @@ def check_against_backbone(train_config: Mapping[str, Any], method_spec: Mapping
         if layers is not None:
             beyond = [i for i in module.get("layers") or () if i >= layers]
             if beyond:
-                raise LimitError(f"{where}.layers", f"layer {beyond[0]} does not exist: the backbone has "
-                                                    f"{layers} layers (0 to {layers - 1})")
+                raise LimitError(
+                    f"{where}.layers",
+                    f"layer {beyond[0]} does not exist: the backbone has {layers} layers (0 to {layers - 1})",
+                )
     needed = ("hidden_size", "num_layers", "num_heads")
     if memory_budget is None or not all(key in known for key in needed) or max_length is None:
         return
@@ -319,9 +362,12 @@ def check_against_backbone(train_config: Mapping[str, Any], method_spec: Mapping
         field, advice = "batch_size", "lower batch_size, eval_batch_size or max_length"
     else:
         field, advice = f"{name}.modules.{estimate.largest_module}.size", "make the largest module smaller"
-    raise MemoryBudgetError(field, f"the job would need about {_gib(estimate.total)} (backbone {_gib(estimate.backbone)}, "
-                            f"its parameters with optimizer state {_gib(estimate.parameters)}, activations "
-                            f"{_gib(estimate.activations)}), more than a worker's {_gib(memory_budget)}: {advice}")
+    raise MemoryBudgetError(
+        field,
+        f"the job would need about {_gib(estimate.total)} (backbone {_gib(estimate.backbone)}, "
+        f"its parameters with optimizer state {_gib(estimate.parameters)}, activations "
+        f"{_gib(estimate.activations)}), more than a worker's {_gib(memory_budget)}: {advice}",
+    )
 
 
 def _dims(representation: str, hidden: int, ffn: int, kv: int) -> tuple[int, int]:
@@ -367,14 +413,22 @@ def _gib(count: int) -> str:
 # --- uploaded datasets: rows, decoded bytes, archives, JSON nesting, the held-out dev split ----------------
 
 MAX_DATASET_ROWS = 5_000_000  # rows of one split (GLUE's largest are ~400k); PELT_MAX_DATASET_ROWS changes it
-MAX_DATASET_BYTES = 4 << 30  # decoded bytes of a task's data (unpacked archive, decoded Parquet); PELT_MAX_DATASET_BYTES
+MAX_DATASET_BYTES = (
+    4 << 30
+)  # decoded bytes of a task's data (unpacked archive, decoded Parquet); PELT_MAX_DATASET_BYTES
 MAX_ARCHIVE_ENTRIES = 1_000  # files and folders of one dataset archive; PELT_MAX_ARCHIVE_ENTRIES changes it
-MAX_ARCHIVE_EXPANSION = 50  # unpacked bytes per archive byte (save_to_disk folders zip 2-5x); PELT_MAX_ARCHIVE_EXPANSION
-ARCHIVE_EXPANSION_FLOOR_BYTES = 16 << 20  # a small archive may always unpack to this much (tar headers, padding)
+MAX_ARCHIVE_EXPANSION = (
+    50  # unpacked bytes per archive byte (save_to_disk folders zip 2-5x); PELT_MAX_ARCHIVE_EXPANSION
+)
+ARCHIVE_EXPANSION_FLOOR_BYTES = (
+    16 << 20
+)  # a small archive may always unpack to this much (tar headers, padding)
 MAX_JSON_DEPTH = 32  # nesting of a JSON request body or form field (real ones nest 3-4 deep)
 MAX_JSON_ROW_DEPTH = 64  # nesting of one JSON Lines row of task data (pyarrow's reader crashes near 20,000)
 MAX_LABEL_CHARS = 1_000  # characters of one class label (a class name)
-DEV_SPLIT_FRACTION = 0.1  # a task without a validation split: each job holds out this share of its training rows
+DEV_SPLIT_FRACTION = (
+    0.1  # a task without a validation split: each job holds out this share of its training rows
+)
 DEV_SPLIT_MAX_ROWS = 1_000  # ... at most this many (and at least one)
 
 
@@ -391,7 +445,9 @@ def dev_split_rows(train_rows: int) -> int:
 MAX_TAR_HEADER_BYTES = 1 << 20
 # the probe memory-maps a split whole: its child's default address space is PELT_MAX_DATASET_BYTES plus this
 DATASET_PROBE_MEMORY_HEADROOM_BYTES = 2 << 30
-DEFAULT_DATASET_PROBE_CONCURRENCY = 2  # uploads whose data are checked at once; PELT_DATASET_PROBE_CONCURRENCY
+DEFAULT_DATASET_PROBE_CONCURRENCY = (
+    2  # uploads whose data are checked at once; PELT_DATASET_PROBE_CONCURRENCY
+)
 
 
 # --- the table for the README -----------------------------------------------------------------------------
@@ -400,11 +456,16 @@ DEFAULT_DATASET_PROBE_CONCURRENCY = 2  # uploads whose data are checked at once;
 def limits_table_markdown() -> str:
     """The ranges above as the README's Markdown table (README.md carries this text verbatim)."""
     lines = ["| field | range | what |", "|---|---|---|"]
-    for title, table in (("training hyperparameters", TRAIN_RANGES), ("method spec, every module", SPEC_RANGES),
-                         ("compose options", COMPOSE_RANGES)):
+    for title, table in (
+        ("training hyperparameters", TRAIN_RANGES),
+        ("method spec, every module", SPEC_RANGES),
+        ("compose options", COMPOSE_RANGES),
+    ):
         lines.append(f"| *{title}* | | |")
-        lines += [f"| `{name}` | {_markdown(bound.describe())} | {_markdown(bound.doc)} |"
-                  for name, bound in table.items()]
+        lines += [
+            f"| `{name}` | {_markdown(bound.describe())} | {_markdown(bound.doc)} |"
+            for name, bound in table.items()
+        ]
     lines += [
         "| *against the backbone* | | |",
         "| `max_length` | <= its positions | |",

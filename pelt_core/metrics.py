@@ -75,8 +75,11 @@ def compute_metrics(problem_type: str, logits: np.ndarray, labels: np.ndarray) -
         num_labels = logits.shape[-1]
         pred = logits.argmax(-1)
         gold = labels.astype(int)
-        result = {"accuracy": accuracy(pred, gold), "macro_f1": macro_f1(pred, gold, num_labels),
-                  "matthews": matthews(pred, gold, num_labels)}
+        result = {
+            "accuracy": accuracy(pred, gold),
+            "macro_f1": macro_f1(pred, gold, num_labels),
+            "matthews": matthews(pred, gold, num_labels),
+        }
         if num_labels == 2:
             result["f1"] = f1_binary(pred, gold)
         return result
@@ -88,11 +91,18 @@ def compute_metrics(problem_type: str, logits: np.ndarray, labels: np.ndarray) -
         fn = float(((1 - pred) & gold).sum())
         micro = 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0
         per_label = [f1_binary(pred[:, c], gold[:, c]) for c in range(gold.shape[1])]
-        return {"micro_f1": micro, "macro_f1": float(np.mean(per_label)),
-                "accuracy": float((pred == gold).all(1).mean())}
+        return {
+            "micro_f1": micro,
+            "macro_f1": float(np.mean(per_label)),
+            "accuracy": float((pred == gold).all(1).mean()),
+        }
     if problem_type == "regression":
         pred = logits.reshape(-1).astype(np.float64)
         gold = labels.reshape(-1).astype(np.float64)
-        return {"pearson": pearson(pred, gold), "spearman": spearman(pred, gold),
-                "mse": float(((pred - gold) ** 2).mean()), "mae": float(np.abs(pred - gold).mean())}
+        return {
+            "pearson": pearson(pred, gold),
+            "spearman": spearman(pred, gold),
+            "mse": float(((pred - gold) ** 2).mean()),
+            "mae": float(np.abs(pred - gold).mean()),
+        }
     raise ValueError(f"unknown problem type {problem_type!r}")

@@ -144,16 +144,20 @@ class JobDelta(nn.Module):
             layers = [i for i in (spec.layers if spec.layers is not None else all_layers)]
             for i in layers:
                 if i >= backbone.num_layers:
-                    raise ValueError(f"{method.name}.modules.{role}.layers: layer {i} does not exist "
-                                     f"(backbone has {backbone.num_layers})")
+                    raise ValueError(
+                        f"{method.name}.modules.{role}.layers: layer {i} does not exist "
+                        f"(backbone has {backbone.num_layers})"
+                    )
             if spec.form == "prefix":
                 use_encoder = reparameterize_prefix and spec.reparam_hidden is not None
                 for i in layers:
                     self._site(i, "attn_heads")[role] = PrefixLayer(
-                        spec.size, self.kv_dim, d, spec.gate, params=not use_encoder, init_std=spec.init_std)
+                        spec.size, self.kv_dim, d, spec.gate, params=not use_encoder, init_std=spec.init_std
+                    )
                 if use_encoder:
-                    self.prefix_encoders[role] = PrefixEncoder(spec.size, d, spec.reparam_hidden, len(layers),
-                                                               self.kv_dim)
+                    self.prefix_encoders[role] = PrefixEncoder(
+                        spec.size, d, spec.reparam_hidden, len(layers), self.kv_dim
+                    )
                 continue
             if spec.representation in WEIGHT_REPRESENTATIONS:
                 concretes = arch.weight_sites[spec.representation]
@@ -168,19 +172,24 @@ class JobDelta(nn.Module):
                         d_in = backbone.linear(i, arch.sublayer_input(spec.representation)).in_features
                     else:
                         d_in = linear.out_features
-                    key = concrete.replace(".", "_") if spec.representation in WEIGHT_REPRESENTATIONS \
+                    key = (
+                        concrete.replace(".", "_")
+                        if spec.representation in WEIGHT_REPRESENTATIONS
                         else spec.representation
+                    )
                     self._site(i, key)[role] = Bottleneck(spec, d_in, linear.out_features)
         if method.bias:
             for i in all_layers:
                 for concrete in arch.linear_paths:
                     self._site(i, concrete.replace(".", "_"))["bitfit"] = BiasDelta(
-                        backbone.linear(i, concrete).out_features)
+                        backbone.linear(i, concrete).out_features
+                    )
         if method.bias or method.layer_norm:
             for i in all_layers:
                 for sublayer in arch.layer_norm_paths:
                     self._site(i, f"norm_{sublayer}")["norm"] = NormDelta(
-                        d, scale=method.layer_norm, shift=method.bias or method.layer_norm)
+                        d, scale=method.layer_norm, shift=method.bias or method.layer_norm
+                    )
         self._arch = arch
 
     def reindex(self) -> None:
@@ -216,7 +225,8 @@ class JobDelta(nn.Module):
                         ops = self._ops(i, arch.sublayer_output(spec.representation))
                         (ops.parallel_sub if spec.insertion == "parallel" else ops.sequential).append(module)
         self._prefix_layer_order = {
-            role: sorted(i for i, (r, _) in self.prefix_layers.items() if r == role) for role in self.prefix_encoders
+            role: sorted(i for i, (r, _) in self.prefix_layers.items() if r == role)
+            for role in self.prefix_encoders
         }
 
     def _ops(self, layer: int, concrete: str) -> LinearOps:
@@ -225,8 +235,9 @@ class JobDelta(nn.Module):
         return self.linear_ops[(layer, concrete)]
 
     # -- used by the runtime hooks ------------------------------------------------------------------------
-    def apply_linear(self, ops: LinearOps, x: torch.Tensor, h: torch.Tensor,
-                     sub_x: torch.Tensor | None) -> torch.Tensor:
+    def apply_linear(
+        self, ops: LinearOps, x: torch.Tensor, h: torch.Tensor, sub_x: torch.Tensor | None
+    ) -> torch.Tensor:
         out = h
         if ops.bias is not None:
             out = out + ops.bias.bias.to(out.dtype)
@@ -280,7 +291,11 @@ class JobDelta(nn.Module):
         head = sum(p.numel() for p in self.head.parameters())
         pelt = sum(p.numel() for p in self.layers.parameters())
         # prefixes still produced by the reparameterisation count as what they will become: 2·l·kv_dim
-        pelt += sum(2 * prefix.length * self.kv_dim for _, prefix in self.prefix_layers.values() if prefix.params is None)
+        pelt += sum(
+            2 * prefix.length * self.kv_dim
+            for _, prefix in self.prefix_layers.values()
+            if prefix.params is None
+        )
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         return {"pelt": pelt, "head": head, "reparam": reparam, "trainable": trainable}
 
@@ -421,14 +436,17 @@ class Runtime:
         if attention_mask is None:
             seq_len = key.shape[2] - length
             if getattr(module, "is_causal", False) and q_len > 1:
-                seq_mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=key.device).tril(seq_len - q_len)
+                seq_mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=key.device).tril(
+                    seq_len - q_len
+                )
             else:
                 seq_mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=key.device)
             seq_mask = seq_mask[None, None].expand(batch, 1, q_len, seq_len)
             full = torch.cat([prefix_mask, seq_mask], dim=-1)
             if is_eager:
                 full = torch.zeros(full.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~full, torch.finfo(query.dtype).min)
+                    ~full, torch.finfo(query.dtype).min
+                )
             return key, value, full
         attention_mask = attention_mask.expand(batch, -1, q_len, -1)
         if attention_mask.dtype == torch.bool:
@@ -445,7 +463,9 @@ def get_runtime(backbone: Backbone) -> Runtime:
 
 
 _REGISTERED = False
-_ATTENTION_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> (runtime, layer)
+_ATTENTION_OWNERS: weakref.WeakKeyDictionary = (
+    weakref.WeakKeyDictionary()
+)  # attention module -> (runtime, layer)
 
 
 def _runtime_of(module: nn.Module) -> Runtime | None:
@@ -465,8 +485,9 @@ def _install_attention(model: nn.Module) -> None:
         def pelt_sdpa(module, query, key, value, attention_mask, **kwargs):
             runtime = _runtime_of(module)
             if runtime is not None and runtime.routes is not None:
-                key, value, attention_mask = runtime.extend_with_prefix(module, query, key, value, attention_mask,
-                                                                        is_eager=False)
+                key, value, attention_mask = runtime.extend_with_prefix(
+                    module, query, key, value, attention_mask, is_eager=False
+                )
                 if _cheap_dropout_applies(query, kwargs):
                     return _sdpa_with_cheap_dropout(module, query, key, value, attention_mask, **kwargs)
             return sdpa(module, query, key, value, attention_mask, **kwargs)
@@ -475,8 +496,9 @@ def _install_attention(model: nn.Module) -> None:
             eager = sys.modules[type(module).__module__].eager_attention_forward
             runtime = _runtime_of(module)
             if runtime is not None and runtime.routes is not None:
-                key, value, attention_mask = runtime.extend_with_prefix(module, query, key, value, attention_mask,
-                                                                        is_eager=True)
+                key, value, attention_mask = runtime.extend_with_prefix(
+                    module, query, key, value, attention_mask, is_eager=True
+                )
             return eager(module, query, key, value, attention_mask, **kwargs)
 
         ALL_ATTENTION_FUNCTIONS.register("pelt_sdpa", pelt_sdpa)
@@ -494,12 +516,16 @@ def _install_attention(model: nn.Module) -> None:
 
 def _cheap_dropout_applies(query: torch.Tensor, kwargs: dict) -> bool:
     """Attention dropout on the CPU, with nothing sdpa-specific asked for (paged cache, position bias)."""
-    return (kwargs.get("dropout") or 0.0) > 0.0 and query.device.type == "cpu" and not any(
-        kwargs.get(name) is not None for name in ("cache", "position_bias", "softcap"))
+    return (
+        (kwargs.get("dropout") or 0.0) > 0.0
+        and query.device.type == "cpu"
+        and not any(kwargs.get(name) is not None for name in ("cache", "position_bias", "softcap"))
+    )
 
 
-def _sdpa_with_cheap_dropout(module, query, key, value, attention_mask, dropout: float, scaling=None,
-                             is_causal=None, **_):
+def _sdpa_with_cheap_dropout(
+    module, query, key, value, attention_mask, dropout: float, scaling=None, is_causal=None, **_
+):
     """transformers' sdpa attention while training on the CPU: the same inputs and result, with
     pelt_core.dropout's keep mask instead of sdpa's math fallback (which draws one number per weight)."""
     from transformers.integrations.sdpa_attention import repeat_kv
@@ -553,7 +579,9 @@ class PeltModel(nn.Module):
         """
         if routes is None:
             if len(self.deltas) != 1:
-                raise ValueError(f"this model holds {len(self.deltas)} deltas; pass routes=[(name, rows), ...]")
+                raise ValueError(
+                    f"this model holds {len(self.deltas)} deltas; pass routes=[(name, rows), ...]"
+                )
             name = next(iter(self.deltas))
             routes = [(name, input_ids.shape[0])]
         resolved, start = [], 0
@@ -568,7 +596,9 @@ class PeltModel(nn.Module):
             resolved[0].full = True
         runtime = self.runtime
         if runtime.routes is not None:
-            raise RuntimeError("this backbone is already running a PELT forward (one forward at a time per backbone)")
+            raise RuntimeError(
+                "this backbone is already running a PELT forward (one forward at a time per backbone)"
+            )
         runtime.routes, runtime.padding_mask = resolved, attention_mask
         for route in resolved:
             route.delta.begin_forward()
@@ -599,9 +629,13 @@ class PeltModel(nn.Module):
             name = next(iter(self.deltas))
         delta = self.deltas[name]
         if delta.prefix_layers or delta.norm_ops:
-            raise ValueError("only LoRA-style deltas fold into dense weights (this one has prefixes or norm deltas)")
+            raise ValueError(
+                "only LoRA-style deltas fold into dense weights (this one has prefixes or norm deltas)"
+            )
         merged = copy.deepcopy(self.backbone.model)
-        merged.config._attn_implementation = self.backbone.model.config._attn_implementation.replace("pelt_", "")
+        merged.config._attn_implementation = self.backbone.model.config._attn_implementation.replace(
+            "pelt_", ""
+        )
         for (layer, concrete), ops in delta.linear_ops.items():
             if ops.parallel_sub or ops.sequential:
                 raise ValueError("adapters do not fold into dense weights; only LoRA-style deltas do")
@@ -618,8 +652,13 @@ class PeltModel(nn.Module):
 
 
 @torch.no_grad()
-def predict(model: PeltModel, texts: list[str] | list[tuple[str, str]], name: str | None = None,
-            batch_size: int = 32, max_length: int = 128) -> list[dict]:
+def predict(
+    model: PeltModel,
+    texts: list[str] | list[tuple[str, str]],
+    name: str | None = None,
+    batch_size: int = 32,
+    max_length: int = 128,
+) -> list[dict]:
     """Classify (or score) texts with one job of `model`: [{"label", "score"}] or [{"value"}] for regression."""
     delta = model.deltas[name] if name else next(iter(model.deltas.values()))
     routes_name = name or next(iter(model.deltas))
@@ -628,20 +667,33 @@ def predict(model: PeltModel, texts: list[str] | list[tuple[str, str]], name: st
     model.eval()
     results: list[dict] = []
     for start in range(0, len(texts), batch_size):
-        chunk = texts[start:start + batch_size]
+        chunk = texts[start : start + batch_size]
         columns = list(zip(*chunk, strict=True)) if isinstance(chunk[0], tuple) else [list(chunk)]
-        batch = tokenizer(*[list(c) for c in columns], padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt")
+        batch = tokenizer(
+            *[list(c) for c in columns],
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
+        )
         device = next(delta.parameters()).device
-        kwargs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        kwargs = {
+            k: v.to(device)
+            for k, v in batch.items()
+            if k in ("input_ids", "attention_mask", "token_type_ids")
+        }
         logits = model(**kwargs, routes=[(routes_name, len(chunk))]).float()
         if delta.problem_type == "regression":
             results.extend({"value": float(v)} for v in logits.squeeze(-1))
         elif delta.problem_type == "multi_label_classification":
             names = delta.label_names or [str(i) for i in range(logits.shape[-1])]
             for row in torch.sigmoid(logits):
-                results.append({"labels": [names[i] for i, p in enumerate(row) if p > 0.5],
-                                "scores": {names[i]: float(p) for i, p in enumerate(row)}})
+                results.append(
+                    {
+                        "labels": [names[i] for i, p in enumerate(row) if p > 0.5],
+                        "scores": {names[i]: float(p) for i, p in enumerate(row)},
+                    }
+                )
         else:
             names = delta.label_names or [str(i) for i in range(logits.shape[-1])]
             for row in torch.softmax(logits, -1):

@@ -35,8 +35,9 @@ from typing import Any
 
 SPLIT_NAME = re.compile(r"^\w+(\.\w+)*$")  # datasets' rule for split names
 DATA_FILE_NAME = re.compile(r"^\w[\w.-]*\.arrow$")
-DATA_FEATURES = frozenset({"Value", "ClassLabel", "Sequence", "List", "LargeList", "Translation",
-                           "TranslationVariableLanguages"})
+DATA_FEATURES = frozenset(
+    {"Value", "ClassLabel", "Sequence", "List", "LargeList", "Translation", "TranslationVariableLanguages"}
+)
 MAX_METADATA_BYTES = 16 << 20  # dataset_dict.json, state.json, dataset_info.json (real ones: a few KB)
 MAX_FEATURE_DEPTH = 32
 _RECORD_BATCH, _DICTIONARY_BATCH, _SCHEMA = 3, 2, 1  # Arrow's MessageHeader union
@@ -86,8 +87,10 @@ def inspect_saved_dataset(folder: str | Path, *, max_rows: int | None = None) ->
     root = Path(folder)
     if (root / "dataset_dict.json").is_file():
         if (root / "state.json").exists() or (root / "state.json").is_symlink():
-            raise SavedDatasetError("the folder has both a dataset_dict.json and a state.json of its own; a "
-                                    "DatasetDict keeps each split's state.json in the split's folder")
+            raise SavedDatasetError(
+                "the folder has both a dataset_dict.json and a state.json of its own; a "
+                "DatasetDict keeps each split's state.json in the split's folder"
+            )
         listed = _json_file(root / "dataset_dict.json", "dataset_dict.json")
         names = listed.get("splits") if isinstance(listed, dict) else None
         if not isinstance(names, list) or not names:
@@ -95,15 +98,19 @@ def inspect_saved_dataset(folder: str | Path, *, max_rows: int | None = None) ->
         splits = {}
         for name in names:
             if not isinstance(name, str) or not SPLIT_NAME.match(name):
-                raise SavedDatasetError(f"dataset_dict.json: split {_shown(name)} is not a split name (letters, digits, "
-                                        "'_', dots between them): a split is a sub-folder of the dataset")
+                raise SavedDatasetError(
+                    f"dataset_dict.json: split {_shown(name)} is not a split name (letters, digits, "
+                    "'_', dots between them): a split is a sub-folder of the dataset"
+                )
             if name in splits:
                 raise SavedDatasetError(f"dataset_dict.json: split {name!r} is listed twice")
             splits[name] = _inspect_split(root, name, max_rows)
         return SavedDataset(root, True, splits)
     if (root / "state.json").is_file():
         return SavedDataset(root, False, {"train": _inspect_split(root, None, max_rows)})
-    raise SavedDatasetError("not a folder written by datasets' save_to_disk (no dataset_dict.json or state.json)")
+    raise SavedDatasetError(
+        "not a folder written by datasets' save_to_disk (no dataset_dict.json or state.json)"
+    )
 
 
 def read_saved_split(split: SavedSplit) -> Any:
@@ -117,12 +124,16 @@ def read_saved_split(split: SavedSplit) -> Any:
             with pa.ipc.open_stream(pa.memory_map(str(path))) as reader:
                 tables.append(reader.read_all())
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise SavedDatasetError(f"split {split.name!r}: data file {path.name!r} is not a readable Arrow "
-                                    f"stream ({type(exc).__name__})") from None
+            raise SavedDatasetError(
+                f"split {split.name!r}: data file {path.name!r} is not a readable Arrow "
+                f"stream ({type(exc).__name__})"
+            ) from None
     try:
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
     except (ValueError, TypeError) as exc:
-        raise SavedDatasetError(f"split {split.name!r}: its data files have different columns ({exc})") from None
+        raise SavedDatasetError(
+            f"split {split.name!r}: its data files have different columns ({exc})"
+        ) from None
     return table.replace_schema_metadata(None)
 
 
@@ -137,14 +148,19 @@ def load_saved_dataset(folder: str | Path, *, max_rows: int | None = None) -> An
     for name, split in layout.splits.items():
         try:
             features = datasets.Features.from_dict(split.features)
-            loaded[name] = datasets.Dataset(InMemoryTable(read_saved_split(split)),
-                                            info=datasets.DatasetInfo(features=features), split=name,
-                                            fingerprint=split_fingerprint(split))
+            loaded[name] = datasets.Dataset(
+                InMemoryTable(read_saved_split(split)),
+                info=datasets.DatasetInfo(features=features),
+                split=name,
+                fingerprint=split_fingerprint(split),
+            )
         except SavedDatasetError:
             raise
         except (ValueError, KeyError, TypeError) as exc:
-            raise SavedDatasetError(f"split {name!r}: its features do not fit its data ({type(exc).__name__}: "
-                                    f"{_without(exc, Path(folder))})"[:2000]) from None
+            raise SavedDatasetError(
+                f"split {name!r}: its features do not fit its data ({type(exc).__name__}: "
+                f"{_without(exc, Path(folder))})"[:2000]
+            ) from None
     return datasets.DatasetDict(loaded) if layout.is_dict else loaded["train"]
 
 
@@ -170,20 +186,26 @@ def _inspect_split(root: Path, name: str | None, max_rows: int | None) -> SavedS
     if not isinstance(files, list) or not files:
         raise SavedDatasetError(f"{where}: state.json lists no data files ('_data_files')")
     if state.get("_indices_data_files") or state.get("_format_kwargs"):
-        raise SavedDatasetError(f"{where}: state.json holds indices or format arguments; save the dataset with "
-                                "save_to_disk (it flattens them)")
+        raise SavedDatasetError(
+            f"{where}: state.json holds indices or format arguments; save the dataset with "
+            "save_to_disk (it flattens them)"
+        )
     info = _json_file(folder / "dataset_info.json", f"{where}: dataset_info.json")
     features = info.get("features") if isinstance(info, dict) else None
     if not isinstance(features, dict) or not features:
-        raise SavedDatasetError(f"{where}: dataset_info.json lists no features ('features'); save the dataset "
-                                "with save_to_disk (it writes them)")
+        raise SavedDatasetError(
+            f"{where}: dataset_info.json lists no features ('features'); save the dataset "
+            "with save_to_disk (it writes them)"
+        )
     _check_features(features, where, 0)
     paths, rows = [], 0
     for entry in files:
         filename = entry.get("filename") if isinstance(entry, dict) else None
         if not isinstance(filename, str) or not DATA_FILE_NAME.match(filename):
-            raise SavedDatasetError(f"{where}: data file {_shown(filename)} in state.json is not a plain '*.arrow' "
-                                    "file name: data files must be in the split's own folder")
+            raise SavedDatasetError(
+                f"{where}: data file {_shown(filename)} in state.json is not a plain '*.arrow' "
+                "file name: data files must be in the split's own folder"
+            )
         path = folder / filename
         _regular(path, f"{where}: data file {filename!r}", directory=False)
         rows += _arrow_rows(path, f"{where}: data file {filename!r}")
@@ -230,8 +252,10 @@ def _check_features(features: Any, where: str, depth: int) -> None:
         return
     kind = features.get("_type")
     if kind is not None and kind not in DATA_FEATURES:
-        raise SavedDatasetError(f"{where}: feature type {kind!r} is not supported (text and label data only: "
-                                f"{', '.join(sorted(DATA_FEATURES))})")
+        raise SavedDatasetError(
+            f"{where}: feature type {kind!r} is not supported (text and label data only: "
+            f"{', '.join(sorted(DATA_FEATURES))})"
+        )
     for key, value in features.items():
         if key != "_type":
             _check_features(value, where, depth + 1)
@@ -252,15 +276,18 @@ def _arrow_rows(path: Path, where: str) -> int:
             for message in pa.ipc.MessageReader.open_stream(source):
                 header, batch = _message_header(message.metadata.to_pybytes())
                 if header == _DICTIONARY_BATCH:
-                    raise SavedDatasetError(f"{where}: holds dictionary-encoded columns (save_to_disk writes none)")
+                    raise SavedDatasetError(
+                        f"{where}: holds dictionary-encoded columns (save_to_disk writes none)"
+                    )
                 if header not in (_SCHEMA, _RECORD_BATCH):
                     raise SavedDatasetError(f"{where}: holds an Arrow message that is not a table")
                 if batch is None:
                     continue
                 length, compressed = batch
                 if compressed:
-                    raise SavedDatasetError(f"{where}: holds compressed Arrow buffers (save_to_disk writes them "
-                                            "uncompressed)")
+                    raise SavedDatasetError(
+                        f"{where}: holds compressed Arrow buffers (save_to_disk writes them uncompressed)"
+                    )
                 if header == _RECORD_BATCH:
                     rows += length
     except SavedDatasetError:
@@ -277,7 +304,9 @@ def _check_schema(schema: Any, where: str) -> None:
 
     for field in schema:
         if pa.types.is_dictionary(field.type):
-            raise SavedDatasetError(f"{where}: column {field.name!r} is dictionary-encoded (save_to_disk writes none)")
+            raise SavedDatasetError(
+                f"{where}: column {field.name!r} is dictionary-encoded (save_to_disk writes none)"
+            )
     raw = (schema.metadata or {}).get(b"huggingface")
     if raw is None:
         return
@@ -286,7 +315,9 @@ def _check_schema(schema: Any, where: str) -> None:
     try:
         metadata = json.loads(raw)
     except (ValueError, RecursionError):
-        raise SavedDatasetError(f"{where}: its schema's 'huggingface' metadata is not readable JSON") from None
+        raise SavedDatasetError(
+            f"{where}: its schema's 'huggingface' metadata is not readable JSON"
+        ) from None
     info = metadata.get("info") if isinstance(metadata, dict) else None
     _check_features(info.get("features") if isinstance(info, dict) else None, f"{where} (schema metadata)", 0)
 
@@ -349,5 +380,14 @@ def _without(exc: BaseException, folder: Path) -> str:
     return text
 
 
-__all__ = ["SavedDataset", "SavedDatasetError", "SavedDatasetTooLargeError", "SavedSplit", "inspect_saved_dataset",
-           "is_saved_dataset", "load_saved_dataset", "read_saved_split", "split_fingerprint"]
+__all__ = [
+    "SavedDataset",
+    "SavedDatasetError",
+    "SavedDatasetTooLargeError",
+    "SavedSplit",
+    "inspect_saved_dataset",
+    "is_saved_dataset",
+    "load_saved_dataset",
+    "read_saved_split",
+    "split_fingerprint",
+]

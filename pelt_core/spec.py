@@ -124,7 +124,9 @@ class ModuleSpec:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise SpecError(
+                f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         for required in ("form", "representation"):
             if required not in data:
                 raise SpecError(f"{where}.{required}: missing")
@@ -160,7 +162,9 @@ class MethodSpec:
             raise SpecError(f"{self.name}.modules: at most {MAX_MODULES} modules, got {len(self.modules)}")
         for role, module in self.modules.items():
             if not role.isidentifier():
-                raise SpecError(f"{self.name}.modules: role {role!r} must be an identifier (letters, digits, _)")
+                raise SpecError(
+                    f"{self.name}.modules: role {role!r} must be an identifier (letters, digits, _)"
+                )
             module.validate(f"{self.name}.modules.{role}")
         prefixes = [r for r, m in self.modules.items() if m.form == "prefix"]
         if len(prefixes) > 1:
@@ -187,7 +191,9 @@ class MethodSpec:
         known = {"name", "modules", "bias", "layer_norm", "description", "reference", "defaults"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise SpecError(f"method: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise SpecError(
+                f"method: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         name = data.get("name", "")
         modules_data = data.get("modules", {})
         if not isinstance(modules_data, dict):
@@ -226,7 +232,9 @@ class MethodSpec:
             if "." in key:
                 role, field_name = key.split(".", 1)
                 if role not in modules:
-                    raise SpecError(f"{key}: method {self.name!r} has no module {role!r} (has: {', '.join(modules) or 'none'})")
+                    raise SpecError(
+                        f"{key}: method {self.name!r} has no module {role!r} (has: {', '.join(modules) or 'none'})"
+                    )
                 targets = [role]
             else:
                 field_name, targets = _alias_targets(key, modules)
@@ -236,10 +244,14 @@ class MethodSpec:
                         f"{', '.join(modules) or 'none'} and fields {', '.join(sorted(module_fields))}"
                     )
             if field_name not in module_fields:
-                raise SpecError(f"{key}: unknown module field {field_name!r}; known: {', '.join(sorted(module_fields))}")
+                raise SpecError(
+                    f"{key}: unknown module field {field_name!r}; known: {', '.join(sorted(module_fields))}"
+                )
             for role in targets:
                 current = modules[role].to_dict()
-                current[field_name] = read_override(field_name, value, key) if isinstance(value, str) else value
+                current[field_name] = (
+                    read_override(field_name, value, key) if isinstance(value, str) else value
+                )
                 modules[role] = ModuleSpec.from_dict(current, f"{self.name}.modules.{role}")
         spec = dataclasses.replace(self, modules=modules, bias=bias, layer_norm=layer_norm)
         spec.validate()
@@ -250,8 +262,13 @@ class MethodSpec:
 # (pelt_core.config.parse_settings) and the service's check of JSON numbers --------------------------------
 
 # short names of a module's `size`, each for the modules of one kind (`r=16`: the rank of the LoRA-like ones)
-SIZE_ALIASES: dict[str, str] = {"r": "lora", "rank": "lora", "bottleneck": "adapter", "prefix_length": "prefix",
-                                "l": "prefix"}
+SIZE_ALIASES: dict[str, str] = {
+    "r": "lora",
+    "rank": "lora",
+    "bottleneck": "adapter",
+    "prefix_length": "prefix",
+    "l": "prefix",
+}
 NULLS = ("none", "null")
 OPTIONAL_MODULE_FIELDS = frozenset({"alpha", "reparam_hidden"})  # none/null: the default
 BOOLEAN_FIELDS = frozenset({"proj_bias", "learned_scale", "gate", "bias", "layer_norm"})
@@ -273,8 +290,11 @@ def read_override(field_name: str, text: str, key: str) -> Any:
     lowered = stripped.lower()
     try:
         if field_name == "layers":
-            return None if lowered in ("", "all", *NULLS) else [SPEC_RANGES["layers"].read(part, key)
-                                                                 for part in stripped.split(",")]
+            return (
+                None
+                if lowered in ("", "all", *NULLS)
+                else [SPEC_RANGES["layers"].read(part, key) for part in stripped.split(",")]
+            )
         if field_name in OPTIONAL_MODULE_FIELDS and lowered in NULLS:
             return None
         if field_name in SPEC_RANGES:
@@ -324,4 +344,3 @@ def _as_bool(value: Any, key: str) -> bool:
     if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
         return False
     raise SpecError(f"{key}: expected true or false, got {value!r}")
-

@@ -6,9 +6,26 @@ import torch
 
 from pelt_core.backbones import Backbone
 
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(95)] + [
-    "good", "bad", "great", "awful", "movie", "film", "the", "a", "is", "was", "not", "very", "fun", "boring",
-]
+VOCAB = (
+    ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    + [f"w{i}" for i in range(95)]
+    + [
+        "good",
+        "bad",
+        "great",
+        "awful",
+        "movie",
+        "film",
+        "the",
+        "a",
+        "is",
+        "was",
+        "not",
+        "very",
+        "fun",
+        "boring",
+    ]
+)
 
 
 def tiny_tokenizer(tmp_dir: str | None = None):
@@ -24,8 +41,15 @@ def tiny_bert(tmp_dir: str, seed: int = 0, attn_implementation: str = "sdpa", **
 
     torch.manual_seed(seed)
     settings = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **overrides}
-    config = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64, **settings)
+    config = BertConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **settings,
+    )
     config._attn_implementation = attn_implementation
     model = BertModel(config, add_pooling_layer=False).eval()
     return Backbone(model, tiny_tokenizer(tmp_dir), name=f"tiny-bert-{seed}")
@@ -36,9 +60,19 @@ def tiny_llama(tmp_dir: str, seed: int = 0, attn_implementation: str = "sdpa", *
     from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-                         pad_token_id=0, bos_token_id=2, eos_token_id=3, **overrides)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        **overrides,
+    )
     config._attn_implementation = attn_implementation
     model = LlamaModel(config).eval()
     return Backbone(model, tiny_tokenizer(tmp_dir), name=f"tiny-llama-{seed}")

@@ -97,7 +97,9 @@ def loss_fn(problem_type: str, logits: torch.Tensor, labels: torch.Tensor) -> to
 
 
 @torch.no_grad()
-def evaluate(model: PeltModel, data: Encoded, task: TaskFields, batch_size: int, use_bf16: bool) -> dict[str, float]:
+def evaluate(
+    model: PeltModel, data: Encoded, task: TaskFields, batch_size: int, use_bf16: bool
+) -> dict[str, float]:
     """Metrics (and mean loss) over a whole split, in sorted-length batches."""
     was_training = model.training
     model.eval()
@@ -143,28 +145,37 @@ def train(
 
     # -- the job's own modules on the shared backbone --------------------------------------------------
     torch.manual_seed(config.seed)
-    delta = JobDelta(method, backbone, task.num_labels, task.problem_type, pooling, config.head_dropout,
-                     task.label_names).to(device)
+    delta = JobDelta(
+        method, backbone, task.num_labels, task.problem_type, pooling, config.head_dropout, task.label_names
+    ).to(device)
     model = PeltModel(backbone, delta)
     parameters = [p for p in delta.parameters() if p.requires_grad]
 
     # -- data: tokenised once, padded per batch ----------------------------------------------------------
     tokenizer = backbone.tokenizer
-    max_length = fitted_max_length(config.max_length, backbone.facts)  # cut to its positions, as the service does
+    max_length = fitted_max_length(
+        config.max_length, backbone.facts
+    )  # cut to its positions, as the service does
     train_set = encode(train_data, tokenizer, task, max_length, where="training data")
-    eval_set = encode(eval_data, tokenizer, task, max_length, where="evaluation data") \
-        if eval_data is not None else None
+    eval_set = (
+        encode(eval_data, tokenizer, task, max_length, where="evaluation data")
+        if eval_data is not None
+        else None
+    )
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
     try:
-        total_steps = check_train_steps({**config.to_dict(), "k_shot": None}, len(train_set))  # K already drawn
+        total_steps = check_train_steps(
+            {**config.to_dict(), "k_shot": None}, len(train_set)
+        )  # K already drawn
     except LimitError as exc:
         raise ConfigError(str(exc)) from None
     warmup_steps = int(config.warmup_ratio * total_steps)
 
     # -- optimiser and schedule ---------------------------------------------------------------------------
     learning_rate = config.resolved_learning_rate(method.defaults)
-    optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=config.weight_decay,
-                                  fused=device.type in ("cpu", "cuda"))
+    optimizer = torch.optim.AdamW(
+        parameters, lr=learning_rate, weight_decay=config.weight_decay, fused=device.type in ("cpu", "cuda")
+    )
 
     def lr_at(step: int) -> float:
         if step < warmup_steps:
@@ -177,7 +188,9 @@ def train(
     model.train()
     epoch = 0
     while step < total_steps:
-        batches = length_grouped_batches(train_set.lengths, config.batch_size, seed=config.seed * 1000 + epoch)
+        batches = length_grouped_batches(
+            train_set.lengths, config.batch_size, seed=config.seed * 1000 + epoch
+        )
         for batch in iterate(train_set, batches, tokenizer.pad_token_id):
             if should_stop is not None and should_stop():
                 raise TrainingCancelled(f"stopped at step {step} of {total_steps}")
@@ -189,8 +202,10 @@ def train(
                 logits = model(**batch)
             loss = loss_fn(task.problem_type, logits, labels)
             if not torch.isfinite(loss):
-                raise TrainingError(f"loss became {loss.item()} at step {step} (epoch {epoch}); "
-                                    f"try a lower learning rate than {learning_rate:g}")
+                raise TrainingError(
+                    f"loss became {loss.item()} at step {step} (epoch {epoch}); "
+                    f"try a lower learning rate than {learning_rate:g}"
+                )
             loss.backward()
             torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
             optimizer.step()
@@ -199,14 +214,26 @@ def train(
             tokens += int(batch["attention_mask"].sum())
             if progress is not None:
                 elapsed = time.perf_counter() - started - eval_seconds
-                progress(Progress(step, total_steps, step / steps_per_epoch, loss.item(), tokens / max(elapsed, 1e-9),
-                                  lr_at(step - 1)))
+                progress(
+                    Progress(
+                        step,
+                        total_steps,
+                        step / steps_per_epoch,
+                        loss.item(),
+                        tokens / max(elapsed, 1e-9),
+                        lr_at(step - 1),
+                    )
+                )
             if step >= total_steps:
                 break
         epoch += 1
         if eval_set is not None and (config.eval_every_epoch or step >= total_steps):
             eval_started = time.perf_counter()
-            record = {"epoch": epoch, "step": step, **evaluate(model, eval_set, task, config.eval_batch_size, use_bf16)}
+            record = {
+                "epoch": epoch,
+                "step": step,
+                **evaluate(model, eval_set, task, config.eval_batch_size, use_bf16),
+            }
             eval_seconds += time.perf_counter() - eval_started
             history.append(record)
             if on_epoch_end is not None:
@@ -221,9 +248,18 @@ def train(
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return TrainResult(
-        delta=delta, task=task, metrics=metrics, history=history, steps=step, train_seconds=train_seconds,
+        delta=delta,
+        task=task,
+        metrics=metrics,
+        history=history,
+        steps=step,
+        train_seconds=train_seconds,
         eval_seconds=eval_seconds,
-        train_tokens=tokens, tokens_per_second=tokens / max(train_seconds, 1e-9), peak_memory_bytes=peak,
-        parameter_counts=counts, trainable_percent=100.0 * counts["pelt"] / backbone.num_parameters,
-        gate_values=delta.gate_values(), bf16=use_bf16,
+        train_tokens=tokens,
+        tokens_per_second=tokens / max(train_seconds, 1e-9),
+        peak_memory_bytes=peak,
+        parameter_counts=counts,
+        trainable_percent=100.0 * counts["pelt"] / backbone.num_parameters,
+        gate_values=delta.gate_values(),
+        bf16=use_bf16,
     )

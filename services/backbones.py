@@ -79,9 +79,12 @@ def locate_backbone(source: str, settings: Settings) -> BackboneSource:
         return BackboneSource(canonical, canonical)
     roots = _roots(settings)
     if not roots:
-        raise RegistryValidationError("source", f"{source!r} is not a packaged backbone ({', '.join(packaged)}); "
-                                      "this service registers no model folders (an operator allows some with "
-                                      "PELT_BACKBONE_DIRS)")
+        raise RegistryValidationError(
+            "source",
+            f"{source!r} is not a packaged backbone ({', '.join(packaged)}); "
+            "this service registers no model folders (an operator allows some with "
+            "PELT_BACKBONE_DIRS)",
+        )
     given = Path(source) if source.strip() and "\0" not in source else None
     candidates = [] if given is None else [given] if given.is_absolute() else [root / given for root in roots]
     forbidden = _forbidden(settings)
@@ -96,9 +99,11 @@ def locate_backbone(source: str, settings: Settings) -> BackboneSource:
         if root is not None and _is_model(resolved):
             return BackboneSource(str(resolved), _relative_name(resolved, root))
     raise RegistryValidationError(
-        "source", f"{source!r} is neither a packaged backbone ({', '.join(packaged)}) nor a model folder (with a "
+        "source",
+        f"{source!r} is neither a packaged backbone ({', '.join(packaged)}) nor a model folder (with a "
         "config.json) or .gguf file inside the service's backbone folders (PELT_BACKBONE_DIRS); give its path "
-        "relative to one of them")
+        "relative to one of them",
+    )
 
 
 def shown_source(stored: str, settings: Settings) -> str:
@@ -137,25 +142,40 @@ class SubprocessBackboneLoader:
     def __call__(self, source: str) -> LoadedBackbone:
         from pelt_core.backbones import BackboneError
 
-        memory, timeout = self.settings.backbone_load_memory_bytes, self.settings.backbone_load_timeout_seconds
+        memory, timeout = (
+            self.settings.backbone_load_memory_bytes,
+            self.settings.backbone_load_timeout_seconds,
+        )
         outcome = run_in_child(
-            "backbone", {"source": source, "max_parameters": self.settings.max_backbone_parameters},
-            memory_bytes=memory, timeout_seconds=timeout,
-            environment={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-                         "TOKENIZERS_PARALLELISM": "false"},
-            write_files=True)  # transformers' imports need a usable temporary folder (tempfile writes to test it)
+            "backbone",
+            {"source": source, "max_parameters": self.settings.max_backbone_parameters},
+            memory_bytes=memory,
+            timeout_seconds=timeout,
+            environment={
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "CUDA_VISIBLE_DEVICES": "",
+                "TOKENIZERS_PARALLELISM": "false",
+            },
+            write_files=True,
+        )  # transformers' imports need a usable temporary folder (tempfile writes to test it)
         if outcome.timed_out:
-            raise BackboneError(f"loading backbone {source!r} took longer than PELT_BACKBONE_LOAD_TIMEOUT_SECONDS "
-                                f"({timeout:g} s)")
+            raise BackboneError(
+                f"loading backbone {source!r} took longer than PELT_BACKBONE_LOAD_TIMEOUT_SECONDS "
+                f"({timeout:g} s)"
+            )
         answer = outcome.answer
         if answer is None:
             raise BackboneError(
                 f"the process loading backbone {source!r} ended without an answer ({outcome.how_it_ended()})"
                 + ("; it ran out of" if outcome.out_of_memory else "; it may have run past")
-                + f" its memory limit, PELT_BACKBONE_LOAD_MEMORY_BYTES ({memory:,} bytes)")
+                + f" its memory limit, PELT_BACKBONE_LOAD_MEMORY_BYTES ({memory:,} bytes)"
+            )
         if answer.get("memory"):
-            raise BackboneError(f"loading backbone {source!r} needs more memory than PELT_BACKBONE_LOAD_MEMORY_BYTES "
-                                f"allows ({memory:,} bytes): {answer.get('error', '')}")
+            raise BackboneError(
+                f"loading backbone {source!r} needs more memory than PELT_BACKBONE_LOAD_MEMORY_BYTES "
+                f"allows ({memory:,} bytes): {answer.get('error', '')}"
+            )
         if "error" in answer:
             raise BackboneError(str(answer["error"]))
         return LoadedBackbone(content_hash=str(answer["content_hash"]), facts=dict(answer["facts"]))
@@ -175,5 +195,12 @@ def load_in_child(request: dict[str, Any], report: Any = None) -> dict[str, Any]
     return {"content_hash": backbone.content_hash, "facts": backbone.facts}
 
 
-__all__ = ["BackboneSource", "LoadedBackbone", "SubprocessBackboneLoader", "locate_backbone", "public_message",
-           "same_source", "shown_source"]
+__all__ = [
+    "BackboneSource",
+    "LoadedBackbone",
+    "SubprocessBackboneLoader",
+    "locate_backbone",
+    "public_message",
+    "same_source",
+    "shown_source",
+]

@@ -61,7 +61,9 @@ class JobsFailed(Exception):
     """`wait(..., raise_on_failure=True)` saw jobs end without success; `jobs` holds them."""
 
     def __init__(self, jobs: list[JobOut]) -> None:
-        super().__init__("; ".join(f"job {j.id} ({j.method}) {j.status}: {j.last_error or ''}"[:500] for j in jobs))
+        super().__init__(
+            "; ".join(f"job {j.id} ({j.method}) {j.status}: {j.last_error or ''}"[:500] for j in jobs)
+        )
         self.jobs = jobs
 
 
@@ -70,8 +72,15 @@ class PeltClient:
     PELT_API_TOKEN, else the secret `pelt serve` left in PELT_DATA_DIR/api_token. `http` replaces the
     underlying httpx.Client (tests pass FastAPI's TestClient)."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 120.0,
-                 http: httpx.Client | None = None, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 120.0,
+        http: httpx.Client | None = None,
+        settings: Settings | None = None,
+    ) -> None:
         settings = settings or get_settings()
         self.url = (url or settings.api_url).rstrip("/")
         token = token or _default_token(settings, self.url)
@@ -97,13 +106,20 @@ class PeltClient:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise PeltAPIError(0, f"cannot reach the pelt service at {self.url} ({exc}); is `pelt serve` "
-                               "running? (PELT_API_URL)") from None
+            raise PeltAPIError(
+                0,
+                f"cannot reach the pelt service at {self.url} ({exc}); is `pelt serve` "
+                "running? (PELT_API_URL)",
+            ) from None
         if response.status_code >= 400:
             try:
                 error = response.json()["error"]
-                raise PeltAPIError(response.status_code, error["message"], type=error.get("type", ""),
-                                   field=error.get("field"))
+                raise PeltAPIError(
+                    response.status_code,
+                    error["message"],
+                    type=error.get("type", ""),
+                    field=error.get("field"),
+                )
             except (ValueError, KeyError, TypeError):
                 raise PeltAPIError(response.status_code, response.text[:500]) from None
         return response
@@ -120,18 +136,35 @@ class PeltClient:
 
     # --- tasks, methods, backbones ---------------------------------------------------------------
 
-    def register_task(self, name: str, train: str | Path | None = None, validation: str | Path | None = None,
-                      test: str | Path | None = None, *, dataset: str | Path | None = None,
-                      text_fields: Sequence[str] | str, label_field: str = "label",
-                      problem_type: str = "single_label_classification", metric: str = "accuracy",
-                      metric_direction: str | None = None, label_names: Sequence[str] | None = None,
-                      max_length: int = 128, description: str = "") -> TaskOut:
+    def register_task(
+        self,
+        name: str,
+        train: str | Path | None = None,
+        validation: str | Path | None = None,
+        test: str | Path | None = None,
+        *,
+        dataset: str | Path | None = None,
+        text_fields: Sequence[str] | str,
+        label_field: str = "label",
+        problem_type: str = "single_label_classification",
+        metric: str = "accuracy",
+        metric_direction: str | None = None,
+        label_names: Sequence[str] | None = None,
+        max_length: int = 128,
+        description: str = "",
+    ) -> TaskOut:
         """Upload a task's data and register it: split files (JSON Lines, CSV/TSV, Parquet) or `dataset`,
         a folder written by `datasets`' save_to_disk (sent as a tar.gz)."""
-        definition = {"text_fields": [text_fields] if isinstance(text_fields, str) else list(text_fields),
-                      "label_field": label_field, "problem_type": problem_type, "metric": metric,
-                      "metric_direction": metric_direction, "max_length": max_length, "description": description,
-                      "label_names": None if label_names is None else list(label_names)}
+        definition = {
+            "text_fields": [text_fields] if isinstance(text_fields, str) else list(text_fields),
+            "label_field": label_field,
+            "problem_type": problem_type,
+            "metric": metric,
+            "metric_direction": metric_direction,
+            "max_length": max_length,
+            "description": description,
+            "label_names": None if label_names is None else list(label_names),
+        }
         definition = {k: v for k, v in definition.items() if v is not None}
         with ExitStack() as stack:
             files: dict[str, tuple[str, Any]] = {}
@@ -164,37 +197,88 @@ class PeltClient:
 
     # --- jobs ------------------------------------------------------------------------------------
 
-    def submit(self, task: str, method: str, *, backbone: str = DEFAULT_BACKBONE,
-               hyperparameters: Mapping[str, Any] | None = None, seed: int = 0, k_shot: int | None = None,
-               priority: int = 0, max_attempts: int | None = None, idempotency_key: str | None = None) -> JobOut:
+    def submit(
+        self,
+        task: str,
+        method: str,
+        *,
+        backbone: str = DEFAULT_BACKBONE,
+        hyperparameters: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        k_shot: int | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> JobOut:
         """Queue one job. hyperparameters: training settings (lr, epochs, batch_size, ...) and method
         overrides (r, bottleneck, prefix_length, q.size, ...)."""
-        body = {"task": task, "method": method, "backbone": backbone, "hyperparameters": dict(hyperparameters or {}),
-                "seed": seed, "k_shot": k_shot, "priority": priority, "max_attempts": max_attempts,
-                "idempotency_key": idempotency_key}
+        body = {
+            "task": task,
+            "method": method,
+            "backbone": backbone,
+            "hyperparameters": dict(hyperparameters or {}),
+            "seed": seed,
+            "k_shot": k_shot,
+            "priority": priority,
+            "max_attempts": max_attempts,
+            "idempotency_key": idempotency_key,
+        }
         return JobOut.model_validate(self._post("/v1/jobs", body))
 
-    def sweep(self, task: str, methods: Sequence[str], *, backbone: str = DEFAULT_BACKBONE,
-              seeds: Sequence[int] = (0,), k_values: Sequence[int | None] = (None,),
-              hyperparameters: Mapping[str, Any] | None = None,
-              method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None, priority: int = 0,
-              max_attempts: int | None = None, idempotency_key: str | None = None) -> SweepOut:
+    def sweep(
+        self,
+        task: str,
+        methods: Sequence[str],
+        *,
+        backbone: str = DEFAULT_BACKBONE,
+        seeds: Sequence[int] = (0,),
+        k_values: Sequence[int | None] = (None,),
+        hyperparameters: Mapping[str, Any] | None = None,
+        method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> SweepOut:
         """Queue methods × seeds × K values (None: the full training set) in one go."""
-        body = {"task": task, "methods": list(methods), "backbone": backbone, "seeds": list(seeds),
-                "k_values": list(k_values), "hyperparameters": dict(hyperparameters or {}),
-                "method_hyperparameters": {k: dict(v) for k, v in (method_hyperparameters or {}).items()},
-                "priority": priority, "max_attempts": max_attempts, "idempotency_key": idempotency_key}
+        body = {
+            "task": task,
+            "methods": list(methods),
+            "backbone": backbone,
+            "seeds": list(seeds),
+            "k_values": list(k_values),
+            "hyperparameters": dict(hyperparameters or {}),
+            "method_hyperparameters": {k: dict(v) for k, v in (method_hyperparameters or {}).items()},
+            "priority": priority,
+            "max_attempts": max_attempts,
+            "idempotency_key": idempotency_key,
+        }
         return SweepOut.model_validate(self._post("/v1/sweeps", body))
 
     def job(self, job_id: int) -> JobOut:
         return JobOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}"))
 
-    def jobs(self, *, task: str | None = None, status: str | Sequence[str] | None = None, method: str | None = None,
-             backbone: str | None = None, sweep_id: int | None = None, limit: int = 100,
-             offset: int = 0) -> list[JobOut]:
+    def jobs(
+        self,
+        *,
+        task: str | None = None,
+        status: str | Sequence[str] | None = None,
+        method: str | None = None,
+        backbone: str | None = None,
+        sweep_id: int | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[JobOut]:
         statuses = [status] if isinstance(status, str) else status
-        found = self._get("/v1/jobs", task=task, status=statuses, method=method, backbone=backbone,
-                          sweep_id=sweep_id, limit=limit, offset=offset)
+        found = self._get(
+            "/v1/jobs",
+            task=task,
+            status=statuses,
+            method=method,
+            backbone=backbone,
+            sweep_id=sweep_id,
+            limit=limit,
+            offset=offset,
+        )
         return [JobOut.model_validate(j) for j in found]
 
     def cancel(self, job_id: int) -> JobOut:
@@ -209,8 +293,15 @@ class PeltClient:
     def result(self, job_id: int) -> ResultOut:
         return ResultOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}/result"))
 
-    def wait(self, jobs: SweepOut | JobOut | int | Iterable[JobOut | int], *, timeout: float | None = None,
-             poll_seconds: float = 1.0, progress: bool = True, raise_on_failure: bool = False) -> list[JobOut]:
+    def wait(
+        self,
+        jobs: SweepOut | JobOut | int | Iterable[JobOut | int],
+        *,
+        timeout: float | None = None,
+        poll_seconds: float = 1.0,
+        progress: bool = True,
+        raise_on_failure: bool = False,
+    ) -> list[JobOut]:
         """Wait until every job has ended (succeeded, failed or cancelled), showing a progress bar per job
         (step/total, loss, tokens/s). Returns the jobs as they ended; TimeoutError after `timeout` s."""
         ids = _job_ids(jobs)
@@ -249,28 +340,48 @@ class PeltClient:
         name is in `frame.attrs["metric"]`."""
         import pandas as pd
 
-        board = LeaderboardOut.model_validate(self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot,
-                                                        backbone=backbone))
-        frame = pd.DataFrame([row.model_dump() for row in board.rows], columns=list(LeaderboardRowOut.model_fields))
+        board = LeaderboardOut.model_validate(
+            self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot, backbone=backbone)
+        )
+        frame = pd.DataFrame(
+            [row.model_dump() for row in board.rows], columns=list(LeaderboardRowOut.model_fields)
+        )
         frame.attrs.update(task=board.task, metric=board.metric, metric_direction=board.metric_direction)
         return frame
 
-    def leaderboard_raw(self, task: str, k_shot: int | None = None, backbone: str | None = None) -> LeaderboardOut:
-        return LeaderboardOut.model_validate(self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot,
-                                                       backbone=backbone))
+    def leaderboard_raw(
+        self, task: str, k_shot: int | None = None, backbone: str | None = None
+    ) -> LeaderboardOut:
+        return LeaderboardOut.model_validate(
+            self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot, backbone=backbone)
+        )
 
     def versions(self, task: str) -> list[VersionOut]:
         """Every stored delta version of the task, newest first."""
         return [VersionOut.model_validate(v) for v in self._get(f"/v1/tasks/{task}/deltas")]
 
-    def delta_info(self, task: str, *, version: str | int | None = None, alias: str | None = None,
-                   method: str | None = None) -> VersionOut:
+    def delta_info(
+        self,
+        task: str,
+        *,
+        version: str | int | None = None,
+        alias: str | None = None,
+        method: str | None = None,
+    ) -> VersionOut:
         """Which version a reference resolves to (the task's best by default)."""
-        return VersionOut.model_validate(self._get(f"/v1/tasks/{task}/deltas/info", version=version, alias=alias,
-                                                   method=method))
+        return VersionOut.model_validate(
+            self._get(f"/v1/tasks/{task}/deltas/info", version=version, alias=alias, method=method)
+        )
 
-    def download(self, task: str, dest: str | Path, *, version: str | int | None = None, alias: str | None = None,
-                 method: str | None = None) -> VersionOut:
+    def download(
+        self,
+        task: str,
+        dest: str | Path,
+        *,
+        version: str | int | None = None,
+        alias: str | None = None,
+        method: str | None = None,
+    ) -> VersionOut:
         """Download a delta version's files into `dest` (checked against its sha256); returns its info."""
         info = self.delta_info(task, version=version, alias=alias, method=method)
         response = self._request("GET", f"/v1/tasks/{task}/deltas/download", params={"version": info.version})
@@ -285,8 +396,16 @@ class PeltClient:
         _check_sha256(dest, info)
         return info
 
-    def pull(self, task: str, *, version: str | int | None = None, alias: str | None = None,
-             method: str | None = None, backbone: Any = None, fold: bool = False) -> Any:
+    def pull(
+        self,
+        task: str,
+        *,
+        version: str | int | None = None,
+        alias: str | None = None,
+        method: str | None = None,
+        backbone: Any = None,
+        fold: bool = False,
+    ) -> Any:
         """Download a delta (the task's best by default) and load it onto its backbone, here: a
         PulledModel ready for `predict(texts)`. backbone: a loaded pelt_core Backbone to reuse, else the
         manifest's backbone is loaded by name (a packaged alias, or a folder that exists here too)."""
@@ -295,12 +414,24 @@ class PeltClient:
         with tempfile.TemporaryDirectory(prefix="pelt-pull-") as scratch:
             info = self.download(task, scratch, version=version, alias=alias, method=method)
             version_info = VersionInfo(
-                task=info.task, model_name=info.model_name, version=info.version, kind=info.kind, sha256=info.sha256,
-                run_id=info.run_id, source=info.uri, job_id=info.job_id, method=info.method, metric=info.metric,
-                metric_value=info.metric_value, aliases=tuple(info.aliases), tags=dict(info.tags),
-                created_at=info.created_at)
-            return load_pulled(version_info, Path(scratch), lambda manifest: self._backbone(manifest, backbone),
-                               fold=fold)
+                task=info.task,
+                model_name=info.model_name,
+                version=info.version,
+                kind=info.kind,
+                sha256=info.sha256,
+                run_id=info.run_id,
+                source=info.uri,
+                job_id=info.job_id,
+                method=info.method,
+                metric=info.metric,
+                metric_value=info.metric_value,
+                aliases=tuple(info.aliases),
+                tags=dict(info.tags),
+                created_at=info.created_at,
+            )
+            return load_pulled(
+                version_info, Path(scratch), lambda manifest: self._backbone(manifest, backbone), fold=fold
+            )
 
     def _backbone(self, manifest: Mapping[str, Any], given: Any) -> Any:
         if given is not None:
@@ -312,13 +443,27 @@ class PeltClient:
             self._backbones[wanted["content_hash"]] = Backbone.load(wanted["name"])
         return self._backbones[wanted["content_hash"]]
 
-    def compose(self, op: str, sources: Sequence[str] | Mapping[str, str], into: str, *,
-                aliases: Sequence[str] = (), description: str = "", **options: Any) -> ComposeOut:
+    def compose(
+        self,
+        op: str,
+        sources: Sequence[str] | Mapping[str, str],
+        into: str,
+        *,
+        aliases: Sequence[str] = (),
+        description: str = "",
+        **options: Any,
+    ) -> ComposeOut:
         """Compose stored deltas into a new version of task `into`. op: merge (weights, how=linear|ties|dare,
         density, seed, ...), average, merge_lora_svd (rank), multi_task (sources: {route: ref}).
         References: "task" (its best), "task@best-lora", "task/3"."""
-        body = {"op": op, "sources": sources if isinstance(sources, Mapping) else list(sources), "into": into,
-                "options": options, "aliases": list(aliases), "description": description}
+        body = {
+            "op": op,
+            "sources": sources if isinstance(sources, Mapping) else list(sources),
+            "into": into,
+            "options": options,
+            "aliases": list(aliases),
+            "description": description,
+        }
         return ComposeOut.model_validate(self._post("/v1/compose", body))
 
     def audit(self, limit: int = 100, offset: int = 0) -> list[AuditEventOut]:
@@ -373,12 +518,22 @@ def _draw(bars: dict[int, Any], jobs: Mapping[int, JobOut]) -> None:
             state = (job.status, percent // 25)
             if bars.get(job_id) != state:
                 bars[job_id] = state
-                print(f"{label} {percent:3d}%  " + "  ".join(f"{k} {v}" for k, v in facts.items()),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{label} {percent:3d}%  " + "  ".join(f"{k} {v}" for k, v in facts.items()),
+                    file=sys.stderr,
+                    flush=True,
+                )
             continue
         if job_id not in bars:
-            bars[job_id] = tqdm(total=100, desc=label, unit="%", position=position, dynamic_ncols=True,
-                                leave=True, bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed} {postfix}")
+            bars[job_id] = tqdm(
+                total=100,
+                desc=label,
+                unit="%",
+                position=position,
+                dynamic_ncols=True,
+                leave=True,
+                bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed} {postfix}",
+            )
         bar = bars[job_id]
         bar.n = percent
         bar.set_postfix(facts, refresh=True)
@@ -400,7 +555,9 @@ def _check_sha256(folder: Path, info: VersionOut) -> None:
     target = folder / (BUNDLE_FILE if info.kind == "multi_task" else DELTA_FILE)
     digest = hashlib.sha256(target.read_bytes()).hexdigest()
     if info.sha256 and digest != info.sha256:
-        raise PeltAPIError(0, f"{info.task}/{info.version}: downloaded sha256 {digest} != recorded {info.sha256}")
+        raise PeltAPIError(
+            0, f"{info.task}/{info.version}: downloaded sha256 {digest} != recorded {info.sha256}"
+        )
 
 
 __all__ = ["JobsFailed", "PeltAPIError", "PeltClient"]

@@ -32,7 +32,9 @@ def _client_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except PeltAPIError as exc:
-            raise click.ClickException(f"{exc.message} (HTTP {exc.status})" if exc.status else exc.message) from None
+            raise click.ClickException(
+                f"{exc.message} (HTTP {exc.status})" if exc.status else exc.message
+            ) from None
 
     return wrapper
 
@@ -50,12 +52,16 @@ def _values(assignments: tuple[str, ...], *, compose: bool = False) -> dict[str,
         pairs = parse_assignments(assignments)
         if not compose:
             parsed = parse_settings(pairs)
-            return {key: _json_or_text(raw) if parsed[key] is raw else parsed[key] for key, raw in pairs.items()}
+            return {
+                key: _json_or_text(raw) if parsed[key] is raw else parsed[key] for key, raw in pairs.items()
+            }
         values: dict[str, Any] = {}
         for key, raw in pairs.items():
             if key == "weights":
                 parts = raw.strip().strip("[]").split(",")
-                values[key] = [COMPOSE_RANGES["weights"].parse(part, f"weights[{i}]") for i, part in enumerate(parts)]
+                values[key] = [
+                    COMPOSE_RANGES["weights"].parse(part, f"weights[{i}]") for i, part in enumerate(parts)
+                ]
             elif key in COMPOSE_RANGES:
                 values[key] = COMPOSE_RANGES[key].parse(raw, key)
             else:
@@ -73,7 +79,9 @@ def _json_or_text(raw: str) -> Any:
         value = json.loads(raw, parse_constant=refuse)
     except ValueError:  # JSONDecodeError too
         return raw
-    return raw if isinstance(value, float) and not math.isfinite(value) else value  # 1e400: text, refused later
+    return (
+        raw if isinstance(value, float) and not math.isfinite(value) else value
+    )  # 1e400: text, refused later
 
 
 def _ints(text: str | None, option: str, allow_full: bool = False) -> list[Any]:
@@ -117,16 +125,35 @@ def _cell(value: Any) -> str:
 @click.command("serve")
 @click.option("--host", default=None, help="listen address (default PELT_API_HOST, 127.0.0.1)")
 @click.option("--port", type=int, default=None, help="port (default PELT_API_PORT, 8000)")
-@click.option("--dispatcher/--no-dispatcher", default=True, show_default=True,
-              help="run the dispatcher here (else run `pelt dispatcher` elsewhere)")
+@click.option(
+    "--dispatcher/--no-dispatcher",
+    default=True,
+    show_default=True,
+    help="run the dispatcher here (else run `pelt dispatcher` elsewhere)",
+)
 @click.option("--num-cpus", type=int, default=None, help="CPUs of the local Ray (without PELT_RAY_ADDRESS)")
-@click.option("--upgrade/--no-upgrade", default=None,
-              help="create/upgrade the registry schema at start (default: only for the embedded SQLite)")
-@click.option("--jobs-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
-              help="job slots per worker process (more jobs share one runtime: less memory per job)")
+@click.option(
+    "--upgrade/--no-upgrade",
+    default=None,
+    help="create/upgrade the registry schema at start (default: only for the embedded SQLite)",
+)
+@click.option(
+    "--jobs-per-worker",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="job slots per worker process (more jobs share one runtime: less memory per job)",
+)
 @click.option("--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them")
-def serve_command(host: str | None, port: int | None, dispatcher: bool, num_cpus: int | None,
-                  upgrade: bool | None, jobs_per_worker: int, drain: bool) -> None:
+def serve_command(
+    host: str | None,
+    port: int | None,
+    dispatcher: bool,
+    num_cpus: int | None,
+    upgrade: bool | None,
+    jobs_per_worker: int,
+    drain: bool,
+) -> None:
     """Run the service: HTTP API + dispatcher + Ray + registry + MLflow store (embedded by default)."""
     from services.api.server import Service, token_path
     from services.dispatcher import DispatcherConfig
@@ -134,19 +161,31 @@ def serve_command(host: str | None, port: int | None, dispatcher: bool, num_cpus
 
     private_files()  # what the service and its local Ray write is for its user only (0600 / 0700)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    service = Service(host=host, port=port, dispatcher=dispatcher, num_cpus=num_cpus, upgrade=upgrade,
-                      dispatcher_config=DispatcherConfig(jobs_per_worker=jobs_per_worker),
-                      log_level="info").start()
+    service = Service(
+        host=host,
+        port=port,
+        dispatcher=dispatcher,
+        num_cpus=num_cpus,
+        upgrade=upgrade,
+        dispatcher_config=DispatcherConfig(jobs_per_worker=jobs_per_worker),
+        log_level="info",
+    ).start()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     settings = service.settings
-    docs = f"{service.url}/docs" if settings.api_docs else "/openapi.json with a token; PELT_API_DOCS=true for /docs"
+    docs = (
+        f"{service.url}/docs"
+        if settings.api_docs
+        else "/openapi.json with a token; PELT_API_DOCS=true for /docs"
+    )
     click.echo(f"pelt serving on {service.url} (OpenAPI: {docs})")
     click.echo(f"  registry:     {settings.database_url}")
     click.echo(f"  mlflow store: {settings.mlflow_tracking_uri}")
-    click.echo(f"  ray:          {settings.ray_address or 'local (127.0.0.1)'}"
-               f"{'' if dispatcher else ' (no dispatcher here)'}")
+    click.echo(
+        f"  ray:          {settings.ray_address or 'local (127.0.0.1)'}"
+        f"{'' if dispatcher else ' (no dispatcher here)'}"
+    )
     if service.token:
         click.echo(f"  API token:    in {token_path(settings)} (clients on this machine read it)")
     click.echo("stop with Ctrl-C", err=True)
@@ -170,28 +209,61 @@ def task_group() -> None:
 @click.option("--train", type=click.Path(exists=True, dir_okay=False), help="JSON Lines, CSV/TSV or Parquet")
 @click.option("--validation", type=click.Path(exists=True, dir_okay=False))
 @click.option("--test", type=click.Path(exists=True, dir_okay=False))
-@click.option("--dataset", type=click.Path(exists=True, file_okay=False), help="a datasets save_to_disk folder")
+@click.option(
+    "--dataset", type=click.Path(exists=True, file_okay=False), help="a datasets save_to_disk folder"
+)
 @click.option("--text-field", "text_fields", multiple=True, required=True, help="text column (once or twice)")
 @click.option("--label-field", default="label", show_default=True)
-@click.option("--problem-type", default="single_label_classification", show_default=True,
-              type=click.Choice(["single_label_classification", "multi_label_classification", "regression"]))
-@click.option("--metric", default="accuracy", show_default=True,
-              help="accuracy, f1, matthews_correlation, pearson, spearman, ...")
+@click.option(
+    "--problem-type",
+    default="single_label_classification",
+    show_default=True,
+    type=click.Choice(["single_label_classification", "multi_label_classification", "regression"]),
+)
+@click.option(
+    "--metric",
+    default="accuracy",
+    show_default=True,
+    help="accuracy, f1, matthews_correlation, pearson, spearman, ...",
+)
 @click.option("--label-names", default=None, help="comma-separated class names, in label-index order")
 @click.option("--max-length", default=128, show_default=True)
 @click.option("--description", default="")
 @_client_errors
-def task_add(name: str, train: str | None, validation: str | None, test: str | None, dataset: str | None,
-             text_fields: tuple[str, ...], label_field: str, problem_type: str, metric: str,
-             label_names: str | None, max_length: int, description: str) -> None:
+def task_add(
+    name: str,
+    train: str | None,
+    validation: str | None,
+    test: str | None,
+    dataset: str | None,
+    text_fields: tuple[str, ...],
+    label_field: str,
+    problem_type: str,
+    metric: str,
+    label_names: str | None,
+    max_length: int,
+    description: str,
+) -> None:
     """Upload a task's data and register it (fields and labels are checked against the data)."""
     with PeltClient() as client:
-        task = client.register_task(name, train, validation, test, dataset=dataset, text_fields=list(text_fields),
-                                    label_field=label_field, problem_type=problem_type, metric=metric,
-                                    label_names=None if label_names is None else label_names.split(","),
-                                    max_length=max_length, description=description)
-    click.echo(f"task {task.name}: {task.train_size} training rows, splits {task.split_sizes}, "
-               f"labels {task.label_names}, metric {task.metric}")
+        task = client.register_task(
+            name,
+            train,
+            validation,
+            test,
+            dataset=dataset,
+            text_fields=list(text_fields),
+            label_field=label_field,
+            problem_type=problem_type,
+            metric=metric,
+            label_names=None if label_names is None else label_names.split(","),
+            max_length=max_length,
+            description=description,
+        )
+    click.echo(
+        f"task {task.name}: {task.train_size} training rows, splits {task.split_sizes}, "
+        f"labels {task.label_names}, metric {task.metric}"
+    )
 
 
 @task_group.command("list")
@@ -221,17 +293,37 @@ def task_show(name: str) -> None:
 @click.option("--backbone", default=DEFAULT_BACKBONE, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--k-shot", type=int, default=None, help="K training examples (default: the full training set)")
-@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
-              help="hyperparameter or method override: lr=1e-3, epochs=5, r=16, ...")
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="hyperparameter or method override: lr=1e-3, epochs=5, r=16, ...",
+)
 @click.option("--priority", default=0, show_default=True)
 @click.option("--watch", is_flag=True, help="then show its progress until it ends")
 @_client_errors
-def submit_command(task: str, method: str, backbone: str, seed: int, k_shot: int | None,
-                   assignments: tuple[str, ...], priority: int, watch: bool) -> None:
+def submit_command(
+    task: str,
+    method: str,
+    backbone: str,
+    seed: int,
+    k_shot: int | None,
+    assignments: tuple[str, ...],
+    priority: int,
+    watch: bool,
+) -> None:
     """Queue one job; prints its id."""
     with PeltClient() as client:
-        job = client.submit(task, method, backbone=backbone, seed=seed, k_shot=k_shot,
-                            hyperparameters=_values(assignments), priority=priority)
+        job = client.submit(
+            task,
+            method,
+            backbone=backbone,
+            seed=seed,
+            k_shot=k_shot,
+            hyperparameters=_values(assignments),
+            priority=priority,
+        )
         click.echo(f"job {job.id} queued: {job.task} / {job.method} on {job.backbone}")
         if watch:
             _watch(client, [job.id])
@@ -241,38 +333,67 @@ def submit_command(task: str, method: str, backbone: str, seed: int, k_shot: int
 @click.argument("task")
 @click.option("--methods", required=True, help="comma-separated, e.g. lora,bitfit,prefix")
 @click.option("--seeds", default="0", show_default=True, help="comma-separated")
-@click.option("--k", "k_values", default="full", show_default=True, help="comma-separated K values; 'full': all rows")
+@click.option(
+    "--k", "k_values", default="full", show_default=True, help="comma-separated K values; 'full': all rows"
+)
 @click.option("--backbone", default=DEFAULT_BACKBONE, show_default=True)
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="applies to every job")
 @click.option("--priority", default=0, show_default=True)
 @click.option("--watch", is_flag=True, help="then show the jobs' progress until they end")
 @_client_errors
-def sweep_command(task: str, methods: str, seeds: str, k_values: str, backbone: str, assignments: tuple[str, ...],
-                  priority: int, watch: bool) -> None:
+def sweep_command(
+    task: str,
+    methods: str,
+    seeds: str,
+    k_values: str,
+    backbone: str,
+    assignments: tuple[str, ...],
+    priority: int,
+    watch: bool,
+) -> None:
     """Queue methods × seeds × K values for a task."""
     with PeltClient() as client:
-        sweep = client.sweep(task, [m.strip() for m in methods.split(",") if m.strip()], backbone=backbone,
-                             seeds=_ints(seeds, "--seeds"), k_values=_ints(k_values, "--k", allow_full=True),
-                             hyperparameters=_values(assignments), priority=priority)
-        click.echo(f"sweep {sweep.id}: {len(sweep.job_ids)} jobs queued ({sweep.job_ids[0]}..{sweep.job_ids[-1]})")
+        sweep = client.sweep(
+            task,
+            [m.strip() for m in methods.split(",") if m.strip()],
+            backbone=backbone,
+            seeds=_ints(seeds, "--seeds"),
+            k_values=_ints(k_values, "--k", allow_full=True),
+            hyperparameters=_values(assignments),
+            priority=priority,
+        )
+        click.echo(
+            f"sweep {sweep.id}: {len(sweep.job_ids)} jobs queued ({sweep.job_ids[0]}..{sweep.job_ids[-1]})"
+        )
         if watch:
             _watch(client, sweep.job_ids)
 
 
 @click.command("jobs")
 @click.option("--task", default=None)
-@click.option("--status", multiple=True, type=click.Choice(["queued", "running", "succeeded", "failed", "cancelled"]))
+@click.option(
+    "--status", multiple=True, type=click.Choice(["queued", "running", "succeeded", "failed", "cancelled"])
+)
 @click.option("--method", default=None)
 @click.option("--sweep", "sweep_id", type=int, default=None)
 @click.option("--limit", default=100, show_default=True)
 @_client_errors
-def jobs_command(task: str | None, status: tuple[str, ...], method: str | None, sweep_id: int | None,
-                 limit: int) -> None:
+def jobs_command(
+    task: str | None, status: tuple[str, ...], method: str | None, sweep_id: int | None, limit: int
+) -> None:
     """List jobs (oldest first) with their status and progress."""
     with PeltClient() as client:
-        jobs = client.jobs(task=task, status=list(status) or None, method=method, sweep_id=sweep_id, limit=limit)
-    rows = [{**j.model_dump(), "progress": None if j.progress is None else f"{100 * j.progress:.0f}%",
-             "error": (j.last_error or "")[:60] or None} for j in jobs]
+        jobs = client.jobs(
+            task=task, status=list(status) or None, method=method, sweep_id=sweep_id, limit=limit
+        )
+    rows = [
+        {
+            **j.model_dump(),
+            "progress": None if j.progress is None else f"{100 * j.progress:.0f}%",
+            "error": (j.last_error or "")[:60] or None,
+        }
+        for j in jobs
+    ]
     _table(rows, ["id", "task", "method", "seed", "k_shot", "status", "attempts", "progress", "error"])
 
 
@@ -336,16 +457,27 @@ def leaderboard_command(task: str, k_shot: int | None, as_json: bool) -> None:
     if as_json:
         click.echo(board.model_dump_json(indent=2))
         return
-    click.echo(f"{task}: {board.metric} ({'higher' if board.metric_direction == 'max' else 'lower'} is better)"
-               f"{'' if k_shot is None else f', K={k_shot}'}")
-    rows = [{**r.model_dump(), "mean ± std": f"{r.mean:.4f} ± {r.std:.4f}", "% params": f"{r.trainable_percent:.3f}",
-             "train s": f"{r.median_train_seconds:.1f}"} for r in board.rows]
+    click.echo(
+        f"{task}: {board.metric} ({'higher' if board.metric_direction == 'max' else 'lower'} is better)"
+        f"{'' if k_shot is None else f', K={k_shot}'}"
+    )
+    rows = [
+        {
+            **r.model_dump(),
+            "mean ± std": f"{r.mean:.4f} ± {r.std:.4f}",
+            "% params": f"{r.trainable_percent:.3f}",
+            "train s": f"{r.median_train_seconds:.1f}",
+        }
+        for r in board.rows
+    ]
     _table(rows, ["rank", "method", "best", "mean ± std", "runs", "% params", "train s", "best_job_id"])
 
 
 @click.command("pull")
 @click.argument("task")
-@click.option("-o", "--out", required=True, type=click.Path(file_okay=False), help="folder to write the delta to")
+@click.option(
+    "-o", "--out", required=True, type=click.Path(file_okay=False), help="folder to write the delta to"
+)
 @click.option("--version", default=None, help="a version number (default: the task's best)")
 @click.option("--alias", default=None, help="an alias, e.g. best-lora")
 @click.option("--method", default=None, help="the best version of this method")
@@ -355,27 +487,46 @@ def pull_command(task: str, out: str, version: str | None, alias: str | None, me
     with PeltClient() as client:
         info = client.download(task, out, version=version, alias=alias, method=method)
     value = "" if info.metric_value is None else f", {info.metric} {info.metric_value:.4f}"
-    click.echo(f"{info.task} version {info.version} ({info.kind}, {info.method}{value}) -> {out}  "
-               f"sha256 {info.sha256}")
+    click.echo(
+        f"{info.task} version {info.version} ({info.kind}, {info.method}{value}) -> {out}  "
+        f"sha256 {info.sha256}"
+    )
 
 
 @click.command("compose")
 @click.argument("op", type=click.Choice(["merge", "average", "merge_lora_svd", "multi_task"]))
 @click.argument("sources", nargs=-1, required=True)
 @click.option("--into", required=True, help="the task whose new version the result becomes")
-@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
-              help="options: how=ties, density=0.5, weights=[0.7,0.3], rank=8, ...")
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="options: how=ties, density=0.5, weights=[0.7,0.3], rank=8, ...",
+)
 @click.option("--alias", "aliases", multiple=True, help="alias for the new version")
 @_client_errors
-def compose_command(op: str, sources: tuple[str, ...], into: str, assignments: tuple[str, ...],
-                    aliases: tuple[str, ...]) -> None:
+def compose_command(
+    op: str, sources: tuple[str, ...], into: str, assignments: tuple[str, ...], aliases: tuple[str, ...]
+) -> None:
     """Compose stored deltas: SOURCES are "task" (its best), "task@alias" or "task/VERSION"; for
     multi_task, "route=ref"."""
-    named = dict(s.split("=", 1) for s in sources) if op == "multi_task" and all("=" in s for s in sources) else None
+    named = (
+        dict(s.split("=", 1) for s in sources)
+        if op == "multi_task" and all("=" in s for s in sources)
+        else None
+    )
     with PeltClient() as client:
-        composed = client.compose(op, named if named is not None else list(sources), into, aliases=aliases,
-                                  **_values(assignments, compose=True))
-    click.echo(f"{composed.task} version {composed.version}: {op} of {', '.join(sources)} (sha256 {composed.sha256})")
+        composed = client.compose(
+            op,
+            named if named is not None else list(sources),
+            into,
+            aliases=aliases,
+            **_values(assignments, compose=True),
+        )
+    click.echo(
+        f"{composed.task} version {composed.version}: {op} of {', '.join(sources)} (sha256 {composed.sha256})"
+    )
 
 
 # --- tokens (next to the registry) ------------------------------------------------------------------
@@ -398,9 +549,14 @@ def _cli_actor() -> str:
 
 @token_group.command("create")
 @click.argument("name")
-@click.option("--scope", type=click.Choice(["read", "write", "admin"]), default="write", show_default=True,
-              help="read: every GET; write: read + submit, cancel, register tasks and methods, compose; "
-                   "admin: write + register backbones, full job errors, the audit trail")
+@click.option(
+    "--scope",
+    type=click.Choice(["read", "write", "admin"]),
+    default="write",
+    show_default=True,
+    help="read: every GET; write: read + submit, cancel, register tasks and methods, compose; "
+    "admin: write + register backbones, full job errors, the audit trail",
+)
 def token_create(name: str, scope: str) -> None:
     """Create a token and print its secret (shown once)."""
     from services.registry import Registry, RegistryValidationError, acting_as
@@ -420,11 +576,17 @@ def token_list() -> None:
     from services.registry import Registry
 
     with Registry() as registry:
-        rows = [{"name": t.name, "scope": t.scope, "prefix": t.prefix + "…",
-                 "created": t.created_at.isoformat(timespec="seconds"),
-                 "last used": t.last_used_at and t.last_used_at.isoformat(timespec="seconds"),
-                 "revoked": t.revoked_at and t.revoked_at.isoformat(timespec="seconds")}
-                for t in registry.list_api_tokens()]
+        rows = [
+            {
+                "name": t.name,
+                "scope": t.scope,
+                "prefix": t.prefix + "…",
+                "created": t.created_at.isoformat(timespec="seconds"),
+                "last used": t.last_used_at and t.last_used_at.isoformat(timespec="seconds"),
+                "revoked": t.revoked_at and t.revoked_at.isoformat(timespec="seconds"),
+            }
+            for t in registry.list_api_tokens()
+        ]
     _table(rows, ["name", "scope", "prefix", "created", "last used", "revoked"])
 
 
@@ -453,10 +615,30 @@ def audit_command(limit: int, offset: int) -> None:
     """Who registered, submitted, cancelled, composed, created or revoked what, newest first (an admin token)."""
     with PeltClient() as client:
         events = client.audit(limit=limit, offset=offset)
-    rows = [{"at": e.at.isoformat(timespec="seconds"), "actor": e.actor, "action": e.action, "target": e.target,
-             "detail": json.dumps(e.detail, sort_keys=True)[:80] if e.detail else None} for e in events]
+    rows = [
+        {
+            "at": e.at.isoformat(timespec="seconds"),
+            "actor": e.actor,
+            "action": e.action,
+            "target": e.target,
+            "detail": json.dumps(e.detail, sort_keys=True)[:80] if e.detail else None,
+        }
+        for e in events
+    ]
     _table(rows, ["at", "actor", "action", "target", "detail"])
 
 
-SERVICE_COMMANDS = [serve_command, task_group, submit_command, sweep_command, jobs_command, watch_command,
-                    cancel_command, leaderboard_command, pull_command, compose_command, token_group, audit_command]
+SERVICE_COMMANDS = [
+    serve_command,
+    task_group,
+    submit_command,
+    sweep_command,
+    jobs_command,
+    watch_command,
+    cancel_command,
+    leaderboard_command,
+    pull_command,
+    compose_command,
+    token_group,
+    audit_command,
+]

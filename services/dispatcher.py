@@ -72,8 +72,13 @@ WORKER_PREFIX = "pelt-worker."
 # --- Ray -------------------------------------------------------------------------------------------
 
 
-def connect_ray(settings: Settings | None = None, *, namespace: str = "pelt", num_cpus: int | None = None,
-                **init_kwargs: Any) -> bool:
+def connect_ray(
+    settings: Settings | None = None,
+    *,
+    namespace: str = "pelt",
+    num_cpus: int | None = None,
+    **init_kwargs: Any,
+) -> bool:
     """Join the cluster at PELT_RAY_ADDRESS, or start a local Ray (loopback only, no dashboard).
 
     Returns True when this call started Ray (`ray.shutdown()` then stops it), False when Ray was
@@ -90,8 +95,11 @@ def connect_ray(settings: Settings | None = None, *, namespace: str = "pelt", nu
     settings = settings or get_settings()
     mode = os.environ.get("RAY_AUTH_MODE")
     if mode is not None and mode.lower() != "token":
-        log.warning("RAY_AUTH_MODE=%s: Ray's token authentication is off; anyone who reaches the cluster's "
-                    "ports can run code on it", mode)
+        log.warning(
+            "RAY_AUTH_MODE=%s: Ray's token authentication is off; anyone who reaches the cluster's "
+            "ports can run code on it",
+            mode,
+        )
     init_kwargs.setdefault("configure_logging", False)
     if settings.ray_address:
         if mode is None:
@@ -122,14 +130,19 @@ def private_ray_token() -> Path | None:
     if not path.is_file():
         token_auth = os.environ.get("RAY_AUTH_MODE", "token").lower() == "token"
         if token_auth and not os.environ.get("RAY_AUTH_TOKEN"):  # then Ray's token should be in a file
-            log.warning("no Ray token file at %s to make private (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token)",
-                        path)
+            log.warning(
+                "no Ray token file at %s to make private (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token)", path
+            )
         return None
     try:
         path.chmod(0o600)
     except OSError as exc:
-        log.warning("cannot make the Ray token file %s readable by its owner only (%s): other local users "
-                    "may read it and join the cluster", path, exc)
+        log.warning(
+            "cannot make the Ray token file %s readable by its owner only (%s): other local users "
+            "may read it and join the cluster",
+            path,
+            exc,
+        )
         return None
     return path
 
@@ -173,8 +186,9 @@ def require_token_auth() -> None:
 @functools.lru_cache(maxsize=8)
 def _worker_registry(url: str, lease_seconds: float, backoff: float, backoff_max: float) -> Registry:
     """One Registry per worker process and configuration (engines are thread-safe)."""
-    return Registry(url, lease_seconds=lease_seconds, retry_backoff_seconds=backoff,
-                    retry_backoff_max_seconds=backoff_max)
+    return Registry(
+        url, lease_seconds=lease_seconds, retry_backoff_seconds=backoff, retry_backoff_max_seconds=backoff_max
+    )
 
 
 @contextlib.contextmanager
@@ -202,8 +216,9 @@ class RegistryLease:
     retry_backoff_max_seconds: float
 
     def _registry(self) -> Registry:
-        return _worker_registry(self.database_url, self.lease_seconds, self.retry_backoff_seconds,
-                                self.retry_backoff_max_seconds)
+        return _worker_registry(
+            self.database_url, self.lease_seconds, self.retry_backoff_seconds, self.retry_backoff_max_seconds
+        )
 
     def heartbeat(self, progress: dict[str, Any] | None = None) -> bool:
         """Renew the lease, record progress; True when cancellation was requested."""
@@ -248,7 +263,9 @@ class DispatcherConfig:
     max_backbones_per_worker: int = 2
     worker_start_timeout: float = 180.0  # a worker not up by then is dropped
     node_refresh_seconds: float = 2.0
-    node_cooldown_seconds: float = 10.0  # no new worker on a node for this long after one died or failed there
+    node_cooldown_seconds: float = (
+        10.0  # no new worker on a node for this long after one died or failed there
+    )
     reap_seconds: float = 5.0  # how often expired leases are taken back (also when the queue is empty)
     # Environment of the worker processes. MALLOC_ARENA_MAX=1: a worker trains in a thread of its actor
     # (so `stop` and `info` can answer meanwhile), and glibc would give that thread its own arenas,
@@ -317,15 +334,25 @@ class Dispatcher:
     `detach()` stops this dispatcher only, leaving the workers running for the next one.
     """
 
-    def __init__(self, registry: Registry | str | None = None, sink: DeltaSink | None = None, *,
-                 config: DispatcherConfig | None = None, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry | str | None = None,
+        sink: DeltaSink | None = None,
+        *,
+        config: DispatcherConfig | None = None,
+        settings: Settings | None = None,
+    ) -> None:
         self.settings = settings or get_settings()
         self.config = config or DispatcherConfig()
         self._owns_registry = not isinstance(registry, Registry)
-        self.registry = registry if isinstance(registry, Registry) else Registry(registry, settings=self.settings)
+        self.registry = (
+            registry if isinstance(registry, Registry) else Registry(registry, settings=self.settings)
+        )
         self.database_url = self.registry.engine.url.render_as_string(hide_password=False)
         if self.registry.engine.url.get_backend_name() == "sqlite" and self.registry.engine.url.database in (
-            None, "", ":memory:"
+            None,
+            "",
+            ":memory:",
         ):
             raise ValueError("the dispatcher needs a database its workers can open: not an in-memory SQLite")
         self.sink: DeltaSink = sink or LocalDeltaSink(self.settings.data_dir / "deltas")
@@ -334,8 +361,10 @@ class Dispatcher:
         if self.config.jobs_per_worker < 1:
             raise ValueError(f"jobs_per_worker must be at least 1, got {self.config.jobs_per_worker}")
         if self.heartbeat_seconds >= self.lease_seconds:
-            raise ValueError(f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than the lease "
-                             f"({self.lease_seconds} s)")
+            raise ValueError(
+                f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than the lease "
+                f"({self.lease_seconds} s)"
+            )
         self.workers: dict[str, _Worker] = {}
         self.stats: Counter[str] = Counter()
         self._nodes: dict[str, int] = {}  # alive node id -> worker slots
@@ -384,7 +413,9 @@ class Dispatcher:
         self.workers.clear()
         self._close_registry()
 
-    def shutdown(self, *, drain: bool = False, timeout: float = 60.0, kill_workers: bool = True) -> dict[str, Any]:
+    def shutdown(
+        self, *, drain: bool = False, timeout: float = 60.0, kill_workers: bool = True
+    ) -> dict[str, Any]:
         """Stop claiming; give running jobs back to the queue (or, with `drain`, let them finish) and
         stop the workers and backbone hosts. Jobs still held after `timeout` are released here."""
         import ray
@@ -414,7 +445,9 @@ class Dispatcher:
                     ray.kill(worker.actor, no_restart=True)
             for node_id in {w.node_id for w in self.workers.values()} | set(self._nodes):
                 with contextlib.suppress(ValueError):
-                    ray.kill(ray.get_actor(host_name(node_id), namespace=self.config.namespace), no_restart=True)
+                    ray.kill(
+                        ray.get_actor(host_name(node_id), namespace=self.config.namespace), no_restart=True
+                    )
             self.workers.clear()
         self._close_registry()
         return summary
@@ -434,8 +467,11 @@ class Dispatcher:
         import ray
 
         namespace = self.config.namespace
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == namespace and a["name"].startswith(WORKER_PREFIX)]
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == namespace and a["name"].startswith(WORKER_PREFIX)
+        ]
         infos: dict[str, tuple[Any, dict[str, Any]]] = {}
         for name in names:
             try:
@@ -447,7 +483,9 @@ class Dispatcher:
         for name, (actor, info) in infos.items():
             worker = _Worker(name, info["node_id"], actor, slots=int(info.get("slots", 1)), ready=True)
             worker.backbones = {sources[src] for src, _ in info["backbones"] if src in sources}
-            for entry in running_jobs(info, name):  # busy slots, whatever the registry says, until the worker frees them
+            for entry in running_jobs(
+                info, name
+            ):  # busy slots, whatever the registry says, until the worker frees them
                 _, slot = owner_worker(entry.get("owner") or "")
                 if slot is None or slot in worker.jobs or slot >= worker.slots:
                     slot = (worker.free_slots() or [len(worker.jobs)])[0]
@@ -462,8 +500,13 @@ class Dispatcher:
             if not owner.startswith(WORKER_PREFIX):
                 continue
             worker = self.workers.get(owner_worker(owner)[0])
-            job = None if worker is None else next(
-                (j for j in worker.jobs.values() if j.job_id == record.id and j.owner == owner), None)
+            job = (
+                None
+                if worker is None
+                else next(
+                    (j for j in worker.jobs.values() if j.job_id == record.id and j.owner == owner), None
+                )
+            )
             if job is not None:
                 job.backbone, job.task = record.backbone, record.task
                 settled["adopted"].append(record.id)
@@ -473,8 +516,12 @@ class Dispatcher:
                     settled["released"].append(record.id)
             else:
                 settled["left_to_lease_expiry"].append(record.id)
-                log.warning("job %s: its worker %s is gone; it comes back when its lease expires at %s",
-                            record.id, owner, record.lease_expires_at)
+                log.warning(
+                    "job %s: its worker %s is gone; it comes back when its lease expires at %s",
+                    record.id,
+                    owner,
+                    record.lease_expires_at,
+                )
         log.info("reconciled: %d worker(s) adopted, jobs %s", len(infos), settled)
         return settled
 
@@ -512,7 +559,9 @@ class Dispatcher:
 
         refs: dict[Any, tuple[_Worker, int | None]] = {}
         for worker in self.workers.values():
-            refs.update({job.run_ref: (worker, slot) for slot, job in worker.jobs.items() if job.run_ref is not None})
+            refs.update(
+                {job.run_ref: (worker, slot) for slot, job in worker.jobs.items() if job.run_ref is not None}
+            )
             if worker.poll_ref is not None and not worker.ready:
                 refs[worker.poll_ref] = (worker, None)
         if not refs:
@@ -526,13 +575,18 @@ class Dispatcher:
             worker, slot = refs[ref]
             if slot is None:
                 self._started(worker, ref)
-            elif worker.jobs.get(slot) is not None and worker.jobs[slot].run_ref is ref:  # (not failed meanwhile)
+            elif (
+                worker.jobs.get(slot) is not None and worker.jobs[slot].run_ref is ref
+            ):  # (not failed meanwhile)
                 self._finished(worker, slot, ref)
         now = time.monotonic()
         for worker in list(self.workers.values()):
             if not worker.ready and now - worker.started_at > self.config.worker_start_timeout:
-                log.error("worker %s did not start within %.0f s; dropping it", worker.worker_id,
-                          self.config.worker_start_timeout)
+                log.error(
+                    "worker %s did not start within %.0f s; dropping it",
+                    worker.worker_id,
+                    self.config.worker_start_timeout,
+                )
                 self._drop(worker, kill=True)
 
     def _started(self, worker: _Worker, ref: Any) -> None:
@@ -609,13 +663,18 @@ class Dispatcher:
         jobs = sorted(worker.jobs.values(), key=lambda job: job.owner)
         worker.jobs.clear()
         first_line = str(exc).splitlines()[0] if str(exc) else ""
-        log.warning("worker %s died%s: %s", worker.worker_id,
-                    f" running job(s) {', '.join(str(j.job_id) for j in jobs)}" if jobs else "",
-                    first_line or type(exc).__name__)
+        log.warning(
+            "worker %s died%s: %s",
+            worker.worker_id,
+            f" running job(s) {', '.join(str(j.job_id) for j in jobs)}" if jobs else "",
+            first_line or type(exc).__name__,
+        )
         self._drop(worker)
         self._cool_down(worker.node_id)
         for job in jobs:
-            self._fail_for(job.owner, job.job_id, f"worker {job.owner} died: {type(exc).__name__}: {first_line}")
+            self._fail_for(
+                job.owner, job.job_id, f"worker {job.owner} died: {type(exc).__name__}: {first_line}"
+            )
             self._settle_sink(job.task, job.job_id)
 
     def _settle_sink(self, task: str | None, job_id: int | None) -> None:
@@ -667,8 +726,13 @@ class Dispatcher:
             slots = int(cpus // per_worker)
             if not slots and cpus and node["NodeID"] not in self._too_small:
                 self._too_small.add(node["NodeID"])
-                log.warning("node %s has %g CPU(s): too few for a worker of %d job slot(s) x %g CPU(s)",
-                            node["NodeID"][:12], cpus, self.config.jobs_per_worker, self.config.cpus_per_worker)
+                log.warning(
+                    "node %s has %g CPU(s): too few for a worker of %d job slot(s) x %g CPU(s)",
+                    node["NodeID"][:12],
+                    cpus,
+                    self.config.jobs_per_worker,
+                    self.config.cpus_per_worker,
+                )
             if self.config.max_workers_per_node is not None:
                 slots = min(slots, self.config.max_workers_per_node)
             nodes[node["NodeID"]] = slots
@@ -682,8 +746,12 @@ class Dispatcher:
         if now - self._cancels_at < self.config.poll_seconds:
             return
         self._cancels_at = now
-        running = {job.job_id: (worker, job) for worker in self.workers.values() for job in worker.jobs.values()
-                   if not job.cancel_pushed}
+        running = {
+            job.job_id: (worker, job)
+            for worker in self.workers.values()
+            for job in worker.jobs.values()
+            if not job.cancel_pushed
+        }
         if not running:
             return
         for job_id in self.registry.cancel_requests(running):
@@ -708,7 +776,9 @@ class Dispatcher:
         starting = sum(w.slots for w in self.workers.values() if not w.ready)
         fresh = [w for w in open_ if not w.backbones]
         waiting = queued - sum(len(w.free_slots()) for w in fresh) - starting
-        for _ in range(max(0, -(-waiting // self.config.jobs_per_worker))):  # 2. more workers while nodes have room
+        for _ in range(
+            max(0, -(-waiting // self.config.jobs_per_worker))
+        ):  # 2. more workers while nodes have room
             node_id = self._node_with_free_slot()
             if node_id is None:
                 break
@@ -727,8 +797,11 @@ class Dispatcher:
         """Room for more workers per usable node (nodes cooling down after a failure excluded)."""
         now = time.monotonic()
         used = Counter(w.node_id for w in self.workers.values())
-        return {node: slots - used[node] for node, slots in self._nodes.items()
-                if slots > used[node] and self._cooldown.get(node, 0.0) <= now}
+        return {
+            node: slots - used[node]
+            for node, slots in self._nodes.items()
+            if slots > used[node] and self._cooldown.get(node, 0.0) <= now
+        }
 
     def _free_slots(self) -> int:
         return sum(self._free().values())
@@ -745,16 +818,27 @@ class Dispatcher:
         worker_id = f"{WORKER_PREFIX}{node_id[:12]}.{secrets.token_hex(4)}"
         slots = self.config.jobs_per_worker
         config = WorkerConfig(
-            threads=max(1, round(self.config.cpus_per_worker)), slots=slots,
-            heartbeat_seconds=self.heartbeat_seconds, lease_seconds=self.lease_seconds,
-            max_backbones=self.config.max_backbones_per_worker, namespace=self.config.namespace,
+            threads=max(1, round(self.config.cpus_per_worker)),
+            slots=slots,
+            heartbeat_seconds=self.heartbeat_seconds,
+            lease_seconds=self.lease_seconds,
+            max_backbones=self.config.max_backbones_per_worker,
+            namespace=self.config.namespace,
         )
-        actor = worker_actor_class().options(
-            name=worker_id, namespace=self.config.namespace, lifetime="detached", max_restarts=0,
-            num_cpus=self.config.cpus_per_worker * slots, max_concurrency=slots + 3,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            runtime_env={"env_vars": dict(self.config.worker_env)} if self.config.worker_env else None,
-        ).remote(worker_id, config)
+        actor = (
+            worker_actor_class()
+            .options(
+                name=worker_id,
+                namespace=self.config.namespace,
+                lifetime="detached",
+                max_restarts=0,
+                num_cpus=self.config.cpus_per_worker * slots,
+                max_concurrency=slots + 3,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                runtime_env={"env_vars": dict(self.config.worker_env)} if self.config.worker_env else None,
+            )
+            .remote(worker_id, config)
+        )
         worker = _Worker(worker_id, node_id, actor, slots=slots, poll_ref=actor.info.remote())
         self.workers[worker_id] = worker
         log.info("starting worker %s (%d job slot(s)) on node %s", worker_id, slots, node_id[:12])
@@ -773,10 +857,21 @@ class Dispatcher:
             log.exception("job %s: cannot build its spec", record.id)
             self._fail_for(owner, record.id, f"the dispatcher could not prepare the job: {exc}")
             return True
-        lease = RegistryLease(self.database_url, record.id, owner, self.lease_seconds,
-                              self.registry.retry_backoff_seconds, self.registry.retry_backoff_max_seconds)
-        worker.jobs[slot] = _Job(record.id, owner, record.backbone, record.task,
-                                 run_ref=worker.actor.run.remote(spec, lease, self.sink))
+        lease = RegistryLease(
+            self.database_url,
+            record.id,
+            owner,
+            self.lease_seconds,
+            self.registry.retry_backoff_seconds,
+            self.registry.retry_backoff_max_seconds,
+        )
+        worker.jobs[slot] = _Job(
+            record.id,
+            owner,
+            record.backbone,
+            record.task,
+            run_ref=worker.actor.run.remote(spec, lease, self.sink),
+        )
         self.stats["dispatched"] += 1
         return True
 
@@ -791,18 +886,32 @@ class Dispatcher:
             self._backbones[job.backbone] = (record.source, record.content_hash)
         source, content_hash = self._backbones[job.backbone]
         return JobSpec(
-            job_id=job.id, task=self._tasks[job.task], method=job.method, method_spec=job.method_spec,
-            train_config=job.train_config, backbone=source,
-            backbone_dtype=job.train_config.get("backbone_dtype", "float32"), backbone_hash=content_hash,
-            attempt=job.attempts, sweep_id=job.sweep_id,
+            job_id=job.id,
+            task=self._tasks[job.task],
+            method=job.method,
+            method_spec=job.method_spec,
+            train_config=job.train_config,
+            backbone=source,
+            backbone_dtype=job.train_config.get("backbone_dtype", "float32"),
+            backbone_hash=content_hash,
+            attempt=job.attempts,
+            sweep_id=job.sweep_id,
             tags={"backbone": job.backbone, "seed": str(job.seed), "k_shot": str(job.k_shot)},
         )
 
     def describe(self) -> list[dict[str, Any]]:
         """The workers as this dispatcher sees them."""
-        return [{"worker_id": w.worker_id, "node_id": w.node_id, "ready": w.ready, "slots": w.slots,
-                 "jobs": {w.owner(slot): job.job_id for slot, job in sorted(w.jobs.items())},
-                 "backbones": sorted(w.backbones)} for w in self.workers.values()]
+        return [
+            {
+                "worker_id": w.worker_id,
+                "node_id": w.node_id,
+                "ready": w.ready,
+                "slots": w.slots,
+                "jobs": {w.owner(slot): job.job_id for slot, job in sorted(w.jobs.items())},
+                "backbones": sorted(w.backbones),
+            }
+            for w in self.workers.values()
+        ]
 
 
 def task_spec(task: TaskRecord) -> TaskSpec:
@@ -817,18 +926,30 @@ def task_spec(task: TaskRecord) -> TaskSpec:
         train_path = task.source["train"]
         validation_path = next((task.source[s] for s in EVALUATION_SPLITS if s in task.source), None)
     return TaskSpec(
-        name=task.name, train_path=train_path, validation_path=validation_path,
-        text_fields=tuple(task.text_fields), label_field=task.label_field, problem_type=task.problem_type,
-        label_names=None if task.label_names is None else tuple(task.label_names), metric=task.metric,
-        metric_direction=task.metric_direction, max_length=task.max_length,
+        name=task.name,
+        train_path=train_path,
+        validation_path=validation_path,
+        text_fields=tuple(task.text_fields),
+        label_field=task.label_field,
+        problem_type=task.problem_type,
+        label_names=None if task.label_names is None else tuple(task.label_names),
+        metric=task.metric,
+        metric_direction=task.metric_direction,
+        max_length=task.max_length,
     )
 
 
 # --- command line ------------------------------------------------------------------------------------
 
 
-def serve(registry_url: str | None = None, *, config: DispatcherConfig | None = None, num_cpus: int | None = None,
-          drain: bool = False, delta_store: str = "local") -> None:
+def serve(
+    registry_url: str | None = None,
+    *,
+    config: DispatcherConfig | None = None,
+    num_cpus: int | None = None,
+    drain: bool = False,
+    delta_store: str = "local",
+) -> None:
     """Run a dispatcher until SIGTERM/SIGINT, then shut it down (the `pelt dispatcher` command).
 
     delta_store: "local" (LocalDeltaSink under PELT_DATA_DIR/deltas) or "mlflow" (MlflowDeltaStore on
@@ -848,8 +969,10 @@ def serve(registry_url: str | None = None, *, config: DispatcherConfig | None = 
     elif delta_store != "local":
         raise ValueError(f"delta_store must be local or mlflow, got {delta_store!r}")
     dispatcher = Dispatcher(registry, sink, config=config, settings=settings).start()
-    print(f"dispatcher running (namespace {config.namespace}, Ray {'started here' if started else 'joined'})",
-          flush=True)
+    print(
+        f"dispatcher running (namespace {config.namespace}, Ray {'started here' if started else 'joined'})",
+        flush=True,
+    )
     try:
         stop.wait()
     finally:
@@ -868,28 +991,60 @@ def _command() -> Any:
     @click.command("dispatcher")
     @click.option("--database-url", default=None, help="registry (default: PELT_DATABASE_URL)")
     @click.option("--namespace", default="pelt", show_default=True, help="Ray namespace of the workers")
-    @click.option("--cpus-per-worker", default=1.0, show_default=True,
-                  help="Ray CPUs per job slot (each job's torch threads, rounded)")
-    @click.option("--jobs-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
-                  help="job slots per worker process: jobs that share its runtime and mapped backbones")
-    @click.option("--max-workers-per-node", type=int, default=None,
-                  help="default: CPUs // (cpus-per-worker * jobs-per-worker)")
+    @click.option(
+        "--cpus-per-worker",
+        default=1.0,
+        show_default=True,
+        help="Ray CPUs per job slot (each job's torch threads, rounded)",
+    )
+    @click.option(
+        "--jobs-per-worker",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="job slots per worker process: jobs that share its runtime and mapped backbones",
+    )
+    @click.option(
+        "--max-workers-per-node",
+        type=int,
+        default=None,
+        help="default: CPUs // (cpus-per-worker * jobs-per-worker)",
+    )
     @click.option("--num-cpus", type=int, default=None, help="CPUs of a local Ray (without PELT_RAY_ADDRESS)")
     @click.option("--heartbeat-seconds", type=float, default=None, help="default: PELT_HEARTBEAT_SECONDS")
-    @click.option("--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them")
-    @click.option("--delta-store", type=click.Choice(["local", "mlflow"]), default="local", show_default=True,
-                  help="where deltas go: a folder under PELT_DATA_DIR, or MLflow (PELT_MLFLOW_TRACKING_URI)")
-    def dispatcher_command(database_url: str | None, namespace: str, cpus_per_worker: float,
-                           jobs_per_worker: int, max_workers_per_node: int | None, num_cpus: int | None,
-                           heartbeat_seconds: float | None, drain: bool, delta_store: str) -> None:
+    @click.option(
+        "--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them"
+    )
+    @click.option(
+        "--delta-store",
+        type=click.Choice(["local", "mlflow"]),
+        default="local",
+        show_default=True,
+        help="where deltas go: a folder under PELT_DATA_DIR, or MLflow (PELT_MLFLOW_TRACKING_URI)",
+    )
+    def dispatcher_command(
+        database_url: str | None,
+        namespace: str,
+        cpus_per_worker: float,
+        jobs_per_worker: int,
+        max_workers_per_node: int | None,
+        num_cpus: int | None,
+        heartbeat_seconds: float | None,
+        drain: bool,
+        delta_store: str,
+    ) -> None:
         """Drain the job queue into Ray workers (joins PELT_RAY_ADDRESS or starts a local Ray)."""
         from services.filemodes import private_files
 
         private_files()  # what the dispatcher and its local Ray write is for its user only (0600 / 0700)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        config = DispatcherConfig(namespace=namespace, cpus_per_worker=cpus_per_worker,
-                                  jobs_per_worker=jobs_per_worker, max_workers_per_node=max_workers_per_node,
-                                  heartbeat_seconds=heartbeat_seconds)
+        config = DispatcherConfig(
+            namespace=namespace,
+            cpus_per_worker=cpus_per_worker,
+            jobs_per_worker=jobs_per_worker,
+            max_workers_per_node=max_workers_per_node,
+            heartbeat_seconds=heartbeat_seconds,
+        )
         serve(database_url, config=config, num_cpus=num_cpus, drain=drain, delta_store=delta_store)
 
     return dispatcher_command
@@ -898,5 +1053,14 @@ def _command() -> Any:
 dispatcher_command = _command()
 
 
-__all__ = ["Dispatcher", "DispatcherConfig", "RegistryLease", "connect_ray", "loopback_only",
-           "private_ray_token", "require_token_auth", "serve", "task_spec"]
+__all__ = [
+    "Dispatcher",
+    "DispatcherConfig",
+    "RegistryLease",
+    "connect_ray",
+    "loopback_only",
+    "private_ray_token",
+    "require_token_auth",
+    "serve",
+    "task_spec",
+]

@@ -15,8 +15,9 @@ from services.registry.errors import RegistryValidationError
 class ServiceError(Exception):
     """An error the service raises on purpose, with its HTTP status."""
 
-    def __init__(self, message: str, *, status: int = 400, field: str | None = None,
-                 retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, status: int = 400, field: str | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.field = field
@@ -36,7 +37,9 @@ class ErrorView:
     headers: dict[str, str] | None = None  # e.g. Retry-After on a 503
 
     def body(self) -> dict:
-        return {"error": {"status": self.status, "type": self.type, "field": self.field, "message": self.message}}
+        return {
+            "error": {"status": self.status, "type": self.type, "field": self.field, "message": self.message}
+        }
 
 
 def expected_errors() -> tuple[type[Exception], ...]:
@@ -51,8 +54,17 @@ def expected_errors() -> tuple[type[Exception], ...]:
     from services.delta_store.errors import DeltaStoreError
     from services.registry.errors import RegistryError
 
-    return (ServiceError, RegistryError, DeltaStoreError, CompositionError, DeltaError, BackboneError, ConfigError,
-            SpecError, DataError)
+    return (
+        ServiceError,
+        RegistryError,
+        DeltaStoreError,
+        CompositionError,
+        DeltaError,
+        BackboneError,
+        ConfigError,
+        SpecError,
+        DataError,
+    )
 
 
 def classify(exc: BaseException) -> ErrorView | None:
@@ -74,7 +86,9 @@ def classify(exc: BaseException) -> ErrorView | None:
 
     kind = type(exc).__name__
     if isinstance(exc, ServiceError):
-        retry = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after is not None else None
+        retry = (
+            {"Retry-After": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after is not None else None
+        )
         return ErrorView(exc.status, kind, str(exc), exc.field, headers=retry)
     if isinstance(exc, TooLargeError):
         return ErrorView(413, kind, str(exc), exc.field)
@@ -89,14 +103,18 @@ def classify(exc: BaseException) -> ErrorView | None:
     if isinstance(exc, JobStateError):
         return ErrorView(409, kind, str(exc), "job_id")
     if isinstance(exc, RegistryBusyError):  # other writers held the database: nothing was written, try again
-        return ErrorView(503, kind, str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
+        return ErrorView(
+            503, kind, str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+        )
     if isinstance(exc, DeltaNotFoundError):
         return ErrorView(404, kind, str(exc), getattr(exc, "field", None))
     if isinstance(exc, StoreNotReadyError):  # its message names the store's URI: for the operator's log only
         return ErrorView(503, kind, "the delta store is not ready: an operator runs `pelt mlflow upgrade`")
     if isinstance(exc, DeltaIntegrityError):
         return ErrorView(500, kind, str(exc))
-    if isinstance(exc, expected_errors()) and not isinstance(exc, RegistryError):  # pelt_core/store: bad input
+    if isinstance(exc, expected_errors()) and not isinstance(
+        exc, RegistryError
+    ):  # pelt_core/store: bad input
         return ErrorView(422, kind, str(exc), getattr(exc, "field", None))
     return None
 

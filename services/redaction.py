@@ -45,7 +45,7 @@ def error_summary(error: str, limit: int = MAX_SUMMARY_CHARS) -> str:
     lines = error.strip().splitlines()
     if lines and lines[0].startswith("Traceback (most recent call last)"):
         frames = [index for index, line in enumerate(lines) if line.startswith(" ")]
-        lines = lines[frames[-1] + 1:] if frames else lines[-1:]
+        lines = lines[frames[-1] + 1 :] if frames else lines[-1:]
     summary = redact(" ".join(" ".join(lines).split()))
     return summary if len(summary) <= limit else summary[: limit - 1] + "…"
 

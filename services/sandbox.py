@@ -42,13 +42,31 @@ TARGETS = {
     "backbone": "services.backbones:load_in_child",
     "dataset_probe": "services.registry.dataset_probe:probe_in_child",
 }
-MEMORY_WORDS = ("memoryerror", "cannot allocate memory", "can't allocate memory", "failed to map segment",
-                "bad_alloc", "out of memory", "malloc of size", "std::bad_alloc")
+MEMORY_WORDS = (
+    "memoryerror",
+    "cannot allocate memory",
+    "can't allocate memory",
+    "failed to map segment",
+    "bad_alloc",
+    "out of memory",
+    "malloc of size",
+    "std::bad_alloc",
+)
 MAX_ANSWER_BYTES = 8 << 20  # the child's stdout kept (progress notes and its answer); beyond, it is stopped
 MAX_STDERR_TAIL_BYTES = 64 << 10  # the end of its stderr kept (to tell an end for lack of memory)
 MAX_OPEN_FILES = 4096  # RLIMIT_NOFILE of the child
-PASSED_VARIABLES = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                    "OPENBLAS_NUM_THREADS", "ARROW_DEFAULT_MEMORY_POOL")  # and LC_*: the rest stays in the parent
+PASSED_VARIABLES = (
+    "PATH",
+    "HOME",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+    "TMPDIR",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "ARROW_DEFAULT_MEMORY_POOL",
+)  # and LC_*: the rest stays in the parent
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # where `services` and `pelt_core` are imported from
 
 
@@ -80,19 +98,38 @@ class ChildOutcome:
         return f"exit code {self.returncode}"
 
 
-def run_in_child(target: str, request: Mapping[str, Any], *, memory_bytes: int, timeout_seconds: float,
-                 environment: Mapping[str, str] | None = None, write_files: bool = False) -> ChildOutcome:
+def run_in_child(
+    target: str,
+    request: Mapping[str, Any],
+    *,
+    memory_bytes: int,
+    timeout_seconds: float,
+    environment: Mapping[str, str] | None = None,
+    write_files: bool = False,
+) -> ChildOutcome:
     """Run TARGETS[target](request) in a child process under `memory_bytes` of address space and
     `timeout_seconds`; `environment` adds variables to the child's (`child_environment`, set before it
     imports anything); `write_files`: the child may write files (else RLIMIT_FSIZE is 0)."""
     if target not in TARGETS:
         raise ValueError(f"no such sandbox target: {target!r}")
-    message = json.dumps({"function": TARGETS[target], "request": dict(request), "memory_bytes": int(memory_bytes),
-                          "write_files": write_files}).encode()
+    message = json.dumps(
+        {
+            "function": TARGETS[target],
+            "request": dict(request),
+            "memory_bytes": int(memory_bytes),
+            "write_files": write_files,
+        }
+    ).encode()
     with tempfile.TemporaryDirectory(prefix="pelt-sandbox-") as folder:
-        process = subprocess.Popen([sys.executable, "-P", "-m", "services.sandbox"], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=folder,
-                                   env=child_environment(environment), start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-P", "-m", "services.sandbox"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=folder,
+            env=child_environment(environment),
+            start_new_session=True,
+        )
         assert process.stdin is not None and process.stdout is not None and process.stderr is not None
         output = _Capture(process.stdout, head=MAX_ANSWER_BYTES, on_overflow=lambda: _stop(process))
         errors = _Capture(process.stderr, tail=MAX_STDERR_TAIL_BYTES)
@@ -113,28 +150,54 @@ def run_in_child(target: str, request: Mapping[str, Any], *, memory_bytes: int, 
     if timed_out or output.overflowed:
         answer = None
     memory = any(word in stderr.lower() for word in MEMORY_WORDS)
-    return ChildOutcome(answer, None if timed_out else process.returncode, timed_out=timed_out, out_of_memory=memory,
-                        progress=progress, stderr_tail=stderr, output_overflow=output.overflowed)
+    return ChildOutcome(
+        answer,
+        None if timed_out else process.returncode,
+        timed_out=timed_out,
+        out_of_memory=memory,
+        progress=progress,
+        stderr_tail=stderr,
+        output_overflow=output.overflowed,
+    )
 
 
 def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The child's environment: PASSED_VARIABLES and LC_* of this one (never PELT_*, tokens, cloud keys,
     RAY_*), this project and the absolute entries of PYTHONPATH to import from, hubs offline, no
     bytecode written, fewer malloc arenas (less address space); then `extra`."""
-    passed = {name: value for name, value in os.environ.items() if name in PASSED_VARIABLES or name.startswith("LC_")}
-    paths = [str(PROJECT_ROOT), *(entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                  if os.path.isabs(entry))]
-    return {**passed, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONNOUSERSITE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MALLOC_ARENA_MAX": "2",
-            **(extra or {})}
+    passed = {
+        name: value
+        for name, value in os.environ.items()
+        if name in PASSED_VARIABLES or name.startswith("LC_")
+    }
+    paths = [
+        str(PROJECT_ROOT),
+        *(entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(entry)),
+    ]
+    return {
+        **passed,
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONNOUSERSITE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "MALLOC_ARENA_MAX": "2",
+        **(extra or {}),
+    }
 
 
 class _Capture(threading.Thread):
     """Reads one of the child's pipes to its end as bytes, keeping at most its first `head` bytes
     (`on_overflow` beyond them) or its last `tail` bytes."""
 
-    def __init__(self, pipe: IO[bytes], *, head: int | None = None, tail: int | None = None,
-                 on_overflow: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        pipe: IO[bytes],
+        *,
+        head: int | None = None,
+        tail: int | None = None,
+        on_overflow: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(daemon=True)
         self.pipe, self.head, self.tail, self.on_overflow = pipe, head, tail, on_overflow
         self.kept = bytearray()
@@ -145,7 +208,7 @@ class _Capture(threading.Thread):
             while chunk := os.read(self.pipe.fileno(), 1 << 16):
                 if self.tail is not None:
                     self.kept += chunk
-                    del self.kept[:max(0, len(self.kept) - self.tail)]
+                    del self.kept[: max(0, len(self.kept) - self.tail)]
                 elif self.overflowed:
                     continue  # drained until the stopped child's pipe closes
                 elif self.head is not None and len(self.kept) + len(chunk) > self.head:
@@ -228,14 +291,23 @@ def main() -> None:
         answer = {"error": f"MemoryError: {exc}", "error_type": "MemoryError", "memory": True}
     except Exception as exc:  # the caller turns every failure into a refusal
         text = f"{type(exc).__name__}: {exc}"
-        answer = {"error": text, "error_type": type(exc).__name__,
-                  "memory": any(word in text.lower() for word in MEMORY_WORDS)}
+        answer = {
+            "error": text,
+            "error_type": type(exc).__name__,
+            "memory": any(word in text.lower() for word in MEMORY_WORDS),
+        }
     send({"answer": answer})
     out.close()
 
 
-__all__ = ["MAX_ANSWER_BYTES", "MAX_STDERR_TAIL_BYTES", "TARGETS", "ChildOutcome", "child_environment",
-           "run_in_child"]
+__all__ = [
+    "MAX_ANSWER_BYTES",
+    "MAX_STDERR_TAIL_BYTES",
+    "TARGETS",
+    "ChildOutcome",
+    "child_environment",
+    "run_in_child",
+]
 
 if __name__ == "__main__":
     main()

@@ -48,6 +48,7 @@ from services.uploads import TaskUploads, Upload
 
 log = logging.getLogger("pelt.service")
 
+
 @dataclass(frozen=True)
 class DeltaArchive:
     """A version's files, zipped, for download (deltas are small: KB to a few MB)."""
@@ -66,8 +67,14 @@ class PeltService:
     (default `services.backbones.SubprocessBackboneLoader`: in a child process under the settings' limits).
     """
 
-    def __init__(self, registry: Registry, store: Any = None, *, settings: Settings | None = None,
-                 backbone_loader: Any = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        store: Any = None,
+        *,
+        settings: Settings | None = None,
+        backbone_loader: Any = None,
+    ) -> None:
         self.registry = registry
         self.store = store
         self.settings = settings or get_settings()
@@ -77,7 +84,9 @@ class PeltService:
 
     # --- tasks -----------------------------------------------------------------------------------
 
-    def register_task(self, name: str, files: Mapping[str, Upload], definition: Mapping[str, Any]) -> TaskRecord:
+    def register_task(
+        self, name: str, files: Mapping[str, Upload], definition: Mapping[str, Any]
+    ) -> TaskRecord:
         """Register a task from uploaded data: files keyed by split (train required; validation, test
         optional) in JSON Lines, CSV/TSV or Parquet, or one `dataset` archive (.zip/.tar.gz) of a folder
         written by `datasets`' save_to_disk, unpacked within bounds (`services.uploads`). The files are
@@ -128,12 +137,18 @@ class PeltService:
                 existing = self.registry.get_backbone(name)
             except UnknownBackboneError:
                 loaded = self._load_backbone(location)
-                return self._shown(self.registry.register_backbone(
-                    name, location.stored, loaded.content_hash, facts=getattr(loaded, "facts", None)))
+                return self._shown(
+                    self.registry.register_backbone(
+                        name, location.stored, loaded.content_hash, facts=getattr(loaded, "facts", None)
+                    )
+                )
         if not same_source(existing.source, location.stored):
-            raise AlreadyExistsError("source", f"backbone {name!r} is registered from another source "
-                                     f"({self._shown(existing).source!r}); register {location.shown!r} under a new "
-                                     "name")
+            raise AlreadyExistsError(
+                "source",
+                f"backbone {name!r} is registered from another source "
+                f"({self._shown(existing).source!r}); register {location.shown!r} under a new "
+                "name",
+            )
         return self._shown(existing)
 
     def ensure_backbone(self, name: str) -> None:
@@ -166,7 +181,9 @@ class PeltService:
         try:
             facts = read_backbone_facts(record.source)
         except (BackboneError, OSError, ValueError) as exc:
-            log.warning("backbone %s has no facts and its config cannot be read for them: %s", record.name, exc)
+            log.warning(
+                "backbone %s has no facts and its config cannot be read for them: %s", record.name, exc
+            )
             return
         self.registry.set_backbone_facts(record.name, facts)
 
@@ -189,21 +206,47 @@ class PeltService:
 
     # --- jobs ------------------------------------------------------------------------------------
 
-    def submit_job(self, task: str, method: str, backbone: str, hyperparameters: Mapping[str, Any] | None = None,
-                   seed: int = 0, k_shot: int | None = None, priority: int = 0, max_attempts: int | None = None,
-                   idempotency_key: str | None = None) -> JobRecord:
+    def submit_job(
+        self,
+        task: str,
+        method: str,
+        backbone: str,
+        hyperparameters: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        k_shot: int | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> JobRecord:
         self.registry.get_task(task)  # unknown task: that error first, before any backbone is loaded
         self.registry.get_method(method)
         check_json_numbers(hyperparameters)  # a JSON request's numbers are numbers, never text to parse
         self.ensure_backbone(backbone)
-        return self.registry.submit_job(task, method, backbone, hyperparameters, seed=seed, k_shot=k_shot,
-                                        priority=priority, max_attempts=max_attempts,
-                                        idempotency_key=idempotency_key)
+        return self.registry.submit_job(
+            task,
+            method,
+            backbone,
+            hyperparameters,
+            seed=seed,
+            k_shot=k_shot,
+            priority=priority,
+            max_attempts=max_attempts,
+            idempotency_key=idempotency_key,
+        )
 
-    def submit_sweep(self, task: str, methods: Sequence[str], backbone: str, seeds: Sequence[int] = (0,),
-                     k_values: Sequence[int | None] = (None,), hyperparameters: Mapping[str, Any] | None = None,
-                     method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None, priority: int = 0,
-                     max_attempts: int | None = None, idempotency_key: str | None = None) -> SweepRecord:
+    def submit_sweep(
+        self,
+        task: str,
+        methods: Sequence[str],
+        backbone: str,
+        seeds: Sequence[int] = (0,),
+        k_values: Sequence[int | None] = (None,),
+        hyperparameters: Mapping[str, Any] | None = None,
+        method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> SweepRecord:
         self.registry.get_task(task)
         for method in methods:
             self.registry.get_method(method)
@@ -211,9 +254,18 @@ class PeltService:
         for values in (method_hyperparameters or {}).values():
             check_json_numbers(values)
         self.ensure_backbone(backbone)
-        return self.registry.submit_sweep(task, methods, seeds, k_values, backbone, hyperparameters,
-                                          method_hyperparameters=method_hyperparameters, priority=priority,
-                                          max_attempts=max_attempts, idempotency_key=idempotency_key)
+        return self.registry.submit_sweep(
+            task,
+            methods,
+            seeds,
+            k_values,
+            backbone,
+            hyperparameters,
+            method_hyperparameters=method_hyperparameters,
+            priority=priority,
+            max_attempts=max_attempts,
+            idempotency_key=idempotency_key,
+        )
 
     def get_job(self, job_id: int) -> JobRecord:
         return self.registry.get_job(job_id)
@@ -221,11 +273,26 @@ class PeltService:
     def get_sweep(self, sweep_id: int) -> SweepRecord:
         return self.registry.get_sweep(sweep_id)
 
-    def list_jobs(self, *, task: str | None = None, status: Iterable[str] | None = None, method: str | None = None,
-                  backbone: str | None = None, sweep_id: int | None = None, limit: int = 100,
-                  offset: int = 0) -> list[JobRecord]:
-        return self.registry.list_jobs(task=task, status=list(status) if status else None, method=method,
-                                       backbone=backbone, sweep_id=sweep_id, limit=limit, offset=offset)
+    def list_jobs(
+        self,
+        *,
+        task: str | None = None,
+        status: Iterable[str] | None = None,
+        method: str | None = None,
+        backbone: str | None = None,
+        sweep_id: int | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[JobRecord]:
+        return self.registry.list_jobs(
+            task=task,
+            status=list(status) if status else None,
+            method=method,
+            backbone=backbone,
+            sweep_id=sweep_id,
+            limit=limit,
+            offset=offset,
+        )
 
     def cancel_job(self, job_id: int) -> JobRecord:
         return self.registry.cancel_job(job_id)
@@ -240,7 +307,9 @@ class PeltService:
         self.registry.get_job(job_id)  # unknown job: 404, not an empty result
         return self.registry.get_result(job_id)
 
-    def leaderboard(self, task: str, k_shot: int | None = None, backbone: str | None = None) -> list[LeaderboardRow]:
+    def leaderboard(
+        self, task: str, k_shot: int | None = None, backbone: str | None = None
+    ) -> list[LeaderboardRow]:
         return self.registry.leaderboard(task, k_shot, backbone=backbone)
 
     def audit_events(self, *, limit: int = 100, offset: int = 0) -> list[AuditEventRecord]:
@@ -250,8 +319,9 @@ class PeltService:
 
     def _store(self) -> Any:
         if self.store is None:
-            raise ServiceError("this service runs without a delta store (start it with one: `pelt serve`)",
-                               status=503)
+            raise ServiceError(
+                "this service runs without a delta store (start it with one: `pelt serve`)", status=503
+            )
         return self.store
 
     def delta_versions(self, task: str) -> list[Any]:
@@ -283,9 +353,15 @@ class PeltService:
                         archive.write(item, item.relative_to(folder).as_posix())
         return DeltaArchive(buffer.getvalue(), f"{info.task}-v{info.version}.zip", info)
 
-    def compose(self, op: str, sources: Sequence[str] | Mapping[str, str], into: str,
-                options: Mapping[str, Any] | None = None, aliases: Sequence[str] = (),
-                description: str = "") -> Any:
+    def compose(
+        self,
+        op: str,
+        sources: Sequence[str] | Mapping[str, str],
+        into: str,
+        options: Mapping[str, Any] | None = None,
+        aliases: Sequence[str] = (),
+        description: str = "",
+    ) -> Any:
         """Compose deltas (merge, average, merge_lora_svd, multi_task) into a new version of `into`. The
         request is checked first (`check_compose_request`: pelt_core.compose's options), so no option reaches
         the store as one of its own parameters; the audit event is recorded inside the store's
@@ -297,11 +373,15 @@ class PeltService:
         check_compose_request(op, sources, into, aliases, options)
 
         def audit(stored: Any) -> None:
-            self.registry.record_audit("delta.compose", f"{into} version {stored.model_version}",
-                                       {"op": op, "sources": sources, "aliases": list(aliases)})
+            self.registry.record_audit(
+                "delta.compose",
+                f"{into} version {stored.model_version}",
+                {"op": op, "sources": sources, "aliases": list(aliases)},
+            )
 
-        return store.compose(op, sources, into=into, aliases=aliases, description=description, on_written=audit,
-                             **options)
+        return store.compose(
+            op, sources, into=into, aliases=aliases, description=description, on_written=audit, **options
+        )
 
 
 __all__ = ["DeltaArchive", "PeltService", "Upload"]

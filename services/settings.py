@@ -78,25 +78,29 @@ class Settings(BaseSettings):
         default=limits.MAX_DATASET_ROWS, gt=0, description="rows one split of a task's data may hold"
     )
     max_dataset_bytes: int = Field(
-        default=limits.MAX_DATASET_BYTES, gt=0,
+        default=limits.MAX_DATASET_BYTES,
+        gt=0,
         description="bytes a task's data may decode to: an unpacked archive, decoded Parquet (all splits)",
     )
     max_archive_entries: int = Field(
         default=limits.MAX_ARCHIVE_ENTRIES, gt=0, description="files and folders one dataset archive may hold"
     )
     max_archive_expansion: float = Field(
-        default=limits.MAX_ARCHIVE_EXPANSION, gt=0,
+        default=limits.MAX_ARCHIVE_EXPANSION,
+        gt=0,
         description="unpacked bytes per archive byte (an archive may always unpack to "
         "limits.ARCHIVE_EXPANSION_FLOOR_BYTES), counted while it unpacks",
     )
     dataset_probe_memory_bytes: int = Field(
-        default=0, ge=0,
+        default=0,
+        ge=0,
         description="address-space limit of the child process that reads an uploaded task's data (the probe); "
         "0: max_dataset_bytes + limits.DATASET_PROBE_MEMORY_HEADROOM_BYTES (2 GiB); must exceed max_dataset_bytes "
         "(a split is memory-mapped whole)",
     )
     dataset_probe_concurrency: int = Field(
-        default=limits.DEFAULT_DATASET_PROBE_CONCURRENCY, ge=1,
+        default=limits.DEFAULT_DATASET_PROBE_CONCURRENCY,
+        ge=1,
         description="uploads whose data are unpacked and checked at once, each with a probe of up to "
         "dataset_probe_memory_bytes; an upload beyond them is a 503 with Retry-After",
     )
@@ -106,10 +110,12 @@ class Settings(BaseSettings):
     backbone_dirs: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="folders whose model folders may be registered as backbones (os.pathsep-separated or a JSON "
-                    "list); nothing under data_dir ever is",
+        "list); nothing under data_dir ever is",
     )
     max_backbone_parameters: int = Field(
-        default=MAX_BACKBONE_PARAMETERS, ge=1, le=MAX_BACKBONE_PARAMETERS,
+        default=MAX_BACKBONE_PARAMETERS,
+        ge=1,
+        le=MAX_BACKBONE_PARAMETERS,
         description="largest backbone registered, in parameters estimated from its config",
     )
     backbone_load_memory_bytes: int = Field(
@@ -119,27 +125,37 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="time limit of the child process that loads a backbone"
     )
     api_docs: bool = Field(
-        default=False, description="serve /docs and /redoc (assets from a CDN) and /openapi.json without a token"
+        default=False,
+        description="serve /docs and /redoc (assets from a CDN) and /openapi.json without a token",
     )
     api_header_timeout_seconds: float = Field(
-        default=10.0, gt=0, description="close a connection whose request head is not complete within this time"
+        default=10.0,
+        gt=0,
+        description="close a connection whose request head is not complete within this time",
     )
     api_body_idle_timeout_seconds: float = Field(
-        default=60.0, gt=0, description="close a connection whose request body stops arriving: no byte of it for "
-        "this time (an idle timeout between reads: a slow upload whose bytes keep coming is never cut off)"
+        default=60.0,
+        gt=0,
+        description="close a connection whose request body stops arriving: no byte of it for "
+        "this time (an idle timeout between reads: a slow upload whose bytes keep coming is never cut off)",
     )
     api_max_connections: int = Field(
         default=1000, ge=1, description="connections and requests in progress the API takes; beyond them: 503"
     )
     max_queued_jobs_per_token: int = Field(
-        default=10_000, ge=1, description="queued jobs one API token may have at once; a submit beyond them: 429"
+        default=10_000,
+        ge=1,
+        description="queued jobs one API token may have at once; a submit beyond them: 429",
     )
     max_sweep_jobs: int = Field(
-        default=DEFAULT_MAX_SWEEP_JOBS, ge=1, le=100_000,
+        default=DEFAULT_MAX_SWEEP_JOBS,
+        ge=1,
+        le=100_000,
         description="jobs one sweep may queue (its insert holds SQLite's write lock: keep it short)",
     )
     worker_memory_bytes: int = Field(
-        default=DEFAULT_WORKER_MEMORY_BYTES, ge=1 << 20,
+        default=DEFAULT_WORKER_MEMORY_BYTES,
+        ge=1 << 20,
         description="a worker's memory for one job; a job estimated above it is refused at submission",
     )
 
@@ -175,10 +191,14 @@ class Settings(BaseSettings):
         if not self.mlflow_artifact_root:
             self.mlflow_artifact_root = str(self.data_dir / "mlartifacts")
         if not self.dataset_probe_memory_bytes:
-            self.dataset_probe_memory_bytes = self.max_dataset_bytes + limits.DATASET_PROBE_MEMORY_HEADROOM_BYTES
+            self.dataset_probe_memory_bytes = (
+                self.max_dataset_bytes + limits.DATASET_PROBE_MEMORY_HEADROOM_BYTES
+            )
         elif self.dataset_probe_memory_bytes <= self.max_dataset_bytes:
-            raise ValueError("PELT_DATASET_PROBE_MEMORY_BYTES must exceed PELT_MAX_DATASET_BYTES: the probe "
-                             "memory-maps a split whole")
+            raise ValueError(
+                "PELT_DATASET_PROBE_MEMORY_BYTES must exceed PELT_MAX_DATASET_BYTES: the probe "
+                "memory-maps a split whole"
+            )
         return self
 
 

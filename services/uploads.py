@@ -52,15 +52,33 @@ from services.settings import Settings
 
 SPLITS = ("train", "validation", "test")
 FIELDS = ("name", "definition", *SPLITS, "dataset")  # the form fields of POST /v1/tasks
-TASK_FIELDS = ("text_fields", "label_field", "problem_type", "metric", "metric_direction", "label_names",
-               "max_length", "description")
+TASK_FIELDS = (
+    "text_fields",
+    "label_field",
+    "problem_type",
+    "metric",
+    "metric_direction",
+    "label_names",
+    "max_length",
+    "description",
+)
 ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar")
 ZIP_METHODS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA}
 CHUNK = 1 << 20
 MAX_ZIP_ENTRY_BYTES = 4096  # central-directory bytes per allowed entry (name, extra fields, comment)
-PROBE_RETRY_AFTER_SECONDS = 5  # Retry-After of an upload refused while PELT_DATASET_PROBE_CONCURRENCY are checked
-_ARCHIVE_ERRORS = (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, ValueError, RuntimeError,
-                   lzma.LZMAError, zlib.error)  # RuntimeError: encrypted; NotImplementedError: unknown method
+PROBE_RETRY_AFTER_SECONDS = (
+    5  # Retry-After of an upload refused while PELT_DATASET_PROBE_CONCURRENCY are checked
+)
+_ARCHIVE_ERRORS = (
+    zipfile.BadZipFile,
+    tarfile.TarError,
+    EOFError,
+    OSError,
+    ValueError,
+    RuntimeError,
+    lzma.LZMAError,
+    zlib.error,
+)  # RuntimeError: encrypted; NotImplementedError: unknown method
 
 
 @dataclass(frozen=True)
@@ -84,7 +102,9 @@ class TaskUploads:
         # uploads unpacked and probed at once (PELT_DATASET_PROBE_CONCURRENCY): one service per process
         self.probe_slots = threading.BoundedSemaphore(settings.dataset_probe_concurrency)
 
-    def register_task(self, name: str, files: Mapping[str, Upload], definition: Mapping[str, Any]) -> TaskRecord:
+    def register_task(
+        self, name: str, files: Mapping[str, Upload], definition: Mapping[str, Any]
+    ) -> TaskRecord:
         """Register a task from uploaded files keyed by form field (see the module); the files are kept
         under PELT_DATA_DIR/datasets/<sha256>, nothing is kept when the task is refused. When
         PELT_DATASET_PROBE_CONCURRENCY uploads are being checked already: a 503 with Retry-After, before
@@ -98,7 +118,10 @@ class TaskUploads:
             raise ServiceError(
                 f"{self.settings.dataset_probe_concurrency} uploads are being checked now, as many as "
                 "PELT_DATASET_PROBE_CONCURRENCY allows; nothing was kept: send it again shortly",
-                status=503, field="dataset" if "dataset" in files else "train", retry_after=PROBE_RETRY_AFTER_SECONDS)
+                status=503,
+                field="dataset" if "dataset" in files else "train",
+                retry_after=PROBE_RETRY_AFTER_SECONDS,
+            )
         try:
             return self._register(name, files, fields)
         finally:
@@ -144,17 +167,23 @@ class TaskUploads:
 
     def _probe(self, source: Any, label_field: str | None, limits: Any) -> Any:
         """The registry's look at the uploaded data, in a child process under the settings' limits."""
-        return probe_dataset_in_child(source, label_field, limits,
-                                      memory_bytes=self.settings.dataset_probe_memory_bytes,
-                                      timeout_seconds=self.settings.dataset_probe_timeout_seconds)
+        return probe_dataset_in_child(
+            source,
+            label_field,
+            limits,
+            memory_bytes=self.settings.dataset_probe_memory_bytes,
+            timeout_seconds=self.settings.dataset_probe_timeout_seconds,
+        )
 
     def _stage(self, files: Mapping[str, Upload], staging: Path) -> list[str]:
         """Write the uploads into `staging`; (split, suffix, size, sha256) of each, the folder's name."""
         budget = [self.settings.max_upload_bytes]
         if "dataset" in files:
-            bounds = ArchiveBounds(entries=self.settings.max_archive_entries,
-                                   expansion=self.settings.max_archive_expansion,
-                                   max_bytes=self.settings.max_dataset_bytes)
+            bounds = ArchiveBounds(
+                entries=self.settings.max_archive_entries,
+                expansion=self.settings.max_archive_expansion,
+                max_bytes=self.settings.max_dataset_bytes,
+            )
             return [extract_archive(files["dataset"], staging / "dataset", budget, bounds)]
         manifest = []
         for split in sorted(files):
@@ -166,7 +195,9 @@ class TaskUploads:
 
     def _dataset_in_use(self, folder: Path) -> bool:
         prefix = str(folder)
-        return any(path.startswith(prefix) for task in self.registry.list_tasks() for path in task.source.values())
+        return any(
+            path.startswith(prefix) for task in self.registry.list_tasks() for path in task.source.values()
+        )
 
     def _public(self, exc: RegistryValidationError, files: Mapping[str, Upload]) -> RegistryValidationError:
         """The error as the uploader sees it: the form field and the uploaded file's name, no server path."""
@@ -186,13 +217,16 @@ class TaskUploads:
 def _check_file_fields(files: Mapping[str, Upload]) -> None:
     unknown = set(files) - {*SPLITS, "dataset"}
     if unknown:
-        raise RegistryValidationError(sorted(unknown)[0], f"unexpected file field; send {', '.join(SPLITS)} "
-                                      "(train required) or one 'dataset' archive")
+        raise RegistryValidationError(
+            sorted(unknown)[0],
+            f"unexpected file field; send {', '.join(SPLITS)} (train required) or one 'dataset' archive",
+        )
     if "dataset" in files and len(files) > 1:
         raise RegistryValidationError("dataset", "send either a dataset archive or split files, not both")
     if not files:
-        raise RegistryValidationError("train", "no data: send a train file (and validation, test) or a "
-                                      "dataset archive")
+        raise RegistryValidationError(
+            "train", "no data: send a train file (and validation, test) or a dataset archive"
+        )
     if "dataset" not in files and "train" not in files:
         raise RegistryValidationError("train", "a train file is required")
 
@@ -203,7 +237,9 @@ def task_definition(definition: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise RegistryValidationError(unknown[0], f"unknown task field; known: {', '.join(TASK_FIELDS)}")
     if "text_fields" not in definition:
-        raise RegistryValidationError("text_fields", "required: the column(s) holding the text, e.g. ['sentence']")
+        raise RegistryValidationError(
+            "text_fields", "required: the column(s) holding the text, e.g. ['sentence']"
+        )
     return {key: value for key, value in definition.items() if value is not None}
 
 
@@ -212,8 +248,11 @@ def _table_suffix(filename: str, split: str) -> str:
     for suffix in FILE_FORMATS:
         if name.endswith(suffix):
             return suffix
-    raise RegistryValidationError(split, f"{filename!r}: unsupported file type; use one of "
-                                  f"{', '.join(FILE_FORMATS)} (or a 'dataset' archive of a datasets folder)")
+    raise RegistryValidationError(
+        split,
+        f"{filename!r}: unsupported file type; use one of "
+        f"{', '.join(FILE_FORMATS)} (or a 'dataset' archive of a datasets folder)",
+    )
 
 
 def save_stream(stream: IO[bytes], path: Path, budget: list[int], field: str) -> tuple[int, str]:
@@ -245,7 +284,9 @@ class ArchiveBounds:
     max_bytes: int = limits.MAX_DATASET_BYTES
 
     def allowed_bytes(self, archive_bytes: int) -> int:
-        return int(min(self.max_bytes, max(self.expansion * archive_bytes, limits.ARCHIVE_EXPANSION_FLOOR_BYTES)))
+        return int(
+            min(self.max_bytes, max(self.expansion * archive_bytes, limits.ARCHIVE_EXPANSION_FLOOR_BYTES))
+        )
 
 
 class _Unpacking:
@@ -257,7 +298,9 @@ class _Unpacking:
         self.entries = 0
         self.left = self.allowed
         self.written = 0  # tar: bytes written to members' files (the stream's count includes headers)
-        self.member_blocks = 0  # tar: 512-byte blocks of the members handed to write_member (data and padding)
+        self.member_blocks = (
+            0  # tar: 512-byte blocks of the members handed to write_member (data and padding)
+        )
 
     def entry(self, count: int = 1) -> None:
         self.entries += count
@@ -265,16 +308,20 @@ class _Unpacking:
             raise self.too_many_entries()
 
     def too_many_entries(self) -> TooLargeError:
-        return TooLargeError("dataset", f"{self.archive!r} holds more than {self.bounds.entries} entries "
-                             "(PELT_MAX_ARCHIVE_ENTRIES)")
+        return TooLargeError(
+            "dataset",
+            f"{self.archive!r} holds more than {self.bounds.entries} entries (PELT_MAX_ARCHIVE_ENTRIES)",
+        )
 
     def spend(self, count: int) -> None:
         self.left -= count
         if self.left < 0:
             raise TooLargeError(
-                "dataset", f"{self.archive!r} unpacks to more than {self.allowed} bytes: at most "
+                "dataset",
+                f"{self.archive!r} unpacks to more than {self.allowed} bytes: at most "
                 f"{self.bounds.expansion:g} bytes per archive byte (PELT_MAX_ARCHIVE_EXPANSION), "
-                f"{self.bounds.max_bytes} in all (PELT_MAX_DATASET_BYTES)")
+                f"{self.bounds.max_bytes} in all (PELT_MAX_DATASET_BYTES)",
+            )
 
     def copy(self, source: IO[bytes], destination: Path) -> None:
         with destination.open("wb") as out:
@@ -289,8 +336,11 @@ class _Unpacking:
         read = self.allowed - self.left
         headers = read - self.member_blocks * tarfile.BLOCKSIZE - 3 * tarfile.BLOCKSIZE * (self.entries + 1)
         if headers > limits.MAX_TAR_HEADER_BYTES + 2 * tarfile.RECORDSIZE:  # its read-ahead, the end blocks
-            raise TooLargeError("dataset", f"{self.archive!r} holds more than {limits.MAX_TAR_HEADER_BYTES} bytes of "
-                                "tar headers (pax records, long names) besides one header per entry")
+            raise TooLargeError(
+                "dataset",
+                f"{self.archive!r} holds more than {limits.MAX_TAR_HEADER_BYTES} bytes of "
+                "tar headers (pax records, long names) besides one header per entry",
+            )
 
     def write_member(self, source: IO[bytes], destination: Path, declared: int) -> None:
         """A tar member's bytes (already counted by the stream they come from), refused before anything is
@@ -328,8 +378,11 @@ def extract_archive(upload: Upload, target: Path, budget: list[int], bounds: Arc
     and paths that leave it; an archive holding one folder is that folder. Returns its manifest line."""
     name = (upload.filename or "").lower()
     if not name.endswith(ARCHIVE_SUFFIXES):
-        raise RegistryValidationError("dataset", f"{upload.filename!r}: send a {', '.join(ARCHIVE_SUFFIXES)} "
-                                      "archive of a folder written by datasets' save_to_disk")
+        raise RegistryValidationError(
+            "dataset",
+            f"{upload.filename!r}: send a {', '.join(ARCHIVE_SUFFIXES)} "
+            "archive of a folder written by datasets' save_to_disk",
+        )
     raw = target.parent / ".archive"
     size, digest = save_stream(upload.stream, raw, budget, "dataset")
     target.mkdir()
@@ -351,17 +404,25 @@ def extract_archive(upload: Upload, target: Path, budget: list[int], bounds: Arc
                     with archive.open(info) as source:
                         unpacking.copy(source, destination)
         else:
-            with _decompressed(raw) as stream, tarfile.open(fileobj=_CountedStream(stream, unpacking), mode="r|") as archive:
+            with (
+                _decompressed(raw) as stream,
+                tarfile.open(fileobj=_CountedStream(stream, unpacking), mode="r|") as archive,
+            ):
                 for info in archive:
                     member = info.name
                     unpacking.entry()
                     if info.isdir():
                         continue
                     if not info.isfile():
-                        raise RegistryValidationError("dataset", f"{info.name!r}: links and devices are refused")
+                        raise RegistryValidationError(
+                            "dataset", f"{info.name!r}: links and devices are refused"
+                        )
                     if info.issparse():  # tarfile writes its holes without reading them from the stream
-                        raise RegistryValidationError("dataset", f"{info.name!r}: a sparse file; sparse members "
-                                                      "are refused (archive it without --sparse)")
+                        raise RegistryValidationError(
+                            "dataset",
+                            f"{info.name!r}: a sparse file; sparse members "
+                            "are refused (archive it without --sparse)",
+                        )
                     destination = _inside(target, info.name)
                     destination.parent.mkdir(parents=True, exist_ok=True)
                     source = archive.extractfile(info)
@@ -374,8 +435,9 @@ def extract_archive(upload: Upload, target: Path, budget: list[int], bounds: Arc
         raise
     except _ARCHIVE_ERRORS as exc:
         where = f" (member {member!r})" if member != "?" else ""
-        raise RegistryValidationError("dataset", f"{upload.filename!r} is not a readable archive{where}: "
-                                      f"{_reason(exc)}") from None
+        raise RegistryValidationError(
+            "dataset", f"{upload.filename!r} is not a readable archive{where}: {_reason(exc)}"
+        ) from None
     finally:
         raw.unlink(missing_ok=True)
     return f"dataset:{size}:{digest}"
@@ -390,7 +452,9 @@ def _check_zip_directory(path: Path, unpacking: _Unpacking) -> None:
         raise unpacking.too_many_entries()
 
 
-_END_RECORD = struct.Struct("<4s4H2LH")  # end of central directory: signature ... entries, size, offset, comment
+_END_RECORD = struct.Struct(
+    "<4s4H2LH"
+)  # end of central directory: signature ... entries, size, offset, comment
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")  # signature, disk, offset of the zip64 end record, disks
 _ZIP64_END_RECORD = struct.Struct("<4sQ2H2L4Q")  # signature, size, versions, disks, entries (2), size, offset
 
@@ -415,7 +479,7 @@ def zip_directory_size(path: Path) -> tuple[int, int]:
         counts = {count for count in (disk_entries, entries) if count != 0xFFFF}
         sizes = {size} if size != 0xFFFFFFFF else set()
         locator = at - _ZIP64_LOCATOR.size
-        if locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":
+        if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
             _, _, offset, _ = _ZIP64_LOCATOR.unpack_from(tail, locator)
             for record_at in (tail_start + locator - _ZIP64_END_RECORD.size, offset):
                 record_counts, record_size = _zip64_end_record(stream, record_at, file_size)
@@ -434,7 +498,8 @@ def _zip64_end_record(stream: IO[bytes], offset: int, file_size: int) -> tuple[s
         raise zipfile.BadZipFile("a zip64 end record would lie outside the archive")
     stream.seek(offset)
     signature, _, _, _, _, _, disk_entries, entries, size, _ = _ZIP64_END_RECORD.unpack(
-        stream.read(_ZIP64_END_RECORD.size))
+        stream.read(_ZIP64_END_RECORD.size)
+    )
     if signature != b"PK\x06\x06":
         raise zipfile.BadZipFile("no zip64 end record where one should be")
     return {disk_entries, entries}, size
@@ -443,13 +508,19 @@ def _zip64_end_record(stream: IO[bytes], offset: int, file_size: int) -> tuple[s
 def _check_zip_member(info: zipfile.ZipInfo, archive: str) -> None:
     """Before a member is read: encrypted members, compression methods zipfile lacks and links are refused."""
     if info.flag_bits & 0x1:
-        raise RegistryValidationError("dataset", f"{archive!r}: member {info.filename!r} is encrypted; send an "
-                                      "unencrypted archive")
+        raise RegistryValidationError(
+            "dataset", f"{archive!r}: member {info.filename!r} is encrypted; send an unencrypted archive"
+        )
     if info.compress_type not in ZIP_METHODS:
-        raise RegistryValidationError("dataset", f"{archive!r}: member {info.filename!r} uses compression method "
-                                      f"{info.compress_type}, which pelt does not read; use deflate (zip's default)")
+        raise RegistryValidationError(
+            "dataset",
+            f"{archive!r}: member {info.filename!r} uses compression method "
+            f"{info.compress_type}, which pelt does not read; use deflate (zip's default)",
+        )
     if (info.external_attr >> 16) & 0o170000 == 0o120000:
-        raise RegistryValidationError("dataset", f"{archive!r}: member {info.filename!r} is a link; links are refused")
+        raise RegistryValidationError(
+            "dataset", f"{archive!r}: member {info.filename!r} is a link; links are refused"
+        )
 
 
 @contextlib.contextmanager
@@ -494,5 +565,13 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-__all__ = ["FIELDS", "SPLITS", "ArchiveBounds", "TaskUploads", "Upload", "extract_archive", "save_stream",
-           "task_definition"]
+__all__ = [
+    "FIELDS",
+    "SPLITS",
+    "ArchiveBounds",
+    "TaskUploads",
+    "Upload",
+    "extract_archive",
+    "save_stream",
+    "task_definition",
+]

@@ -76,7 +76,10 @@ class BackboneHost:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         loader = ray.remote(num_cpus=0, num_returns=2, max_calls=1, max_retries=0)(_load).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False))
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False
+            )
+        )
         meta_ref, payload_ref = loader.remote(name, dtype, attn_implementation)
         return BackboneHandle(arrays=payload_ref, **ray.get(meta_ref))  # the payload stays unread here
 
@@ -84,8 +87,13 @@ class BackboneHost:
         """What this node holds: one entry per (backbone, dtype) published, with its size and load time."""
         with self._guard:
             return [
-                {"name": handle.name, "dtype": handle.dtype, "num_bytes": handle.num_bytes,
-                 "content_hash": handle.content_hash, "load_seconds": round(self._seconds[key], 2)}
+                {
+                    "name": handle.name,
+                    "dtype": handle.dtype,
+                    "num_bytes": handle.num_bytes,
+                    "content_hash": handle.content_hash,
+                    "load_seconds": round(self._seconds[key], 2),
+                }
                 for key, handle in self._handles.items()
             ]
 
@@ -112,11 +120,20 @@ def node_host(namespace: str | None = None, node_id: str | None = None) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    return _host_class().options(
-        name=host_name(node_id), namespace=namespace, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_concurrency=16, max_restarts=-1,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote()
+    return (
+        _host_class()
+        .options(
+            name=host_name(node_id),
+            namespace=namespace,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=16,
+            max_restarts=-1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote()
+    )
 
 
 __all__ = ["HOST_PREFIX", "BackboneHandle", "BackboneHost", "host_name", "node_host"]

@@ -31,9 +31,22 @@ from pelt_core.backbones import Backbone, resolve_backbone
 from workers.backbone_host import HOST_PREFIX, BackboneHandle, BackboneHost, host_name, node_host
 
 __all__ = [
-    "HOST_PREFIX", "BackboneHandle", "BackboneHost", "LocalBackbones", "NodeBackbones", "SerializedTokenizer",
-    "assemble", "backbone_tensors", "from_shareable", "host_name", "load_shareable", "materialize", "node_host",
-    "publish_backbone", "replicate", "to_shareable",
+    "HOST_PREFIX",
+    "BackboneHandle",
+    "BackboneHost",
+    "LocalBackbones",
+    "NodeBackbones",
+    "SerializedTokenizer",
+    "assemble",
+    "backbone_tensors",
+    "from_shareable",
+    "host_name",
+    "load_shareable",
+    "materialize",
+    "node_host",
+    "publish_backbone",
+    "replicate",
+    "to_shareable",
 ]
 
 
@@ -64,18 +77,26 @@ def backbone_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_shareable(name: str, dtype: str = "float32",
-                   attn_implementation: str = "sdpa") -> tuple[dict[str, Any], dict[str, Any]]:
+def load_shareable(
+    name: str, dtype: str = "float32", attn_implementation: str = "sdpa"
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load `name` and return (metadata, payload): the payload ({"arrays", "dtypes"}) is what goes into
     the object store; the metadata is what a BackboneHandle needs besides the reference to it."""
     backbone = Backbone.load(name, dtype=dtype, attn_implementation=attn_implementation)
     tensors = backbone_tensors(backbone.model)
     arrays = to_shareable(tensors)
     dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()}
-    config = json.loads(backbone.config.to_json_string(use_diff=False))  # plain JSON: a reader imports nothing
-    meta = {"name": backbone.name, "dtype": dtype, "content_hash": backbone.content_hash,
-            "config": config, "attn_implementation": attn_implementation,
-            "num_bytes": sum(a.nbytes for a in arrays.values())}
+    config = json.loads(
+        backbone.config.to_json_string(use_diff=False)
+    )  # plain JSON: a reader imports nothing
+    meta = {
+        "name": backbone.name,
+        "dtype": dtype,
+        "content_hash": backbone.content_hash,
+        "config": config,
+        "attn_implementation": attn_implementation,
+        "num_bytes": sum(a.nbytes for a in arrays.values()),
+    }
     return meta, {"arrays": arrays, "dtypes": dtypes}
 
 
@@ -88,7 +109,9 @@ def publish_backbone(name: str, dtype: str = "float32", attn_implementation: str
     return BackboneHandle(arrays=ray.put(payload), **meta)
 
 
-def assemble(config_dict: dict[str, Any], tensors: dict[str, torch.Tensor], attn_implementation: str) -> nn.Module:
+def assemble(
+    config_dict: dict[str, Any], tensors: dict[str, torch.Tensor], attn_implementation: str
+) -> nn.Module:
     """Build a transformers base model around existing tensors (no allocation, no copy)."""
     from transformers import AutoConfig, AutoModel
 
@@ -132,8 +155,13 @@ def replicate(backbone: Backbone) -> Backbone:
     attn = (getattr(backbone.config, "_attn_implementation", None) or "sdpa").removeprefix("pelt_")
     tensors = {name: tensor.detach() for name, tensor in backbone_tensors(backbone.model).items()}
     model = assemble(config, tensors, attn)
-    return Backbone(model, backbone.tokenizer, name=backbone.name, content_hash=backbone.content_hash,
-                    source=backbone.source)
+    return Backbone(
+        model,
+        backbone.tokenizer,
+        name=backbone.name,
+        content_hash=backbone.content_hash,
+        source=backbone.source,
+    )
 
 
 _TOKENIZER_LOCK = threading.RLock()

@@ -118,8 +118,9 @@ class JobLease(Protocol):
 class DeltaSink(Protocol):
     """Stores a trained delta folder and returns where it went; storing the same job twice is idempotent."""
 
-    def store(self, job: JobSpec, delta_dir: Path, result: dict[str, Any],
-              history: list[dict[str, Any]]) -> StoredDelta: ...
+    def store(
+        self, job: JobSpec, delta_dir: Path, result: dict[str, Any], history: list[dict[str, Any]]
+    ) -> StoredDelta: ...
 
 
 class LocalDeltaSink:
@@ -128,8 +129,9 @@ class LocalDeltaSink:
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
-    def store(self, job: JobSpec, delta_dir: Path, result: dict[str, Any],
-              history: list[dict[str, Any]]) -> StoredDelta:
+    def store(
+        self, job: JobSpec, delta_dir: Path, result: dict[str, Any], history: list[dict[str, Any]]
+    ) -> StoredDelta:
         target = self.root / job.task.name / f"job-{job.job_id}"
         if target.exists():
             shutil.rmtree(target)  # a retried job replaces its own folder, never adds a second one

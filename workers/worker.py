@@ -61,7 +61,12 @@ log = logging.getLogger("pelt.workers")
 
 # Errors that will happen again on any worker: the job fails at once, without a retry.
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
-    TrainingError, DataError, ConfigError, SpecError, BackboneError, DeltaError,
+    TrainingError,
+    DataError,
+    ConfigError,
+    SpecError,
+    BackboneError,
+    DeltaError,
 )
 BackboneSource = Callable[[str, str], tuple[Backbone, int]]
 # Jobs in one process load their data one at a time: two threads inside `datasets.Dataset.from_json` at once
@@ -77,7 +82,9 @@ class WorkerBusyError(RuntimeError):
 class WorkerConfig:
     """How a worker runs its jobs."""
 
-    threads: int | None = 1  # torch intra-op threads of every job (one slot's CPUs); None leaves torch's default
+    threads: int | None = (
+        1  # torch intra-op threads of every job (one slot's CPUs); None leaves torch's default
+    )
     slots: int = 1  # jobs run at once, each in its own thread, sharing this process and its backbones
     heartbeat_seconds: float = 15.0  # how often the lease is renewed and progress reported
     lease_seconds: float = 60.0  # after this long without a heartbeat getting through, assume the lease lost
@@ -110,8 +117,11 @@ class _Attempt:
 
     def report(self, progress: Progress) -> None:
         self.progress = {
-            "step": progress.step, "total": progress.total_steps, "loss": _finite(progress.loss),
-            "tokens_per_second": round(progress.tokens_per_second, 1), "epoch": round(progress.epoch, 4),
+            "step": progress.step,
+            "total": progress.total_steps,
+            "loss": _finite(progress.loss),
+            "tokens_per_second": round(progress.tokens_per_second, 1),
+            "epoch": round(progress.epoch, 4),
             "learning_rate": progress.learning_rate,
         }
 
@@ -140,8 +150,12 @@ class _Heartbeat(threading.Thread):
                 return
             except Exception as exc:  # the registry is unreachable for now: keep trying while the lease lasts
                 silent = time.monotonic() - last_ok
-                log.warning("job %s: heartbeat failed (%s); %.0f s since the last one", self.attempt.job_id,
-                            exc, silent)
+                log.warning(
+                    "job %s: heartbeat failed (%s); %.0f s since the last one",
+                    self.attempt.job_id,
+                    exc,
+                    silent,
+                )
                 if silent > self.give_up_after:
                     self.attempt.stop("lease_lost", f"no heartbeat got through for {silent:.0f} s: {exc}")
                     return
@@ -165,8 +179,9 @@ class _Warm:
 class PeltWorker:
     """Runs up to `config.slots` jobs at once on warm, shared backbones (see the module docstring)."""
 
-    def __init__(self, worker_id: str, config: WorkerConfig | None = None,
-                 backbones: BackboneSource | None = None) -> None:
+    def __init__(
+        self, worker_id: str, config: WorkerConfig | None = None, backbones: BackboneSource | None = None
+    ) -> None:
         self.worker_id = worker_id
         self.config = config or WorkerConfig()
         if self.config.slots < 1:
@@ -221,8 +236,12 @@ class PeltWorker:
     def warm(self, backbone: str, dtype: str = "float32") -> dict[str, Any]:
         """Map a backbone now so the next job on it starts at once."""
         warm = self._warm(backbone, dtype)
-        return {"name": warm.backbone.name, "dtype": dtype, "shared_bytes": warm.shared_bytes,
-                "parameters": warm.backbone.num_parameters}
+        return {
+            "name": warm.backbone.name,
+            "dtype": dtype,
+            "shared_bytes": warm.shared_bytes,
+            "parameters": warm.backbone.num_parameters,
+        }
 
     def stop(self, job_id: int, reason: str = "cancel") -> bool:
         """Stop one job if it runs here: "cancel" (it ends cancelled) or "release" (it goes back to the
@@ -251,8 +270,10 @@ class PeltWorker:
             if job.job_id in self._attempts:
                 raise WorkerBusyError(f"worker {self.worker_id} is already running job {job.job_id}")
             if len(self._attempts) >= self.config.slots:
-                raise WorkerBusyError(f"worker {self.worker_id} has {self.config.slots} slot(s), all taken by "
-                                      f"job(s) {', '.join(str(j) for j in self._attempts)}")
+                raise WorkerBusyError(
+                    f"worker {self.worker_id} has {self.config.slots} slot(s), all taken by "
+                    f"job(s) {', '.join(str(j) for j in self._attempts)}"
+                )
             self._attempts[job.job_id] = attempt
         beat = _Heartbeat(lease, attempt, self.config.heartbeat_seconds, self.config.lease_seconds)
         beat.start()
@@ -266,14 +287,20 @@ class PeltWorker:
         with self._lock:
             self._finished.append(outcome)
             del self._finished[:-100]
-        log.info("job %s on %s: %s%s", job.job_id, attempt.owner, outcome.status,
-                 f" ({outcome.error.strip().splitlines()[-1]})" if outcome.error else "")  # a traceback's message
+        log.info(
+            "job %s on %s: %s%s",
+            job.job_id,
+            attempt.owner,
+            outcome.status,
+            f" ({outcome.error.strip().splitlines()[-1]})" if outcome.error else "",
+        )  # a traceback's message
         return outcome
 
     # --- one attempt ------------------------------------------------------------------------------
 
-    def _attempt_job(self, job: JobSpec, lease: JobLease, sink: DeltaSink, attempt: _Attempt,
-                     beat: _Heartbeat) -> JobOutcome:
+    def _attempt_job(
+        self, job: JobSpec, lease: JobLease, sink: DeltaSink, attempt: _Attempt, beat: _Heartbeat
+    ) -> JobOutcome:
         def ended(status: str, **fields: Any) -> JobOutcome:
             return JobOutcome(job_id=job.job_id, worker_id=attempt.owner, status=status, **fields)
 
@@ -283,9 +310,15 @@ class PeltWorker:
             if attempt.reason == "lease_lost":
                 return ended("lease_lost", error=attempt.detail)
             try:
-                lease.complete({**result_fields(result, backbone), "delta_uri": stored.uri,
-                                "delta_sha256": stored.sha256, "mlflow_run_id": stored.run_id,
-                                "mlflow_model_version": stored.model_version})
+                lease.complete(
+                    {
+                        **result_fields(result, backbone),
+                        "delta_uri": stored.uri,
+                        "delta_sha256": stored.sha256,
+                        "mlflow_run_id": stored.run_id,
+                        "mlflow_model_version": stored.model_version,
+                    }
+                )
             except ValueError as exc:  # the registry refused the result (e.g. no primary metric): permanent
                 error = f"the registry refused the result: {exc}"
                 lease.fail(error, retryable=False)
@@ -321,6 +354,7 @@ class PeltWorker:
 
     def _train_and_store(self, job: JobSpec, sink: DeltaSink, attempt: _Attempt) -> tuple[Any, Backbone, Any]:
         """Train the job on a replica of its backbone lent to this slot, then store its delta."""
+
         def should_stop() -> bool:
             return attempt.stopping.is_set()
 
@@ -329,8 +363,9 @@ class PeltWorker:
         config = TrainConfig.from_dict(job.train_config)
         spec = get_method(job.method_spec)
         task = job.task
-        fields = TaskFields(tuple(task.text_fields), task.label_field, task.problem_type,
-                            list(task.label_names or []))
+        fields = TaskFields(
+            tuple(task.text_fields), task.label_field, task.problem_type, list(task.label_names or [])
+        )
         with _DATA_LOCK:  # `datasets` is not thread-safe while it loads (its progress bars' shared lock)
             train_data = load_split(task.train_path)
             if task.validation_path:
@@ -340,19 +375,35 @@ class PeltWorker:
         with self._lend(job.backbone, job.backbone_dtype or config.backbone_dtype) as backbone:
             expected = (job.backbone_hash or "").removeprefix("sha256:")
             if expected and expected != backbone.content_hash:
-                raise BackboneError(f"backbone {job.backbone!r} has content hash {backbone.content_hash[:16]}…, "
-                                    f"but the registry recorded {expected[:16]}…; register the changed model "
-                                    "under a new name")
+                raise BackboneError(
+                    f"backbone {job.backbone!r} has content hash {backbone.content_hash[:16]}…, "
+                    f"but the registry recorded {expected[:16]}…; register the changed model "
+                    "under a new name"
+                )
             if should_stop():
                 raise TrainingCancelled("stopped before training")
-            result = train(backbone, spec, train_data, eval_data, config, task=fields, progress=attempt.report,
-                           should_stop=should_stop)
+            result = train(
+                backbone,
+                spec,
+                train_data,
+                eval_data,
+                config,
+                task=fields,
+                progress=attempt.report,
+                should_stop=should_stop,
+            )
             stored = self._store(job, sink, result, backbone)
         return result, backbone, stored
 
     def _store(self, job: JobSpec, sink: DeltaSink, result: Any, backbone: Backbone) -> Any:
-        extra = {"job_id": job.job_id, "attempt": job.attempt, "task": job.task.name, "method": job.method,
-                 "metrics": _finite_dict(result.metrics), "train": job.train_config}
+        extra = {
+            "job_id": job.job_id,
+            "attempt": job.attempt,
+            "task": job.task.name,
+            "method": job.method,
+            "metrics": _finite_dict(result.metrics),
+            "train": job.train_config,
+        }
         with tempfile.TemporaryDirectory(prefix=f"pelt-job-{job.job_id}-", dir=self.config.work_dir) as tmp:
             saved = save_delta(result.delta, backbone, Path(tmp) / "delta", extra=extra)
             record = {**result_fields(result, backbone), "delta_sha256": saved.sha256}
@@ -438,8 +489,11 @@ def process_memory(pid: int | str = "self") -> dict[str, int]:
             parts = line.split()
             if len(parts) >= 3 and parts[0].endswith(":"):
                 fields[parts[0][:-1]] = int(parts[1]) * 1024
-    return {"rss": fields.get("Rss", 0), "pss": fields.get("Pss", 0),
-            "uss": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)}
+    return {
+        "rss": fields.get("Rss", 0),
+        "pss": fields.get("Pss", 0),
+        "uss": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0),
+    }
 
 
 def _finite(value: float) -> float | None:

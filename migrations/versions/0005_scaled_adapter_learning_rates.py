@@ -45,7 +45,9 @@ def _set_learning_rates(which: int) -> None:
             continue
         spec = dict(row.spec)
         spec["defaults"] = {**(spec.get("defaults") or {}), "learning_rate": rates[which]}
-        bind.execute(methods.update().where(methods.c.name == name, methods.c.builtin.is_(True)).values(spec=spec))
+        bind.execute(
+            methods.update().where(methods.c.name == name, methods.c.builtin.is_(True)).values(spec=spec)
+        )
 
 
 def upgrade() -> None:

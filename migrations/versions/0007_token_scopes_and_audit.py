@@ -66,10 +66,12 @@ def downgrade() -> None:
 
 def revoke_narrow_tokens() -> None:
     """Revoke every active token that is not admin: without the scope column it would be (see the doc)."""
-    tokens = sa.table("api_tokens", sa.column("scope", sa.String(16)),
-                      sa.column("revoked_at", sa.DateTime(timezone=True)))
+    tokens = sa.table(
+        "api_tokens", sa.column("scope", sa.String(16)), sa.column("revoked_at", sa.DateTime(timezone=True))
+    )
     now = datetime.now(UTC)
     if op.get_bind().dialect.name == "sqlite":  # the registry keeps naive UTC there (models.UTCDateTime)
         now = now.replace(tzinfo=None)
-    op.execute(tokens.update().where(tokens.c.scope != "admin", tokens.c.revoked_at.is_(None))
-               .values(revoked_at=now))
+    op.execute(
+        tokens.update().where(tokens.c.scope != "admin", tokens.c.revoked_at.is_(None)).values(revoked_at=now)
+    )

@@ -27,7 +27,9 @@ def builtin_specs() -> dict[str, dict[str, Any]]:
     return {name: spec.to_dict() for name, spec in BUILTIN_METHODS.items()}
 
 
-def get_method(method: str | dict[str, Any] | MethodSpec, overrides: dict[str, Any] | None = None) -> MethodSpec:
+def get_method(
+    method: str | dict[str, Any] | MethodSpec, overrides: dict[str, Any] | None = None
+) -> MethodSpec:
     """Resolve a preset name, a spec dict or a MethodSpec, then apply overrides (see MethodSpec.with_overrides)."""
     if isinstance(method, MethodSpec):
         spec = method

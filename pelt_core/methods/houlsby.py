@@ -9,8 +9,15 @@ Parameters per insertion: 2md + d + m.
 
 from pelt_core.spec import MethodSpec, ModuleSpec
 
-_ADAPTER = dict(form="bottleneck", insertion="sequential", composition="add", size=64, nonlinearity="relu",
-                init="near_identity", init_std=1e-2)
+_ADAPTER = dict(
+    form="bottleneck",
+    insertion="sequential",
+    composition="add",
+    size=64,
+    nonlinearity="relu",
+    init="near_identity",
+    init_std=1e-2,
+)
 
 HOULSBY = MethodSpec(
     name="houlsby",

@@ -11,8 +11,14 @@ Parameters per adapted d×d matrix: 2·d·r. Merging adds s·BA to a copy of W; 
 
 from pelt_core.spec import MethodSpec, ModuleSpec
 
-_LORA = dict(form="bottleneck", insertion="parallel", composition="scaled", nonlinearity="identity",
-             proj_bias=False, init="lora")
+_LORA = dict(
+    form="bottleneck",
+    insertion="parallel",
+    composition="scaled",
+    nonlinearity="identity",
+    proj_bias=False,
+    init="lora",
+)
 
 LORA = MethodSpec(
     name="lora",

@@ -8,8 +8,9 @@ Paper defaults: a bottleneck computed from the FFN sub-layer's input and added t
 
 from pelt_core.spec import MethodSpec, ModuleSpec
 
-_PA = dict(form="bottleneck", representation="ffn", insertion="parallel", size=512, nonlinearity="relu",
-           init="lora")
+_PA = dict(
+    form="bottleneck", representation="ffn", insertion="parallel", size=512, nonlinearity="relu", init="lora"
+)
 
 PARALLEL_ADAPTER = MethodSpec(
     name="parallel_adapter",

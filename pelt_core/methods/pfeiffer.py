@@ -9,8 +9,16 @@ from pelt_core.spec import MethodSpec, ModuleSpec
 PFEIFFER = MethodSpec(
     name="pfeiffer",
     modules={
-        "adapter": ModuleSpec(form="bottleneck", representation="ffn", insertion="sequential", composition="add",
-                              size=48, nonlinearity="relu", init="near_identity", init_std=1e-2),
+        "adapter": ModuleSpec(
+            form="bottleneck",
+            representation="ffn",
+            insertion="sequential",
+            composition="add",
+            size=48,
+            nonlinearity="relu",
+            init="near_identity",
+            init_std=1e-2,
+        ),
     },
     description="sequential bottleneck adapter after the FFN only",
     reference="Pfeiffer et al. AdapterFusion. EACL 2021",

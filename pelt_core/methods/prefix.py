@@ -13,8 +13,15 @@ from pelt_core.spec import MethodSpec, ModuleSpec
 PREFIX = MethodSpec(
     name="prefix",
     modules={
-        "prefix": ModuleSpec(form="prefix", representation="attn.heads", insertion="parallel", composition="gated",
-                             size=10, reparam_hidden=512, init_std=1.0),
+        "prefix": ModuleSpec(
+            form="prefix",
+            representation="attn.heads",
+            insertion="parallel",
+            composition="gated",
+            size=10,
+            reparam_hidden=512,
+            init_std=1.0,
+        ),
     },
     description="trainable key/value prefixes in every attention layer",
     reference="Li & Liang. Prefix-Tuning. ACL 2021",

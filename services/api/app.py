@@ -72,15 +72,18 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 UPLOAD_PATHS = ("/v1/tasks",)
 OPENAPI_PATH = "/openapi.json"
-UNAUTHORIZED = ("missing, unknown or revoked token: send 'Authorization: Bearer <token>' (create one with "
-                "`pelt token create`)")
+UNAUTHORIZED = (
+    "missing, unknown or revoked token: send 'Authorization: Bearer <token>' (create one with "
+    "`pelt token create`)"
+)
 RefQuery = Annotated[str | None, Query(max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")]
 VersionQuery = Annotated[str | None, Query(pattern=r"^[0-9]{1,9}$", description="a version number")]
 bearer = HTTPBearer(auto_error=False, description="a token from `pelt token create`")
 
 
-async def authenticated(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None,
-                                                                  Depends(bearer)]) -> ApiTokenRecord:
+async def authenticated(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> ApiTokenRecord:
     """The route's caller: the token the gate (`Gate`) already checked for this request; 401 without one.
     (The bearer scheme is declared here so that the OpenAPI schema shows it.)"""
     token = request.scope.get("state", {}).get("token")
@@ -95,9 +98,13 @@ def requires(scope: str) -> Any:
 
     async def check(token: Annotated[ApiTokenRecord, Depends(authenticated)]) -> ApiTokenRecord:
         if not token.allows(scope):
-            raise ServiceError(f"this needs a token with the {scope!r} scope; token {token.name!r} has the "
-                               f"{token.scope!r} scope (an admin creates tokens: `pelt token create NAME "
-                               f"--scope {scope}`)", status=403, field="Authorization")
+            raise ServiceError(
+                f"this needs a token with the {scope!r} scope; token {token.name!r} has the "
+                f"{token.scope!r} scope (an admin creates tokens: `pelt token create NAME "
+                f"--scope {scope}`)",
+                status=403,
+                field="Authorization",
+            )
         return token
 
     return Depends(check)
@@ -107,32 +114,46 @@ READ, WRITE, ADMIN = requires("read"), requires("write"), requires("admin")
 Caller = Annotated[ApiTokenRecord, Depends(authenticated)]
 
 
-def create_app(service: PeltService, settings: Settings | None = None, *, dispatcher: Any = None,
-               lifespan: Any = None) -> FastAPI:
+def create_app(
+    service: PeltService, settings: Settings | None = None, *, dispatcher: Any = None, lifespan: Any = None
+) -> FastAPI:
     """The API over a service. `dispatcher`, when given, is reported by /health."""
     settings = settings or service.settings
     docs = settings.api_docs
-    app = FastAPI(title="pelt", version=package_version("pelt"), lifespan=lifespan, openapi_url=OPENAPI_PATH,
-                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
-                  description="Parameter-efficient tuning of one shared backbone for many tasks: tasks, "
-                              "methods, jobs and sweeps, leaderboards, deltas and their composition.")
+    app = FastAPI(
+        title="pelt",
+        version=package_version("pelt"),
+        lifespan=lifespan,
+        openapi_url=OPENAPI_PATH,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        description="Parameter-efficient tuning of one shared backbone for many tasks: tasks, "
+        "methods, jobs and sweeps, leaderboards, deltas and their composition.",
+    )
     app.state.service = service
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticated)], responses=ERRORS,
-                   route_class=BoundedJsonRoute)  # JSON bodies nest at most limits.MAX_JSON_DEPTH deep
+    v1 = APIRouter(
+        prefix="/v1", dependencies=[Depends(authenticated)], responses=ERRORS, route_class=BoundedJsonRoute
+    )  # JSON bodies nest at most limits.MAX_JSON_DEPTH deep
 
     # --- tasks -----------------------------------------------------------------------------------
 
-    @v1.post("/tasks", response_model=TaskOut, status_code=201, tags=["tasks"],
-             dependencies=[WRITE, Depends(known_form_fields(UPLOAD_FIELDS))])
+    @v1.post(
+        "/tasks",
+        response_model=TaskOut,
+        status_code=201,
+        tags=["tasks"],
+        dependencies=[WRITE, Depends(known_form_fields(UPLOAD_FIELDS))],
+    )
     def register_task(
         name: Annotated[str, Form(min_length=1, max_length=100, description="task name")],
         definition: Annotated[str, Form(max_length=100_000, description="TaskDefinition as JSON")],
         train: Annotated[UploadFile | None, File(description="JSON Lines, CSV/TSV or Parquet")] = None,
         validation: Annotated[UploadFile | None, File()] = None,
         test: Annotated[UploadFile | None, File()] = None,
-        dataset: Annotated[UploadFile | None, File(description="zip/tar.gz of a datasets save_to_disk folder")]
-        = None,
+        dataset: Annotated[
+            UploadFile | None, File(description="zip/tar.gz of a datasets save_to_disk folder")
+        ] = None,
     ) -> Any:
         """Register a task from uploaded data; fields and labels are checked against it (nothing is kept
         when they do not fit). Another form field than these, or one sent twice, is a 422 naming it."""
@@ -143,8 +164,11 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
             raise ServiceError(f"definition: not JSON ({exc})", status=422, field="definition") from None
         except ValidationError as exc:
             raise _validation_error(exc, "definition") from None
-        uploads = {key: Upload(f.filename or "", f.file) for key, f in
-                   (("train", train), ("validation", validation), ("test", test), ("dataset", dataset)) if f}
+        uploads = {
+            key: Upload(f.filename or "", f.file)
+            for key, f in (("train", train), ("validation", validation), ("test", test), ("dataset", dataset))
+            if f
+        }
         return service.register_task(name, uploads, parsed.model_dump(exclude_unset=True))
 
     @v1.get("/tasks", response_model=list[TaskOut], tags=["tasks"], dependencies=[READ])
@@ -155,16 +179,29 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
     def get_task(name: Name) -> Any:
         return service.get_task(name)
 
-    @v1.get("/tasks/{name}/leaderboard", response_model=LeaderboardOut, tags=["leaderboard"], dependencies=[READ])
-    def leaderboard(name: Name, k_shot: Annotated[int | None, Query(ge=1, le=INT32_MAX)] = None,
-                    backbone: Annotated[str | None, Query(max_length=100)] = None) -> Any:
+    @v1.get(
+        "/tasks/{name}/leaderboard", response_model=LeaderboardOut, tags=["leaderboard"], dependencies=[READ]
+    )
+    def leaderboard(
+        name: Name,
+        k_shot: Annotated[int | None, Query(ge=1, le=INT32_MAX)] = None,
+        backbone: Annotated[str | None, Query(max_length=100)] = None,
+    ) -> Any:
         """One row per method over the task's succeeded jobs, best first (only K = k_shot when given)."""
         task = service.get_task(name)
         rows = service.leaderboard(name, k_shot, backbone)
-        return LeaderboardOut(task=name, metric=task.metric, metric_direction=task.metric_direction, k_shot=k_shot,
-                              rows=[LeaderboardRowOut.model_validate(
-                                  dataclasses.replace(row, best_delta_uri=public_uri(row.best_delta_uri)))
-                                  for row in rows])
+        return LeaderboardOut(
+            task=name,
+            metric=task.metric,
+            metric_direction=task.metric_direction,
+            k_shot=k_shot,
+            rows=[
+                LeaderboardRowOut.model_validate(
+                    dataclasses.replace(row, best_delta_uri=public_uri(row.best_delta_uri))
+                )
+                for row in rows
+            ],
+        )
 
     # --- methods and backbones -------------------------------------------------------------------
 
@@ -185,7 +222,9 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
     def list_backbones() -> Any:
         return service.list_backbones()
 
-    @v1.post("/backbones", response_model=BackboneOut, status_code=201, tags=["backbones"], dependencies=[ADMIN])
+    @v1.post(
+        "/backbones", response_model=BackboneOut, status_code=201, tags=["backbones"], dependencies=[ADMIN]
+    )
     def register_backbone(body: BackboneIn) -> Any:
         """Register a packaged backbone alias or a model folder inside one of the service's backbone folders
         (PELT_BACKBONE_DIRS; never its data directory). It is loaded once, in a child process with memory
@@ -203,16 +242,25 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
         return service.submit_job(**body.model_dump())
 
     @v1.get("/jobs", response_model=list[JobOut], tags=["jobs"], dependencies=[READ])
-    def list_jobs(task: Annotated[str | None, Query(max_length=200)] = None,
-                  status: Annotated[list[JobStatus] | None, Query()] = None,
-                  method: Annotated[str | None, Query(max_length=200)] = None,
-                  backbone: Annotated[str | None, Query(max_length=200)] = None,
-                  sweep_id: Annotated[int | None, Query(ge=1, le=INT32_MAX)] = None,
-                  limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
-                  offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0) -> Any:
+    def list_jobs(
+        task: Annotated[str | None, Query(max_length=200)] = None,
+        status: Annotated[list[JobStatus] | None, Query()] = None,
+        method: Annotated[str | None, Query(max_length=200)] = None,
+        backbone: Annotated[str | None, Query(max_length=200)] = None,
+        sweep_id: Annotated[int | None, Query(ge=1, le=INT32_MAX)] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+        offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0,
+    ) -> Any:
         """Jobs matching every filter given, oldest first."""
-        return service.list_jobs(task=task, status=[s.value for s in status or []], method=method,
-                                 backbone=backbone, sweep_id=sweep_id, limit=limit, offset=offset)
+        return service.list_jobs(
+            task=task,
+            status=[s.value for s in status or []],
+            method=method,
+            backbone=backbone,
+            sweep_id=sweep_id,
+            limit=limit,
+            offset=offset,
+        )
 
     @v1.get("/jobs/{job_id}", response_model=JobOut, tags=["jobs"], dependencies=[READ])
     def get_job(job_id: JobId) -> Any:
@@ -233,7 +281,11 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
         """The job's status changes, oldest first; `detail` (a failure's traceback) for admin tokens only."""
         service.get_job(job_id)
         events = service.job_events(job_id)
-        return events if caller.allows("admin") else [dataclasses.replace(event, detail=None) for event in events]
+        return (
+            events
+            if caller.allows("admin")
+            else [dataclasses.replace(event, detail=None) for event in events]
+        )
 
     @v1.get("/jobs/{job_id}/result", response_model=ResultOut, tags=["jobs"], dependencies=[READ])
     def job_result(job_id: JobId) -> Any:
@@ -275,60 +327,103 @@ def create_app(service: PeltService, settings: Settings | None = None, *, dispat
         return [_version(info) for info in service.delta_versions(name)]
 
     @v1.get("/tasks/{name}/deltas/info", response_model=VersionOut, tags=["deltas"], dependencies=[READ])
-    def delta_info(name: Name, version: VersionQuery = None, alias: RefQuery = None, method: RefQuery = None) -> Any:
+    def delta_info(
+        name: Name, version: VersionQuery = None, alias: RefQuery = None, method: RefQuery = None
+    ) -> Any:
         """Which version a reference resolves to: the task's best by default."""
         return _version(service.delta_info(reference(name, version, alias, method)))
 
-    @v1.get("/tasks/{name}/deltas/download", tags=["deltas"], dependencies=[READ],
-            responses={200: {"content": {"application/zip": {}}, "description": "the version's files, zipped"}})
-    def delta_download(name: Name, version: VersionQuery = None, alias: RefQuery = None,
-                       method: RefQuery = None) -> Response:
+    @v1.get(
+        "/tasks/{name}/deltas/download",
+        tags=["deltas"],
+        dependencies=[READ],
+        responses={200: {"content": {"application/zip": {}}, "description": "the version's files, zipped"}},
+    )
+    def delta_download(
+        name: Name, version: VersionQuery = None, alias: RefQuery = None, method: RefQuery = None
+    ) -> Response:
         """The version's files as a zip (delta.safetensors + manifest.json, or a multi-task bundle);
         headers X-Pelt-Version, X-Pelt-Sha256 (of the delta file) and X-Pelt-Kind."""
         archive = service.delta_archive(reference(name, version, alias, method))
         info = archive.info
-        return Response(archive.content, media_type="application/zip",
-                        headers={"Content-Disposition": f'attachment; filename="{archive.filename}"',
-                                 "X-Pelt-Version": str(info.version), "X-Pelt-Sha256": info.sha256 or "",
-                                 "X-Pelt-Kind": info.kind})
+        return Response(
+            archive.content,
+            media_type="application/zip",
+            headers={
+                "Content-Disposition": f'attachment; filename="{archive.filename}"',
+                "X-Pelt-Version": str(info.version),
+                "X-Pelt-Sha256": info.sha256 or "",
+                "X-Pelt-Kind": info.kind,
+            },
+        )
 
     @v1.post("/compose", response_model=ComposeOut, status_code=201, tags=["deltas"], dependencies=[WRITE])
     def compose(body: ComposeIn) -> Any:
         """Compose stored deltas into a new version of `into` (merge: linear, TIES, DARE; average;
         merge_lora_svd; multi_task bundle)."""
-        composed = service.compose(body.op, body.sources, body.into, body.options, body.aliases, body.description)
-        return ComposeOut(task=composed.task, version=composed.version, sha256=composed.stored.sha256,
-                          provenance=composed.provenance)
+        composed = service.compose(
+            body.op, body.sources, body.into, body.options, body.aliases, body.description
+        )
+        return ComposeOut(
+            task=composed.task,
+            version=composed.version,
+            sha256=composed.stored.sha256,
+            provenance=composed.provenance,
+        )
 
     # --- audit -----------------------------------------------------------------------------------
 
     @v1.get("/audit", response_model=list[AuditEventOut], tags=["audit"], dependencies=[ADMIN])
-    def audit(limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
-              offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0) -> Any:
+    def audit(
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+        offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0,
+    ) -> Any:
         """Who registered, submitted, cancelled, composed, created or revoked what, newest first."""
         return service.audit_events(limit=limit, offset=offset)
 
     @app.get("/health", response_model=HealthOut, tags=["health"])
     def health() -> Any:
         """Liveness without a token: the service's version and the kinds of stores it uses (no addresses)."""
-        return HealthOut(status="ok", version=app.version, registry=service.registry.engine.url.get_backend_name(),
-                         delta_store=None if service.store is None else
-                         ("mlflow-server" if service.store.is_server else "mlflow-embedded"),
-                         dispatcher=None if dispatcher is None else {"workers": len(dispatcher.workers)})
+        return HealthOut(
+            status="ok",
+            version=app.version,
+            registry=service.registry.engine.url.get_backend_name(),
+            delta_store=None
+            if service.store is None
+            else ("mlflow-server" if service.store.is_server else "mlflow-embedded"),
+            dispatcher=None if dispatcher is None else {"workers": len(dispatcher.workers)},
+        )
 
     app.include_router(v1)
     _install_error_handlers(app)
-    app.add_middleware(Gate, service=service, limit=settings.max_request_bytes,
-                       upload_limit=settings.max_upload_bytes + (1 << 20), open_schema=docs)
+    app.add_middleware(
+        Gate,
+        service=service,
+        limit=settings.max_request_bytes,
+        upload_limit=settings.max_upload_bytes + (1 << 20),
+        open_schema=docs,
+    )
     app.add_middleware(CatchAll)  # outermost of ours: it also answers for an error in the Gate
     return app
 
 
 def _version(info: Any) -> VersionOut:
-    return VersionOut(task=info.task, model_name=info.model_name, version=str(info.version), kind=info.kind,
-                      sha256=info.sha256, run_id=info.run_id, job_id=info.job_id, method=info.method,
-                      metric=info.metric, metric_value=info.metric_value, aliases=list(info.aliases),
-                      tags=dict(info.tags), created_at=info.created_at, uri=info.uri)
+    return VersionOut(
+        task=info.task,
+        model_name=info.model_name,
+        version=str(info.version),
+        kind=info.kind,
+        sha256=info.sha256,
+        run_id=info.run_id,
+        job_id=info.job_id,
+        method=info.method,
+        metric=info.metric,
+        metric_value=info.metric_value,
+        aliases=list(info.aliases),
+        tags=dict(info.tags),
+        created_at=info.created_at,
+        uri=info.uri,
+    )
 
 
 def _validation_error(exc: ValidationError | RequestValidationError, prefix: str = "") -> ServiceError:
@@ -407,8 +502,9 @@ class Gate:
     token's name, which the registry records. (The routes check the token again, and its scope, as
     dependencies that the OpenAPI schema shows.)"""
 
-    def __init__(self, app: ASGIApp, service: PeltService, limit: int, upload_limit: int,
-                 open_schema: bool = False) -> None:
+    def __init__(
+        self, app: ASGIApp, service: PeltService, limit: int, upload_limit: int, open_schema: bool = False
+    ) -> None:
         self.app, self.service, self.limit, self.upload_limit = app, service, limit, upload_limit
         self.open_schema = open_schema
 
@@ -423,7 +519,8 @@ class Gate:
             if token is None:
                 view = ErrorView(401, "ServiceError", UNAUTHORIZED, "Authorization")
                 await JSONResponse(view.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
-                    scope, receive, send)
+                    scope, receive, send
+                )
                 return
             scope.setdefault("state", {})["token"] = token  # the routes' `authenticated` dependency reads it
         limit = self.upload_limit if scope["path"] in UPLOAD_PATHS else self.limit
@@ -464,8 +561,10 @@ class Gate:
 
 
 def _too_large(limit: int) -> JSONResponse:
-    return JSONResponse(ErrorView(413, "TooLargeError", f"request body larger than {limit} bytes",
-                                  "body").body(), status_code=413)
+    return JSONResponse(
+        ErrorView(413, "TooLargeError", f"request body larger than {limit} bytes", "body").body(),
+        status_code=413,
+    )
 
 
 __all__ = ["create_app"]

@@ -54,8 +54,9 @@ def known_form_fields(allowed: Collection[str]) -> Callable[[Request], Coroutine
         seen: set[str] = set()
         for key, _ in form.multi_items():
             if key not in allowed:
-                raise ServiceError(f"{key}: unknown form field; this route takes {', '.join(allowed)}", status=422,
-                                   field=key)
+                raise ServiceError(
+                    f"{key}: unknown form field; this route takes {', '.join(allowed)}", status=422, field=key
+                )
             if key in seen:
                 raise ServiceError(f"{key}: sent twice; send each form field once", status=422, field=key)
             seen.add(key)

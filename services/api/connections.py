@@ -101,8 +101,11 @@ class ClientDeadlines(H11Protocol):
     def _head_late(self) -> None:
         self._head_timer = None
         if self._awaiting_head() and not self.transport.is_closing():
-            self.logger.info("closing a connection from %s: no complete request head within %.1f s",
-                             self.client, self.head_timeout)
+            self.logger.info(
+                "closing a connection from %s: no complete request head within %.1f s",
+                self.client,
+                self.head_timeout,
+            )
             self.transport.close()
 
     def _watch_body(self, *, arrived: bool) -> None:
@@ -129,21 +132,29 @@ class ClientDeadlines(H11Protocol):
         if self._server_holds_the_body_back():  # not the client's delay: give it a full timeout again
             self._start_body_timer()
             return
-        self.logger.info("closing a connection from %s: no byte of the request body for %.1f s",
-                         self.client, self.body_idle_timeout)
+        self.logger.info(
+            "closing a connection from %s: no byte of the request body for %.1f s",
+            self.client,
+            self.body_idle_timeout,
+        )
         self.transport.close()
 
 
 def with_deadlines(head_seconds: float, body_idle_seconds: float) -> type[ClientDeadlines]:
     """The protocol class for uvicorn's `http=` with these deadlines for a request's head and body."""
-    return type("ClientDeadlinesProtocol", (ClientDeadlines,),
-                {"head_timeout": float(head_seconds), "body_idle_timeout": float(body_idle_seconds)})
+    return type(
+        "ClientDeadlinesProtocol",
+        (ClientDeadlines,),
+        {"head_timeout": float(head_seconds), "body_idle_timeout": float(body_idle_seconds)},
+    )
 
 
 def uvicorn_connection_options(settings: Settings) -> dict[str, Any]:
     """The uvicorn.Config options that bound what clients can hold: the head and body deadlines and the cap."""
-    return {"http": with_deadlines(settings.api_header_timeout_seconds, settings.api_body_idle_timeout_seconds),
-            "limit_concurrency": settings.api_max_connections}
+    return {
+        "http": with_deadlines(settings.api_header_timeout_seconds, settings.api_body_idle_timeout_seconds),
+        "limit_concurrency": settings.api_max_connections,
+    }
 
 
 __all__ = ["ClientDeadlines", "uvicorn_connection_options", "with_deadlines"]

@@ -43,33 +43,44 @@ class TaskDefinition(Request):
     text_fields: list[str] | str = Field(description="column(s) holding the text; one or two")
     label_field: str = "label"
     problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] = (
-        "single_label_classification")
+        "single_label_classification"
+    )
     metric: str = "accuracy"
     metric_direction: Literal["max", "min"] | None = None
     label_names: list[str] | None = None
-    max_length: int = Field(default=128, ge=MAX_LENGTH.low, le=MAX_LENGTH.high,
-                            description="tokens kept per example, the jobs' default (cut to a backbone's positions)")
+    max_length: int = Field(
+        default=128,
+        ge=MAX_LENGTH.low,
+        le=MAX_LENGTH.high,
+        description="tokens kept per example, the jobs' default (cut to a backbone's positions)",
+    )
     description: str = Field(default="", max_length=10_000)
 
 
 class MethodIn(Request):
-    spec: dict[str, Any] = Field(description="a method spec: {name, modules: [...], ...} (see `pelt methods`)")
+    spec: dict[str, Any] = Field(
+        description="a method spec: {name, modules: [...], ...} (see `pelt methods`)"
+    )
     replace: bool = False
 
 
 class BackboneIn(Request):
     name: str = NAME
-    source: str | None = Field(default=None, max_length=1000,
-                               description="a packaged alias, or a model folder inside one of the service's backbone "
-                                           "folders (PELT_BACKBONE_DIRS), relative to it or absolute; default: name")
+    source: str | None = Field(
+        default=None,
+        max_length=1000,
+        description="a packaged alias, or a model folder inside one of the service's backbone "
+        "folders (PELT_BACKBONE_DIRS), relative to it or absolute; default: name",
+    )
 
 
 class JobIn(Request):
     task: str = NAME
     method: str = NAME
     backbone: str = Field(default=DEFAULT_BACKBONE, min_length=1, max_length=100)
-    hyperparameters: dict[str, Any] = Field(default_factory=dict,
-                                            description="training settings and method overrides, e.g. lr, epochs, r")
+    hyperparameters: dict[str, Any] = Field(
+        default_factory=dict, description="training settings and method overrides, e.g. lr, epochs, r"
+    )
     seed: Seed = 0
     k_shot: KShot | None = None
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
@@ -82,7 +93,9 @@ class SweepIn(Request):
     methods: list[str] = Field(min_length=1, max_length=SWEEP_LIST_LENGTH)
     backbone: str = Field(default=DEFAULT_BACKBONE, min_length=1, max_length=100)
     seeds: list[Seed] = Field(default_factory=lambda: [0], min_length=1, max_length=SWEEP_LIST_LENGTH)
-    k_values: list[KShot | None] = Field(default_factory=lambda: [None], min_length=1, max_length=SWEEP_LIST_LENGTH)
+    k_values: list[KShot | None] = Field(
+        default_factory=lambda: [None], min_length=1, max_length=SWEEP_LIST_LENGTH
+    )
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
     method_hyperparameters: dict[str, dict[str, Any]] = Field(default_factory=dict)
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
@@ -93,11 +106,16 @@ class SweepIn(Request):
 class ComposeIn(Request):
     op: Literal["merge", "average", "merge_lora_svd", "multi_task"]
     sources: list[str] | dict[str, str] = Field(
-        min_length=1, max_length=MAX_COMPOSE_SOURCES,
-        description='delta references: "task" (its best), "task@alias", "task/3"; multi_task: {route: ref}')
-    into: str = Field(min_length=1, max_length=100, description="the task whose new version the result becomes")
-    options: dict[str, Any] = Field(default_factory=dict,
-                                    description="merge: weights, how (linear|ties|dare), density, seed, ...")
+        min_length=1,
+        max_length=MAX_COMPOSE_SOURCES,
+        description='delta references: "task" (its best), "task@alias", "task/3"; multi_task: {route: ref}',
+    )
+    into: str = Field(
+        min_length=1, max_length=100, description="the task whose new version the result becomes"
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="merge: weights, how (linear|ties|dare), density, seed, ..."
+    )
     aliases: list[str] = Field(default_factory=list, max_length=MAX_COMPOSE_ALIASES)
     description: str = Field(default="", max_length=10_000)
 
@@ -138,9 +156,11 @@ class BackboneOut(Response):
     content_hash: str
     created_at: datetime
     facts: dict[str, Any] | None = Field(
-        default=None, description="its shape: hidden_size, num_layers, num_heads, num_kv_heads, head_dim, "
+        default=None,
+        description="its shape: hidden_size, num_layers, num_heads, num_kv_heads, head_dim, "
         "intermediate_size, max_positions, vocab_size, num_parameters, model_type (null: registered before facts "
-        "were kept; its first job reads them from its config)")
+        "were kept; its first job reads them from its config)",
+    )
 
 
 class JobOut(Response):
@@ -221,16 +241,20 @@ class EventOut(Response):
     to_status: str
     reason: str
     worker_id: str | None
-    detail: str | None = Field(default=None, description="the full error behind reason (a traceback); admin tokens "
-                               "only, null for the others")
+    detail: str | None = Field(
+        default=None,
+        description="the full error behind reason (a traceback); admin tokens only, null for the others",
+    )
 
 
 class AuditEventOut(Response):
     id: int
     at: datetime
     actor: str | None = Field(description="the token's name (cli:<user> for `pelt token` commands)")
-    action: str = Field(description="task.register, method.register, backbone.register, job.submit, sweep.submit, "
-                        "job.cancel, sweep.cancel, delta.compose, token.create, token.revoke")
+    action: str = Field(
+        description="task.register, method.register, backbone.register, job.submit, sweep.submit, "
+        "job.cancel, sweep.cancel, delta.compose, token.create, token.revoke"
+    )
     target: str
     detail: dict[str, Any]
 

@@ -53,7 +53,7 @@ def ensure_local_token(registry: Any, settings: Settings) -> str | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fresh = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     descriptor = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # a new file: mode 0600 whatever
-    with os.fdopen(descriptor, "w") as handle:                                # the old one's mode was
+    with os.fdopen(descriptor, "w") as handle:  # the old one's mode was
         handle.write(secret + "\n")
     os.replace(fresh, path)
     log.info("created API token %r; its secret is in %s", name, path)
@@ -73,9 +73,19 @@ class Service:
     a free port (see `url`).
     """
 
-    def __init__(self, settings: Settings | None = None, *, host: str | None = None, port: int | None = None,
-                 dispatcher: bool = True, upgrade: bool | None = None, num_cpus: int | None = None,
-                 namespace: str = "pelt", dispatcher_config: Any = None, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        dispatcher: bool = True,
+        upgrade: bool | None = None,
+        num_cpus: int | None = None,
+        namespace: str = "pelt",
+        dispatcher_config: Any = None,
+        log_level: str = "warning",
+    ) -> None:
         self.settings = settings or get_settings()
         self.host = host or self.settings.api_host
         self.port = self.settings.api_port if port is None else port
@@ -117,14 +127,21 @@ class Service:
                 self._start_dispatcher(store)
             service = PeltService(self.registry, store, settings=self.settings)
             self.app = create_app(service, self.settings, dispatcher=self.dispatcher)
-            config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=self.log_level,
-                                    lifespan="off", timeout_graceful_shutdown=5,
-                                    **uvicorn_connection_options(self.settings))
+            config = uvicorn.Config(
+                self.app,
+                host=self.host,
+                port=self.port,
+                log_level=self.log_level,
+                lifespan="off",
+                timeout_graceful_shutdown=5,
+                **uvicorn_connection_options(self.settings),
+            )
             listening = _listen(self.host, self.port)
             self.port = listening.getsockname()[1]
             self._server = uvicorn.Server(config)
-            self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [listening]},
-                                            name="pelt-api", daemon=True)
+            self._thread = threading.Thread(
+                target=self._server.run, kwargs={"sockets": [listening]}, name="pelt-api", daemon=True
+            )
             self._thread.start()
             deadline = time.monotonic() + 30
             while not self._server.started:
@@ -142,8 +159,9 @@ class Service:
 
         config = self.dispatcher_config or DispatcherConfig(namespace=self.namespace)
         self._ray_started = connect_ray(self.settings, namespace=config.namespace, num_cpus=self.num_cpus)
-        self.dispatcher = Dispatcher(Registry(settings=self.settings), store, config=config,
-                                     settings=self.settings).start()
+        self.dispatcher = Dispatcher(
+            Registry(settings=self.settings), store, config=config, settings=self.settings
+        ).start()
 
     def stop(self, *, drain: bool = False) -> dict[str, Any] | None:
         """Stop the API, then the dispatcher (running jobs go back to the queue unless `drain`), then Ray."""
@@ -184,8 +202,9 @@ def _listen(host: str, port: int) -> socket.socket:
         listening.listen(128)
     except OSError as exc:
         listening.close()
-        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror} (PELT_API_HOST, PELT_API_PORT, "
-                           "or --host/--port)") from None
+        raise RuntimeError(
+            f"cannot listen on {host}:{port}: {exc.strerror} (PELT_API_HOST, PELT_API_PORT, or --host/--port)"
+        ) from None
     listening.set_inheritable(True)
     return listening
 

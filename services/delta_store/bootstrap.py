@@ -37,7 +37,9 @@ QUIET_ENVIRONMENT = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # no "View run at …" lines from a server's client
     "GIT_PYTHON_REFRESH": "quiet",
 }
-_ADVISORY_LOCK_KEY = int.from_bytes(hashlib.sha256(b"pelt: mlflow schema upgrade").digest()[:8], "big", signed=True)
+_ADVISORY_LOCK_KEY = int.from_bytes(
+    hashlib.sha256(b"pelt: mlflow schema upgrade").digest()[:8], "big", signed=True
+)
 
 
 def quiet_mlflow() -> None:
@@ -78,8 +80,9 @@ def sqlite_file(tracking_uri: str) -> Path | None:
     return None if database in ("", ":memory:") else Path(database).expanduser()
 
 
-def ensure_store(tracking_uri: str | None = None, artifact_root: str | None = None, *,
-                 wait_seconds: float = 0.0) -> str | None:
+def ensure_store(
+    tracking_uri: str | None = None, artifact_root: str | None = None, *, wait_seconds: float = 0.0
+) -> str | None:
     """Make the MLflow store usable: create or upgrade its schema once (locked), make the artifact
     folder; for a tracking server, wait up to `wait_seconds` for its /health. Returns the schema
     revision (None for a server). Safe to call from several processes at once."""
@@ -113,13 +116,17 @@ def check_store(tracking_uri: str) -> None:
         return
     path = sqlite_file(uri)
     if path is not None and not path.exists():
-        raise StoreNotReadyError(f"the MLflow store {display_uri(uri)} does not exist yet; run "
-                                 f"`{UPGRADE_COMMAND}` (or services.delta_store.ensure_store()) once at start-up")
+        raise StoreNotReadyError(
+            f"the MLflow store {display_uri(uri)} does not exist yet; run "
+            f"`{UPGRADE_COMMAND}` (or services.delta_store.ensure_store()) once at start-up"
+        )
     current, head = schema_revisions(uri)
     if current != head:
         state = "is empty" if current is None else f"is at schema revision {current}, not {head}"
-        raise StoreNotReadyError(f"the MLflow store {display_uri(uri)} {state}; run `{UPGRADE_COMMAND}` "
-                                 "(or services.delta_store.ensure_store()) once at start-up")
+        raise StoreNotReadyError(
+            f"the MLflow store {display_uri(uri)} {state}; run `{UPGRADE_COMMAND}` "
+            "(or services.delta_store.ensure_store()) once at start-up"
+        )
     _CHECKED.add(uri)
 
 

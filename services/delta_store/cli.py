@@ -14,8 +14,13 @@ def mlflow_group() -> None:
 
 @mlflow_group.command("upgrade")
 @click.option("--uri", default=None, help=_URI_HELP)
-@click.option("--wait", "wait_seconds", default=0.0, show_default=True,
-              help="for a tracking server: seconds to wait for it to answer")
+@click.option(
+    "--wait",
+    "wait_seconds",
+    default=0.0,
+    show_default=True,
+    help="for a tracking server: seconds to wait for it to answer",
+)
 def upgrade_command(uri: str | None, wait_seconds: float) -> None:
     """Create or upgrade MLflow's schema (locked: safe while other processes start); for a tracking
     server, check that it answers (the server upgrades its own database)."""
@@ -43,8 +48,10 @@ def versions_command(task: str, uri: str | None) -> None:
         raise click.ClickException(str(exc)) from exc
     for v in versions:
         metric = "" if v.metric_value is None else f"{v.metric}={v.metric_value:.4g}"
-        click.echo(f"{v.version:>5}  {v.kind:<10} job={v.job_id or '-':<6} {v.method or '-':<16} {metric:<18} "
-                   f"{(v.sha256 or '')[:12]}  {' '.join(v.aliases)}")
+        click.echo(
+            f"{v.version:>5}  {v.kind:<10} job={v.job_id or '-':<6} {v.method or '-':<16} {metric:<18} "
+            f"{(v.sha256 or '')[:12]}  {' '.join(v.aliases)}"
+        )
 
 
 @mlflow_group.command("reconcile")

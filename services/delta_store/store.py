@@ -130,7 +130,9 @@ class DeltaRef:
         if self.version is not None:
             object.__setattr__(self, "version", _version_string(self.version))
         if sum(x is not None for x in (self.version, self.method, self.alias)) > 1:
-            raise DeltaStoreError(f"pick one of version, method and alias for task {self.task!r}, not several")
+            raise DeltaStoreError(
+                f"pick one of version, method and alias for task {self.task!r}, not several"
+            )
 
     @classmethod
     def parse(cls, ref: str | DeltaRef) -> DeltaRef:
@@ -206,7 +208,9 @@ class PulledModel:
     def delta(self) -> JobDelta:
         """The delta (a multi-task bundle has several: see `deltas`)."""
         if len(self.deltas) != 1:
-            raise DeltaStoreError(f"{self.info.uri} holds {len(self.deltas)} task deltas: {', '.join(self.deltas)}")
+            raise DeltaStoreError(
+                f"{self.info.uri} holds {len(self.deltas)} task deltas: {', '.join(self.deltas)}"
+            )
         return next(iter(self.deltas.values()))
 
     def predict(self, texts: Sequence[Any], batch_size: int = 32, max_length: int = 128) -> list[dict]:
@@ -226,14 +230,22 @@ class PulledModel:
 
         batch = self.backbone.tokenizer(list(texts), padding=True, return_tensors="pt")
         device = next(self.model.parameters()).device
-        inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        inputs = {
+            k: v.to(device)
+            for k, v in batch.items()
+            if k in ("input_ids", "attention_mask", "token_type_ids")
+        }
         with torch.no_grad():
             if isinstance(self.model, MultiTaskModel):
                 name = task or (next(iter(self.deltas)) if len(self.deltas) == 1 else None)
                 if name is None:
                     raise DeltaStoreError(f"name the task: this model serves {', '.join(self.deltas)}")
-                rows = self.model.forward_tasks(inputs["input_ids"], inputs["attention_mask"], [name] * len(texts),
-                                                inputs.get("token_type_ids"))
+                rows = self.model.forward_tasks(
+                    inputs["input_ids"],
+                    inputs["attention_mask"],
+                    [name] * len(texts),
+                    inputs.get("token_type_ids"),
+                )
                 return torch.stack(rows)
             return self.model(**inputs)
 
@@ -321,13 +333,21 @@ class MlflowDeltaStore:
         registry_url = None
         if self.registry is not None:
             registry_url = self.registry.engine.url.render_as_string(hide_password=False)
-        return {"tracking_uri": self.tracking_uri, "artifact_root": self.artifact_root,
-                "namespace": self.namespace, "registry_url": registry_url}
+        return {
+            "tracking_uri": self.tracking_uri,
+            "artifact_root": self.artifact_root,
+            "namespace": self.namespace,
+            "registry_url": registry_url,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         registry = None if state["registry_url"] is None else _shared_registry(state["registry_url"])
-        self.__init__(state["tracking_uri"], state["artifact_root"], registry=registry,  # type: ignore[misc]
-                      namespace=state["namespace"])
+        self.__init__(
+            state["tracking_uri"],
+            state["artifact_root"],
+            registry=registry,  # type: ignore[misc]
+            namespace=state["namespace"],
+        )
 
     # --- names -----------------------------------------------------------------------------------
 
@@ -343,22 +363,34 @@ class MlflowDeltaStore:
 
     # --- DeltaSink -------------------------------------------------------------------------------
 
-    def store(self, job: JobSpec, delta_dir: Path, result: dict[str, Any],
-              history: list[dict[str, Any]]) -> StoredDelta:
+    def store(
+        self, job: JobSpec, delta_dir: Path, result: dict[str, Any], history: list[dict[str, Any]]
+    ) -> StoredDelta:
         """Log the job as a run (params, metric history, final metrics, tags, the delta folder) and add
         its model version; idempotent per job id (module docstring). Aliases are not touched here."""
         return self._store(job, Path(delta_dir), result, history, self.registry)
 
-    def _store(self, job: JobSpec, folder: Path, result: Mapping[str, Any], history: list[dict[str, Any]],
-               registry: Registry | None) -> StoredDelta:
+    def _store(
+        self,
+        job: JobSpec,
+        folder: Path,
+        result: Mapping[str, Any],
+        history: list[dict[str, Any]],
+        registry: Registry | None,
+    ) -> StoredDelta:
         manifest = _read_manifest(folder)
         sha = _sha256_file(folder / DELTA_FILE)
         sealed = self._sealed(job.job_id, registry)
         if sealed is not None:
             if sealed.sha256 != sha:
-                log.warning("job %s already has a recorded delta (sha256 %s…); the delta of attempt %s "
-                            "(sha256 %s…) is not stored", job.job_id, (sealed.sha256 or "")[:12], job.attempt,
-                            sha[:12])
+                log.warning(
+                    "job %s already has a recorded delta (sha256 %s…); the delta of attempt %s "
+                    "(sha256 %s…) is not stored",
+                    job.job_id,
+                    (sealed.sha256 or "")[:12],
+                    job.attempt,
+                    sha[:12],
+                )
             return sealed
         task = job.task.name
         model = self._ensure_model(task, metric=job.task.metric, direction=job.task.metric_direction)
@@ -366,13 +398,24 @@ class MlflowDeltaStore:
         versions = self._job_versions(model, job.job_id)
         runs = self._job_runs(experiment_id, job.job_id)
 
-        same = [v for v in versions if v.tags.get(TAG_SHA256) == sha and v.run_id and
-                any(r.info.run_id == v.run_id and r.info.status == "FINISHED" for r in runs)]
+        same = [
+            v
+            for v in versions
+            if v.tags.get(TAG_SHA256) == sha
+            and v.run_id
+            and any(r.info.run_id == v.run_id and r.info.status == "FINISHED" for r in runs)
+        ]
         if same:  # this delta is stored already (a repeated call)
             keep = min(same, key=lambda v: int(v.version))
             return StoredDelta(self._uri(model, keep.version), sha, keep.run_id, str(keep.version))
-        run_id = next((r.info.run_id for r in runs  # its run finished but the version is missing
-                       if r.info.status == "FINISHED" and r.data.tags.get(TAG_SHA256) == sha), None)
+        run_id = next(
+            (
+                r.info.run_id
+                for r in runs  # its run finished but the version is missing
+                if r.info.status == "FINISHED" and r.data.tags.get(TAG_SHA256) == sha
+            ),
+            None,
+        )
         if registry is None:  # no arbiter: the last attempt replaces the earlier ones now
             self._discard(versions, [r for r in runs if r.info.run_id != run_id])
         if run_id is None:
@@ -394,18 +437,32 @@ class MlflowDeltaStore:
         if job.sweep_id is not None:
             tags[TAG_SWEEP_ID] = str(job.sweep_id)
         shown = "" if metric_value is None else f" ({job.task.metric} {metric_value:.4g})"
-        version = self._create_version(model, run_id, tags, f"job {job.job_id}: {job.method} on {task}{shown}")
+        version = self._create_version(
+            model, run_id, tags, f"job {job.job_id}: {job.method} on {task}{shown}"
+        )
         return StoredDelta(self._uri(model, version), sha, run_id, version)
 
-    def complete_job(self, job: JobSpec, worker_id: str, delta_dir: Path, result: Mapping[str, Any],
-                     history: list[dict[str, Any]], registry: Registry | None = None) -> ResultRecord:
+    def complete_job(
+        self,
+        job: JobSpec,
+        worker_id: str,
+        delta_dir: Path,
+        result: Mapping[str, Any],
+        history: list[dict[str, Any]],
+        registry: Registry | None = None,
+    ) -> ResultRecord:
         """The whole success path of a job, in order: `store` the delta, record the result row
         (`Registry.complete_job`: one row per job, first wins), then `finalize_job` (drop the job's
         other versions, sync the task's aliases). Returns the registry's result record."""
         registry = self._registry(registry)
         stored = self._store(job, Path(delta_dir), result, history, registry)
-        values = {**result, "delta_uri": stored.uri, "delta_sha256": stored.sha256,
-                  "mlflow_run_id": stored.run_id, "mlflow_model_version": stored.model_version}
+        values = {
+            **result,
+            "delta_uri": stored.uri,
+            "delta_sha256": stored.sha256,
+            "mlflow_run_id": stored.run_id,
+            "mlflow_model_version": stored.model_version,
+        }
         try:
             record = registry.complete_job(job.job_id, worker_id, values)
         except Exception:
@@ -432,8 +489,11 @@ class MlflowDeltaStore:
         from services.registry import UnknownJobError
 
         registry = self._registry(registry)
-        job_ids = {int(v.tags[TAG_JOB_ID]) for v in self._versions(self.model_name(task))
-                   if v.tags.get(TAG_JOB_ID, "").isdigit()}
+        job_ids = {
+            int(v.tags[TAG_JOB_ID])
+            for v in self._versions(self.model_name(task))
+            if v.tags.get(TAG_JOB_ID, "").isdigit()
+        }
         for job_id in sorted(job_ids):
             with contextlib.suppress(UnknownJobError):  # a job of another registry: not ours to judge
                 self._settle(task, job_id, registry)
@@ -455,13 +515,17 @@ class MlflowDeltaStore:
         except DeltaNotFoundError:
             return True, None
         experiment_id = self._ensure_experiment(task)
-        self._discard([v for v in self._job_versions(model, job_id) if str(v.version) != keep_version],
-                      [r for r in self._job_runs(experiment_id, job_id) if r.info.run_id != keep_run])
+        self._discard(
+            [v for v in self._job_versions(model, job_id) if str(v.version) != keep_version],
+            [r for r in self._job_runs(experiment_id, job_id) if r.info.run_id != keep_run],
+        )
         return True, keep_version
 
     # --- aliases ---------------------------------------------------------------------------------
 
-    def sync_aliases(self, task: str, registry: Registry | None = None, max_rounds: int = 5) -> dict[str, str]:
+    def sync_aliases(
+        self, task: str, registry: Registry | None = None, max_rounds: int = 5
+    ) -> dict[str, str]:
         """Point `best` and `best-<method>` at the versions of the registry's best results for the task
         (only results stored in this store count); returns {alias: version}. Idempotent (module docstring)."""
         from services.registry import UnknownTaskError
@@ -524,9 +588,10 @@ class MlflowDeltaStore:
         names: list[str] = []
         token = None
         while True:
-            page = self.client.search_registered_models(filter_string=f"name LIKE '{prefix}%'", max_results=1000,
-                                                        page_token=token)
-            names += [m.name[len(prefix):] for m in page if m.name.startswith(prefix)]
+            page = self.client.search_registered_models(
+                filter_string=f"name LIKE '{prefix}%'", max_results=1000, page_token=token
+            )
+            names += [m.name[len(prefix) :] for m in page if m.name.startswith(prefix)]
             token = page.token
             if not token:
                 return sorted(names)
@@ -537,8 +602,14 @@ class MlflowDeltaStore:
         aliases = self._aliases_by_version(self._registered_model(model))
         return [self._info(v, aliases) for v in self._versions(model)]
 
-    def get_version(self, ref: str | DeltaRef, *, method: str | None = None, version: str | int | None = None,
-                    alias: str | None = None) -> VersionInfo:
+    def get_version(
+        self,
+        ref: str | DeltaRef,
+        *,
+        method: str | None = None,
+        version: str | int | None = None,
+        alias: str | None = None,
+    ) -> VersionInfo:
         """Resolve a reference to one version; DeltaNotFoundError lists what exists."""
         ref = _ref(ref, method=method, version=version, alias=alias)
         model = self.model_name(ref.task)
@@ -551,36 +622,50 @@ class MlflowDeltaStore:
                 if not _is_missing(exc):
                     raise
                 known = [v.version for v in self._versions(model)]
-                raise DeltaNotFoundError("version", ref.version, known, where=f"of task {ref.task!r}") from None
+                raise DeltaNotFoundError(
+                    "version", ref.version, known, where=f"of task {ref.task!r}"
+                ) from None
             return self._info(found, self._aliases_by_version(registered))
         if ref.method is not None:
             name = method_alias(ref.method)
             if name not in aliases:
                 methods = self._methods_with_aliases(model, aliases)
-                raise DeltaNotFoundError("method", ref.method, methods, where=f"with a best version for task "
-                                         f"{ref.task!r}")
+                raise DeltaNotFoundError(
+                    "method", ref.method, methods, where=f"with a best version for task {ref.task!r}"
+                )
             wanted = name
         else:
             wanted = ref.alias or BEST
             if wanted not in aliases:
                 versions = [str(v.version) for v in self._versions(model)]
-                hint = (f" (its versions: {', '.join(versions)}; pick one with version=...)" if versions
-                        else " (it has no versions yet)")
+                hint = (
+                    f" (its versions: {', '.join(versions)}; pick one with version=...)"
+                    if versions
+                    else " (it has no versions yet)"
+                )
                 raise DeltaNotFoundError("alias", wanted, aliases, where=f"on task {ref.task!r}", hint=hint)
         found = self.client.get_model_version_by_alias(model, wanted)
         return self._info(found, self._aliases_by_version(registered))
 
-    def download(self, task: str | DeltaRef, version: str | int | None = None,
-                 dest: str | Path | None = None) -> Path:
+    def download(
+        self, task: str | DeltaRef, version: str | int | None = None, dest: str | Path | None = None
+    ) -> Path:
         """Download a version's delta folder (into `dest`, else a new temporary folder the caller owns)
         and check it against its recorded sha256; DeltaIntegrityError (folder removed) when it differs."""
         ref = DeltaRef.parse(task) if version is None else DeltaRef(str(task), version=version)
         info = self.get_version(ref)
         return self._download(info, dest)
 
-    def pull(self, task: str | DeltaRef, *, method: str | None = None, version: str | int | None = None,
-             alias: str | None = None, backbone: Backbone | Callable[[str], Backbone] | None = None,
-             fold: bool = False) -> PulledModel:
+    def pull(
+        self,
+        task: str | DeltaRef,
+        *,
+        method: str | None = None,
+        version: str | int | None = None,
+        alias: str | None = None,
+        backbone: Backbone | Callable[[str], Backbone] | None = None,
+        fold: bool = False,
+    ) -> PulledModel:
         """The task's `best` delta (or a method's best, an alias, a version), checked against its sha256
         and loaded onto the backbone its manifest names: a model ready for `predict(texts)`.
 
@@ -594,10 +679,18 @@ class MlflowDeltaStore:
 
     # --- composition -----------------------------------------------------------------------------
 
-    def compose(self, op: str, sources: Sequence[str | DeltaRef] | Mapping[str, str | DeltaRef], *, into: str,
-                backbone: Backbone | Callable[[str], Backbone] | None = None, aliases: Sequence[str] = (),
-                description: str = "", on_written: Callable[[StoredDelta], None] | None = None,
-                **options: Any) -> Composed:
+    def compose(
+        self,
+        op: str,
+        sources: Sequence[str | DeltaRef] | Mapping[str, str | DeltaRef],
+        *,
+        into: str,
+        backbone: Backbone | Callable[[str], Backbone] | None = None,
+        aliases: Sequence[str] = (),
+        description: str = "",
+        on_written: Callable[[StoredDelta], None] | None = None,
+        **options: Any,
+    ) -> Composed:
         """Pull deltas, compose them with pelt_core.compose and register the result as a new version of
         task `into` (a run in its experiment + a model version tagged with the provenance).
 
@@ -616,12 +709,15 @@ class MlflowDeltaStore:
         first = next(iter(pulled.values()))
         hashes = {p.backbone.content_hash for p in pulled.values()}
         if len(hashes) > 1:
-            raise DeltaStoreError("these deltas belong to different backbones: " + ", ".join(
-                f"{name} ({p.manifest['backbone']['name']})" for name, p in pulled.items()))
+            raise DeltaStoreError(
+                "these deltas belong to different backbones: "
+                + ", ".join(f"{name} ({p.manifest['backbone']['name']})" for name, p in pulled.items())
+            )
         backbone_obj = first.backbone
         source_infos = [p.info for p in pulled.values()]
-        sources_tag = [{"name": n, "task": p.task, "version": p.version, "sha256": p.sha256}
-                       for n, p in pulled.items()]
+        sources_tag = [
+            {"name": n, "task": p.task, "version": p.version, "sha256": p.sha256} for n, p in pulled.items()
+        ]
         with tempfile.TemporaryDirectory(prefix="pelt-compose-") as scratch:
             out = Path(scratch) / "delta"
             if op == "multi_task":
@@ -629,22 +725,30 @@ class MlflowDeltaStore:
                     if p.info.kind == "multi_task":
                         raise DeltaStoreError(f"{name}: a multi-task bundle cannot go into another one")
                 pelt_compose.multi_task(backbone_obj, {n: p.delta for n, p in pulled.items()})  # checks them
-                provenance = {"op": "multi_task", "inputs": sources_tag,
-                              "backbone_hash": backbone_obj.content_hash}
+                provenance = {
+                    "op": "multi_task",
+                    "inputs": sources_tag,
+                    "backbone_hash": backbone_obj.content_hash,
+                }
                 _write_bundle(out, pulled, backbone_obj)
                 composed_delta, method, sha = None, "multi_task", _sha256_file(out / BUNDLE_FILE)
             else:
-                function = {"merge": pelt_compose.merge, "average": pelt_compose.average,
-                            "merge_lora_svd": pelt_compose.merge_lora_svd}[op]
+                function = {
+                    "merge": pelt_compose.merge,
+                    "average": pelt_compose.average,
+                    "merge_lora_svd": pelt_compose.merge_lora_svd,
+                }[op]
                 if op == "merge_lora_svd":
                     options.setdefault("weights", None)
                 try:  # a rank above what the deltas' matrices hold is refused before it is allocated
-                    composed_delta = function({n: p.delta for n, p in pulled.items()}, backbone=backbone_obj,
-                                              **options)
+                    composed_delta = function(
+                        {n: p.delta for n, p in pulled.items()}, backbone=backbone_obj, **options
+                    )
                 except pelt_compose.CompositionError as exc:
                     raise _option_error(exc) from None
-                saved = pelt_compose.save_composed(composed_delta, backbone_obj, out,
-                                                   extra={"sources": sources_tag})
+                saved = pelt_compose.save_composed(
+                    composed_delta, backbone_obj, out, extra={"sources": sources_tag}
+                )
                 provenance = dict(composed_delta.provenance)
                 method, sha = composed_delta.method.name, saved.sha256
             tags = {
@@ -658,14 +762,27 @@ class MlflowDeltaStore:
                 TAG_SOURCES: _clip(json.dumps(sources_tag, separators=(",", ":")), MAX_TAG_CHARS),
                 TAG_ARTIFACT_PATH: ARTIFACT_PATH,
             }
-            params = {"op": op, "sources": json.dumps([str(named[n]) for n in named]),
-                      **{k: json.dumps(v) for k, v in options.items()}}
-            text = description or f"{tags[TAG_OP]} of " + ", ".join(f"{s['task']}/{s['version']}" for s in sources_tag)
+            params = {
+                "op": op,
+                "sources": json.dumps([str(named[n]) for n in named]),
+                **{k: json.dumps(v) for k, v in options.items()},
+            }
+            text = description or f"{tags[TAG_OP]} of " + ", ".join(
+                f"{s['task']}/{s['version']}" for s in sources_tag
+            )
             new_model = not self._model_exists(into)
             stored = None
             try:  # all or nothing: a failure once the version exists takes it back (and a model made for it)
-                stored = self._register_folder(into, out, sha, tags, params, text, run_name=f"compose-{op}",
-                                               extra_artifacts={"provenance.json": provenance})
+                stored = self._register_folder(
+                    into,
+                    out,
+                    sha,
+                    tags,
+                    params,
+                    text,
+                    run_name=f"compose-{op}",
+                    extra_artifacts={"provenance.json": provenance},
+                )
                 for name in aliases:
                     self.client.set_registered_model_alias(self.model_name(into), name, stored.model_version)
                 if on_written is not None:
@@ -675,8 +792,15 @@ class MlflowDeltaStore:
                 raise
         return Composed(into, str(stored.model_version), stored, provenance, composed_delta, source_infos)
 
-    def register(self, task: str, delta_dir: str | Path, *, aliases: Sequence[str] = (), description: str = "",
-                 tags: Mapping[str, str] | None = None) -> StoredDelta:
+    def register(
+        self,
+        task: str,
+        delta_dir: str | Path,
+        *,
+        aliases: Sequence[str] = (),
+        description: str = "",
+        tags: Mapping[str, str] | None = None,
+    ) -> StoredDelta:
         """Register a delta folder made outside the service (e.g. `pelt train --out`) as a new version
         of `task` (kind imported; a run holds its artifact)."""
         _check_task(task)
@@ -684,12 +808,18 @@ class MlflowDeltaStore:
         manifest = _read_manifest(folder)
         sha = _sha256_file(folder / DELTA_FILE)
         all_tags = {
-            TAG_KIND: "imported", TAG_TASK: task, TAG_METHOD: str(manifest["method"].get("name")),
-            TAG_BACKBONE: str(manifest["backbone"]["name"]), TAG_BACKBONE_HASH: manifest["backbone"]["content_hash"],
-            TAG_SHA256: sha, TAG_ARTIFACT_PATH: ARTIFACT_PATH, **(tags or {}),
+            TAG_KIND: "imported",
+            TAG_TASK: task,
+            TAG_METHOD: str(manifest["method"].get("name")),
+            TAG_BACKBONE: str(manifest["backbone"]["name"]),
+            TAG_BACKBONE_HASH: manifest["backbone"]["content_hash"],
+            TAG_SHA256: sha,
+            TAG_ARTIFACT_PATH: ARTIFACT_PATH,
+            **(tags or {}),
         }
-        stored = self._register_folder(task, folder, sha, all_tags, {}, description or f"imported {folder.name}",
-                                       run_name="import")
+        stored = self._register_folder(
+            task, folder, sha, all_tags, {}, description or f"imported {folder.name}", run_name="import"
+        )
         for name in aliases:
             self.client.set_registered_model_alias(self.model_name(task), name, stored.model_version)
         return stored
@@ -712,8 +842,12 @@ class MlflowDeltaStore:
         result = registry.get_result(job_id)
         if result is None:
             return None
-        return StoredDelta(result.delta_uri or "", result.delta_sha256 or "", result.mlflow_run_id,
-                           result.mlflow_model_version)
+        return StoredDelta(
+            result.delta_uri or "",
+            result.delta_sha256 or "",
+            result.mlflow_run_id,
+            result.mlflow_model_version,
+        )
 
     def _registered_model(self, model: str) -> RegisteredModel:
         try:
@@ -721,7 +855,7 @@ class MlflowDeltaStore:
         except Exception as exc:
             if not _is_missing(exc):
                 raise
-            task = model[len(self.namespace) + 1:]
+            task = model[len(self.namespace) + 1 :]
             # no URI in the message: it reaches API users, and where the store lives is the server's business
             raise DeltaNotFoundError("task", task, self.list_tasks(), where="in the delta store") from None
 
@@ -778,7 +912,8 @@ class MlflowDeltaStore:
             location = None if self.artifact_root is None else f"{self.artifact_root}/{self.namespace}/{task}"
             try:
                 experiment_id = self.client.create_experiment(
-                    name, artifact_location=location, tags={TAG_TASK: task, "pelt.namespace": self.namespace})
+                    name, artifact_location=location, tags={TAG_TASK: task, "pelt.namespace": self.namespace}
+                )
             except Exception as exc:
                 if not _is_already(exc):
                     raise
@@ -805,14 +940,21 @@ class MlflowDeltaStore:
         return self._versions(model, f"tags.`{TAG_JOB_ID}` = '{int(job_id)}'")
 
     def _job_runs(self, experiment_id: str, job_id: int) -> list[Run]:
-        return list(self.client.search_runs([experiment_id], f"tags.`{TAG_JOB_ID}` = '{int(job_id)}'",
-                                            max_results=1000))
+        return list(
+            self.client.search_runs(
+                [experiment_id], f"tags.`{TAG_JOB_ID}` = '{int(job_id)}'", max_results=1000
+            )
+        )
 
     def _discard(self, versions: Iterable[ModelVersion], runs: Iterable[Run]) -> None:
         """Delete an earlier attempt's versions and runs (runs are soft-deleted, as MLflow does)."""
         for version in versions:
-            log.info("deleting %s version %s (an earlier attempt of job %s)", version.name, version.version,
-                     version.tags.get(TAG_JOB_ID))
+            log.info(
+                "deleting %s version %s (an earlier attempt of job %s)",
+                version.name,
+                version.version,
+                version.tags.get(TAG_JOB_ID),
+            )
             with _ignore_missing():
                 self.client.delete_model_version(version.name, version.version)
         for run in runs:
@@ -824,7 +966,9 @@ class MlflowDeltaStore:
         try:
             result = registry.get_result(job.job_id)
         except Exception:  # cannot tell: keep it (a later store of the job replaces it)
-            log.exception("cannot read the result of job %s; keeping version %s", job.job_id, stored.model_version)
+            log.exception(
+                "cannot read the result of job %s; keeping version %s", job.job_id, stored.model_version
+            )
             return
         if result is not None and result.mlflow_model_version == stored.model_version:
             return
@@ -837,11 +981,20 @@ class MlflowDeltaStore:
 
     def _create_version(self, model: str, run_id: str, tags: dict[str, str], description: str) -> str:
         version = self.client.create_model_version(
-            model, source=f"runs:/{run_id}/{ARTIFACT_PATH}", run_id=run_id, tags=tags, description=description)
+            model, source=f"runs:/{run_id}/{ARTIFACT_PATH}", run_id=run_id, tags=tags, description=description
+        )
         return str(version.version)
 
-    def _log_job_run(self, experiment_id: str, job: JobSpec, folder: Path, sha: str, manifest: dict[str, Any],
-                     result: Mapping[str, Any], history: list[dict[str, Any]]) -> str:
+    def _log_job_run(
+        self,
+        experiment_id: str,
+        job: JobSpec,
+        folder: Path,
+        sha: str,
+        manifest: dict[str, Any],
+        result: Mapping[str, Any],
+        history: list[dict[str, Any]],
+    ) -> str:
         from mlflow.entities import Metric, Param
 
         tags = {
@@ -862,8 +1015,14 @@ class MlflowDeltaStore:
         run = self.client.create_run(experiment_id, run_name=f"job-{job.job_id}-{job.method}", tags=tags)
         run_id = run.info.run_id
         try:
-            params = {"task": job.task.name, "method": job.method, "backbone": job.backbone,
-                      "backbone_dtype": job.backbone_dtype, **job.train_config, **_flatten(job.method_spec, "spec")}
+            params = {
+                "task": job.task.name,
+                "method": job.method,
+                "backbone": job.backbone,
+                "backbone_dtype": job.backbone_dtype,
+                **job.train_config,
+                **_flatten(job.method_spec, "spec"),
+            }
             now = int(time.time() * 1000)
             metrics = [Metric(key, value, now, step) for key, value, step in _history_metrics(history)]
             metrics += [Metric(key, value, now, 0) for key, value in _final_metrics(result)]
@@ -879,16 +1038,25 @@ class MlflowDeltaStore:
             raise
         return run_id
 
-    def _register_folder(self, task: str, folder: Path, sha: str, tags: dict[str, str], params: Mapping[str, Any],
-                         description: str, run_name: str,
-                         extra_artifacts: Mapping[str, Any] | None = None) -> StoredDelta:
+    def _register_folder(
+        self,
+        task: str,
+        folder: Path,
+        sha: str,
+        tags: dict[str, str],
+        params: Mapping[str, Any],
+        description: str,
+        run_name: str,
+        extra_artifacts: Mapping[str, Any] | None = None,
+    ) -> StoredDelta:
         """A run holding `folder` as its delta artifact, then a model version of it (composed, imported)."""
         from mlflow.entities import Param
 
         model = self._ensure_model(task)
         experiment_id = self._ensure_experiment(task)
-        run = self.client.create_run(experiment_id, run_name=run_name,
-                                     tags={k: v for k, v in tags.items() if k != TAG_SHA256})
+        run = self.client.create_run(
+            experiment_id, run_name=run_name, tags={k: v for k, v in tags.items() if k != TAG_SHA256}
+        )
         run_id = run.info.run_id
         try:
             self._log_batch(run_id, [Param(k, _param_value(v)) for k, v in params.items()], [])
@@ -906,9 +1074,9 @@ class MlflowDeltaStore:
 
     def _log_batch(self, run_id: str, params: list, metrics: list) -> None:
         for start in range(0, len(params), 100):  # mlflow's per-request limits
-            self.client.log_batch(run_id, params=params[start:start + 100])
+            self.client.log_batch(run_id, params=params[start : start + 100])
         for start in range(0, len(metrics), 1000):
-            self.client.log_batch(run_id, metrics=metrics[start:start + 1000])
+            self.client.log_batch(run_id, metrics=metrics[start : start + 1000])
 
     # --- internals: reading ----------------------------------------------------------------------
 
@@ -923,7 +1091,7 @@ class MlflowDeltaStore:
         for alias, version in aliases.items():
             if alias.startswith(METHOD_ALIAS_PREFIX):
                 found = self.client.get_model_version(model, str(version))
-                methods.append(found.tags.get(TAG_METHOD) or alias[len(METHOD_ALIAS_PREFIX):])
+                methods.append(found.tags.get(TAG_METHOD) or alias[len(METHOD_ALIAS_PREFIX) :])
         return methods
 
     def _info(self, version: ModelVersion, aliases: Mapping[str, list[str]]) -> VersionInfo:
@@ -931,7 +1099,7 @@ class MlflowDeltaStore:
         job_id = tags.get(TAG_JOB_ID)
         value = tags.get(TAG_METRIC_VALUE)
         return VersionInfo(
-            task=version.name[len(self.namespace) + 1:],
+            task=version.name[len(self.namespace) + 1 :],
             model_name=version.name,
             version=str(version.version),
             kind=tags.get(TAG_KIND, "unknown"),
@@ -949,7 +1117,9 @@ class MlflowDeltaStore:
 
     def _download(self, info: VersionInfo, dest: str | Path | None) -> Path:
         if not info.sha256:
-            raise DeltaIntegrityError(f"{info.uri} has no recorded sha256 (tag {TAG_SHA256}); refusing to load it")
+            raise DeltaIntegrityError(
+                f"{info.uri} has no recorded sha256 (tag {TAG_SHA256}); refusing to load it"
+            )
         self._cross_check(info)
         run_id, path = _run_artifact(info)
         owned = dest is None
@@ -978,12 +1148,19 @@ class MlflowDeltaStore:
             result = self.registry.get_result(info.job_id)
         except Exception:  # a job unknown to this registry (another installation): nothing to compare
             return
-        if result is not None and result.mlflow_model_version == info.version and \
-                result.delta_sha256 not in (None, info.sha256):
-            raise DeltaIntegrityError(f"{info.uri}: its sha256 tag {info.sha256} differs from the registry's "
-                                      f"{result.delta_sha256} (job {info.job_id}); refusing to load it")
+        if (
+            result is not None
+            and result.mlflow_model_version == info.version
+            and result.delta_sha256 not in (None, info.sha256)
+        ):
+            raise DeltaIntegrityError(
+                f"{info.uri}: its sha256 tag {info.sha256} differs from the registry's "
+                f"{result.delta_sha256} (job {info.job_id}); refusing to load it"
+            )
 
-    def _backbone(self, manifest: dict[str, Any], backbone: Backbone | Callable[[str], Backbone] | None) -> Backbone:
+    def _backbone(
+        self, manifest: dict[str, Any], backbone: Backbone | Callable[[str], Backbone] | None
+    ) -> Backbone:
         wanted = manifest["backbone"]
         if backbone is not None and hasattr(backbone, "content_hash"):  # a loaded Backbone
             self._backbones.setdefault(backbone.content_hash, backbone)
@@ -1003,8 +1180,9 @@ class MlflowDeltaStore:
     def _load(self, info: VersionInfo, folder: Path, backbone: Any, fold: bool) -> PulledModel:
         return load_pulled(info, folder, lambda manifest: self._backbone(manifest, backbone), fold=fold)
 
-    def _named_sources(self, sources: Sequence[str | DeltaRef] | Mapping[str, str | DeltaRef],
-                       bundle: bool) -> dict[str, DeltaRef]:
+    def _named_sources(
+        self, sources: Sequence[str | DeltaRef] | Mapping[str, str | DeltaRef], bundle: bool
+    ) -> dict[str, DeltaRef]:
         if isinstance(sources, str | DeltaRef) or not isinstance(sources, Sequence | Mapping):
             raise DeltaStoreError("sources: give a list of delta references or a {name: reference} mapping")
         if isinstance(sources, Mapping):
@@ -1036,9 +1214,9 @@ _REGISTRIES: dict[str, Registry] = {}
 _REGISTRIES_LOCK = threading.Lock()
 
 
-
-def load_pulled(info: VersionInfo, folder: Path, backbone_for: Callable[[dict[str, Any]], Backbone],
-                fold: bool = False) -> PulledModel:
+def load_pulled(
+    info: VersionInfo, folder: Path, backbone_for: Callable[[dict[str, Any]], Backbone], fold: bool = False
+) -> PulledModel:
     """Load a downloaded version folder (a delta, or a multi-task bundle) onto the backbone that
     `backbone_for(manifest)` returns, checking the recorded sha256: a PulledModel ready to predict.
     (The store's `pull` and the HTTP client's `pull` both end here.)"""
@@ -1050,8 +1228,10 @@ def load_pulled(info: VersionInfo, folder: Path, backbone_for: Callable[[dict[st
         bundle = json.loads((folder / BUNDLE_FILE).read_text())
         manifest = {"format": BUNDLE_FORMAT, **bundle}
         chosen = backbone_for({"backbone": bundle["backbone"]})
-        deltas = {name: _to_device(load_delta(folder / entry["path"], chosen, entry["sha256"]), chosen)
-                  for name, entry in bundle["tasks"].items()}
+        deltas = {
+            name: _to_device(load_delta(folder / entry["path"], chosen, entry["sha256"]), chosen)
+            for name, entry in bundle["tasks"].items()
+        }
         if fold:
             raise DeltaStoreError(f"{info.uri} is a multi-task bundle; fold its tasks one by one")
         return PulledModel(info, info.sha256 or "", manifest, chosen, deltas, multi_task(chosen, deltas))
@@ -1060,6 +1240,7 @@ def load_pulled(info: VersionInfo, folder: Path, backbone_for: Callable[[dict[st
     delta = _to_device(load_delta(folder, chosen, expected_sha256=info.sha256), chosen)
     model = fold_lora(chosen, delta) if fold else PeltModel(chosen, {"delta": delta}).eval()
     return PulledModel(info, info.sha256 or "", manifest, chosen, {"delta": delta}, model)
+
 
 def _shared_registry(url: str) -> Registry:
     """One Registry per database URL and process, for stores unpickled on workers (one per job)."""
@@ -1071,12 +1252,16 @@ def _shared_registry(url: str) -> Registry:
         return _REGISTRIES[url]
 
 
-def _ref(ref: str | DeltaRef, *, method: str | None, version: str | int | None, alias: str | None) -> DeltaRef:
+def _ref(
+    ref: str | DeltaRef, *, method: str | None, version: str | int | None, alias: str | None
+) -> DeltaRef:
     parsed = DeltaRef.parse(ref)
     if method is None and version is None and alias is None:
         return parsed
     if (parsed.version, parsed.method, parsed.alias) != (None, None, None):
-        raise DeltaStoreError(f"{ref!r} already names a version or alias; do not also pass method/version/alias")
+        raise DeltaStoreError(
+            f"{ref!r} already names a version or alias; do not also pass method/version/alias"
+        )
     return DeltaRef(parsed.task, version=version, method=method, alias=alias)
 
 
@@ -1084,15 +1269,22 @@ def _check_alias(name: object, field: str) -> None:
     """An alias a caller may set: letters, digits, '_' and '-' (at most 100), not one MLflow reserves
     ("latest", v<digits>) and not one the registry's results set (best, best-<method>)."""
     if not isinstance(name, str) or not ALIAS_PATTERN.match(name):
-        raise DeltaStoreError(f"{field}: {name!r} is not an alias: letters, digits, '_' and '-' (at most 100), "
-                              "and not 'latest' or v<digits> (MLflow's version references)", field=field)
+        raise DeltaStoreError(
+            f"{field}: {name!r} is not an alias: letters, digits, '_' and '-' (at most 100), "
+            "and not 'latest' or v<digits> (MLflow's version references)",
+            field=field,
+        )
     if name == BEST or name.startswith(METHOD_ALIAS_PREFIX):
-        raise DeltaStoreError(f"{field}: alias {name!r} is set by sync_aliases from the registry's results; "
-                              "give the composed version another alias", field=field)
+        raise DeltaStoreError(
+            f"{field}: alias {name!r} is set by sync_aliases from the registry's results; "
+            "give the composed version another alias",
+            field=field,
+        )
 
 
-def check_compose_request(op: str, sources: Any, into: str, aliases: Sequence[str],
-                          options: Mapping[str, Any]) -> None:
+def check_compose_request(
+    op: str, sources: Any, into: str, aliases: Sequence[str], options: Mapping[str, Any]
+) -> None:
     """A composition request before anything is pulled or written: the op, the task `into`, the aliases,
     the number of sources and the options (pelt_core.compose's `check_options`: names, types, ranges).
     A caller that passes a request's options on as keywords checks them here first, so no option can
@@ -1111,8 +1303,9 @@ def check_compose_request(op: str, sources: Any, into: str, aliases: Sequence[st
         _check_alias(name, f"aliases[{index}]")
     count = len(sources) if isinstance(sources, Sequence | Mapping) and not isinstance(sources, str) else 1
     if count > MAX_COMPOSE_SOURCES:
-        raise DeltaStoreError(f"sources: at most {MAX_COMPOSE_SOURCES} deltas per composition, got {count}",
-                              field="sources")
+        raise DeltaStoreError(
+            f"sources: at most {MAX_COMPOSE_SOURCES} deltas per composition, got {count}", field="sources"
+        )
     try:
         pelt_compose.check_options(op, options, count)
     except pelt_compose.CompositionError as exc:
@@ -1168,7 +1361,7 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
 def _run_artifact(info: VersionInfo) -> tuple[str, str]:
     """(run id, artifact path) of a version: from its `runs:/<run>/<path>` source, else run id + tag."""
     if info.source.startswith("runs:/"):
-        run_id, _, path = info.source[len("runs:/"):].partition("/")
+        run_id, _, path = info.source[len("runs:/") :].partition("/")
         return run_id, path or info.tags.get(TAG_ARTIFACT_PATH, ARTIFACT_PATH)
     if info.run_id:
         return info.run_id, info.tags.get(TAG_ARTIFACT_PATH, ARTIFACT_PATH)
@@ -1180,20 +1373,26 @@ def _verify(info: VersionInfo, folder: Path) -> None:
     if info.kind == "multi_task":
         actual = _sha256_file(folder / BUNDLE_FILE) if (folder / BUNDLE_FILE).is_file() else None
         if actual != info.sha256:
-            raise DeltaIntegrityError(f"{info.uri}: {BUNDLE_FILE} has sha256 {actual}, not the recorded "
-                                      f"{info.sha256}; refusing to load it")
+            raise DeltaIntegrityError(
+                f"{info.uri}: {BUNDLE_FILE} has sha256 {actual}, not the recorded "
+                f"{info.sha256}; refusing to load it"
+            )
         for name, entry in json.loads((folder / BUNDLE_FILE).read_text())["tasks"].items():
             part = folder / entry["path"] / DELTA_FILE
             actual = _sha256_file(part) if part.is_file() else None
             if actual != entry["sha256"]:
-                raise DeltaIntegrityError(f"{info.uri}: task {name!r} has sha256 {actual}, not the recorded "
-                                          f"{entry['sha256']}; refusing to load it")
+                raise DeltaIntegrityError(
+                    f"{info.uri}: task {name!r} has sha256 {actual}, not the recorded "
+                    f"{entry['sha256']}; refusing to load it"
+                )
         return
     path = folder / DELTA_FILE
     actual = _sha256_file(path) if path.is_file() else None
     if actual != info.sha256:
-        raise DeltaIntegrityError(f"{info.uri}: {DELTA_FILE} has sha256 {actual}, not the recorded {info.sha256}; "
-                                  "refusing to load it")
+        raise DeltaIntegrityError(
+            f"{info.uri}: {DELTA_FILE} has sha256 {actual}, not the recorded {info.sha256}; "
+            "refusing to load it"
+        )
 
 
 def _write_bundle(out: Path, pulled: Mapping[str, PulledModel], backbone: Backbone) -> None:
@@ -1204,10 +1403,19 @@ def _write_bundle(out: Path, pulled: Mapping[str, PulledModel], backbone: Backbo
     for name, p in pulled.items():
         folder = out / "tasks" / name
         saved = save_delta(_copy_delta(p.delta), backbone, folder, extra=p.manifest.get("extra"))
-        entries[name] = {"path": f"tasks/{name}", "sha256": saved.sha256, "task": p.task, "version": p.version,
-                         "source_sha256": p.sha256}
-    bundle = {"format": BUNDLE_FORMAT, "format_version": 1,
-              "backbone": {"name": backbone.name, "content_hash": backbone.content_hash}, "tasks": entries}
+        entries[name] = {
+            "path": f"tasks/{name}",
+            "sha256": saved.sha256,
+            "task": p.task,
+            "version": p.version,
+            "source_sha256": p.sha256,
+        }
+    bundle = {
+        "format": BUNDLE_FORMAT,
+        "format_version": 1,
+        "backbone": {"name": backbone.name, "content_hash": backbone.content_hash},
+        "tasks": entries,
+    }
     (out / BUNDLE_FILE).write_text(json.dumps(bundle, indent=2, sort_keys=True))
 
 

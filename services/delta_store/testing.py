@@ -39,8 +39,14 @@ class MlflowServer:
     would in a deployment. One uvicorn worker, no job runner.
     """
 
-    def __init__(self, backend_store_uri: str, artifacts_destination: str | Path, log_path: str | Path,
-                 host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(
+        self,
+        backend_store_uri: str,
+        artifacts_destination: str | Path,
+        log_path: str | Path,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+    ) -> None:
         self.backend_store_uri = backend_store_uri
         self.artifacts_destination = Path(artifacts_destination)
         self.log_path = Path(log_path)
@@ -56,15 +62,27 @@ class MlflowServer:
         """Start the server and wait for its /health; returns its URL."""
         self.artifacts_destination.mkdir(parents=True, exist_ok=True)
         command = [
-            sys.executable, "-m", "mlflow", "server",
-            "--backend-store-uri", self.backend_store_uri,
-            "--serve-artifacts", "--artifacts-destination", str(self.artifacts_destination),
-            "--host", self.host, "--port", str(self.port), "--workers", "1",
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            self.backend_store_uri,
+            "--serve-artifacts",
+            "--artifacts-destination",
+            str(self.artifacts_destination),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
         ]
         env = {**os.environ, **SERVER_ENVIRONMENT}
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

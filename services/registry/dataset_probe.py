@@ -44,7 +44,9 @@ MAX_DISTINCT_LABELS = 10_000
 STREAM_BLOCK_BYTES = 1 << 20  # a CSV block, a chunk of JSON Lines, a step of the UTF-8 check
 MAX_ROW_BYTES = 16 << 20  # the longest JSON Lines row
 BATCH_BYTES = 16 << 20  # Parquet: rows per batch are chosen so that a batch decodes to about this much
-MAX_BATCH_ROWS = 8_192  # ... as declared by the file's metadata, which its writer chose: a cap whatever it says
+MAX_BATCH_ROWS = (
+    8_192  # ... as declared by the file's metadata, which its writer chose: a cap whatever it says
+)
 Report = Callable[[dict[str, Any]], None]  # a progress note ({"split": name}) to the parent of a child probe
 
 
@@ -85,7 +87,9 @@ class DatasetProbe:
     label: LabelSummary | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     split_columns: dict[str, list[str]] = field(default_factory=dict)  # every split's columns
-    split_labels: dict[str, LabelSummary] = field(default_factory=dict)  # every split's label column (train too)
+    split_labels: dict[str, LabelSummary] = field(
+        default_factory=dict
+    )  # every split's label column (train too)
 
     @property
     def train_rows(self) -> int:
@@ -124,7 +128,9 @@ def resolve_source(source: str | Path | Mapping[str, str | Path]) -> DatasetSour
 
 
 def probe_dataset(
-    source: DatasetSource, label_field: str | None = None, limits: DatasetLimits | None = None,
+    source: DatasetSource,
+    label_field: str | None = None,
+    limits: DatasetLimits | None = None,
     report: Report | None = None,
 ) -> DatasetProbe:
     """Read the columns and split sizes, and summarize the label column of every split, streaming within
@@ -143,12 +149,23 @@ def probe_dataset(
         sizes[split], columns[split] = read.rows, read.columns
         if read.label is not None:
             labels[split] = read.label
-    return DatasetProbe(columns=columns.get("train", []), split_sizes=sizes, label=labels.get("train"),
-                        split_columns=columns, split_labels=labels)
+    return DatasetProbe(
+        columns=columns.get("train", []),
+        split_sizes=sizes,
+        label=labels.get("train"),
+        split_columns=columns,
+        split_labels=labels,
+    )
 
 
-def probe_dataset_in_child(source: DatasetSource, label_field: str | None, limits: DatasetLimits, *,
-                           memory_bytes: int, timeout_seconds: float) -> DatasetProbe:
+def probe_dataset_in_child(
+    source: DatasetSource,
+    label_field: str | None,
+    limits: DatasetLimits,
+    *,
+    memory_bytes: int,
+    timeout_seconds: float,
+) -> DatasetProbe:
     """`probe_dataset` in a child process (`services.sandbox`) under `memory_bytes` of address space
     (PELT_DATASET_PROBE_MEMORY_BYTES) and `timeout_seconds` (PELT_DATASET_PROBE_TIMEOUT_SECONDS). Its
     refusals come back as they are; a child that runs out of either, or crashes, is a 422 naming the
@@ -156,7 +173,9 @@ def probe_dataset_in_child(source: DatasetSource, label_field: str | None, limit
     from services.sandbox import run_in_child
 
     request = {"source": asdict(source), "label_field": label_field, "limits": asdict(limits)}
-    outcome = run_in_child("dataset_probe", request, memory_bytes=memory_bytes, timeout_seconds=timeout_seconds)
+    outcome = run_in_child(
+        "dataset_probe", request, memory_bytes=memory_bytes, timeout_seconds=timeout_seconds
+    )
     answer = outcome.answer or {}
     if "probe" in answer:
         return _probe_from_json(answer["probe"])
@@ -168,13 +187,21 @@ def probe_dataset_in_child(source: DatasetSource, label_field: str | None, limit
     field_name = f"source.{split}" if split is not None and source.kind == "files" else "source"
     what = f"the {split} split" if split is not None else "the data"
     if outcome.timed_out:
-        raise RegistryValidationError(field_name, f"{what} could not be read within PELT_DATASET_PROBE_TIMEOUT_SECONDS "
-                                      f"({timeout_seconds:g} s)")
+        raise RegistryValidationError(
+            field_name,
+            f"{what} could not be read within PELT_DATASET_PROBE_TIMEOUT_SECONDS ({timeout_seconds:g} s)",
+        )
     if answer.get("memory") or outcome.out_of_memory or outcome.answer is None:
-        how = "it ran out of" if answer.get("memory") or outcome.out_of_memory else \
-            f"the reader ended ({outcome.how_it_ended()}); it may have run past"
-        raise RegistryValidationError(field_name, f"{what} could not be read: {how} its memory limit, "
-                                      f"PELT_DATASET_PROBE_MEMORY_BYTES ({memory_bytes:,} bytes)")
+        how = (
+            "it ran out of"
+            if answer.get("memory") or outcome.out_of_memory
+            else f"the reader ended ({outcome.how_it_ended()}); it may have run past"
+        )
+        raise RegistryValidationError(
+            field_name,
+            f"{what} could not be read: {how} its memory limit, "
+            f"PELT_DATASET_PROBE_MEMORY_BYTES ({memory_bytes:,} bytes)",
+        )
     error_type = str(answer.get("error_type") or "error")[:100]  # its text may name files of this machine
     raise RegistryValidationError(field_name, f"{what} could not be read: the reader failed ({error_type})")
 
@@ -189,7 +216,9 @@ def probe_in_child(request: dict[str, Any], report: Report) -> dict[str, Any]:
         probe = probe_dataset(source, request["label_field"], DatasetLimits(**request["limits"]), report)
     except RegistryValidationError as exc:
         kind = "too_large" if isinstance(exc, TooLargeError) else "validation"
-        return {"refused": {"kind": kind, "field": exc.field, "message": str(exc).removeprefix(f"{exc.field}: ")}}
+        return {
+            "refused": {"kind": kind, "field": exc.field, "message": str(exc).removeprefix(f"{exc.field}: ")}
+        }
     return {"probe": asdict(probe)}
 
 
@@ -197,10 +226,14 @@ def _probe_from_json(data: dict[str, Any]) -> DatasetProbe:
     def label(summary: dict[str, Any] | None) -> LabelSummary | None:
         return None if summary is None else LabelSummary(**summary)
 
-    return DatasetProbe(columns=list(data["columns"]), split_sizes=dict(data["split_sizes"]),
-                        label=label(data["label"]), extra=dict(data["extra"]),
-                        split_columns=dict(data["split_columns"]),
-                        split_labels={split: label(summary) for split, summary in data["split_labels"].items()})
+    return DatasetProbe(
+        columns=list(data["columns"]),
+        split_sizes=dict(data["split_sizes"]),
+        label=label(data["label"]),
+        extra=dict(data["extra"]),
+        split_columns=dict(data["split_columns"]),
+        split_labels={split: label(summary) for split, summary in data["split_labels"].items()},
+    )
 
 
 # --- files ---------------------------------------------------------------------------------------
@@ -245,7 +278,9 @@ class _Budget:
     def spend(self, count: int, where: str) -> None:
         self.left -= max(count, 0)
         if self.left < 0:
-            raise _too_large(where, f"the data decode to more than {self.limit} bytes (PELT_MAX_DATASET_BYTES)")
+            raise _too_large(
+                where, f"the data decode to more than {self.limit} bytes (PELT_MAX_DATASET_BYTES)"
+            )
 
 
 class _NotUtf8(ValueError):
@@ -259,7 +294,9 @@ def _too_large(where: str, message: str) -> Exception:
     return TooLargeError(where, message)
 
 
-def _probe_file(path: Path, split: str, label_field: str | None, limits: DatasetLimits, budget: _Budget) -> _SplitRead:
+def _probe_file(
+    path: Path, split: str, label_field: str | None, limits: DatasetLimits, budget: _Budget
+) -> _SplitRead:
     where = f"source.{split}"
     kind = FILE_FORMATS[path.suffix.lower()]
     try:
@@ -267,7 +304,9 @@ def _probe_file(path: Path, split: str, label_field: str | None, limits: Dataset
             stream = _parquet_stream(path, split, label_field, limits, budget)
         else:
             _check_utf8(path)
-            stream = _csv_stream(path, split, kind, label_field) if kind in ("csv", "tsv") else _jsonl_stream(path)
+            stream = (
+                _csv_stream(path, split, kind, label_field) if kind in ("csv", "tsv") else _jsonl_stream(path)
+            )
         return _read_stream(stream, split, label_field, limits, budget)
     except RegistryValidationError:
         raise
@@ -276,7 +315,9 @@ def _probe_file(path: Path, split: str, label_field: str | None, limits: Dataset
     except Exception as exc:
         import pyarrow as pa
 
-        if not isinstance(exc, OSError | ValueError | pa.ArrowException):  # a bug, or memory: not the data's fault
+        if not isinstance(
+            exc, OSError | ValueError | pa.ArrowException
+        ):  # a bug, or memory: not the data's fault
             raise
         reason = str(exc).replace(str(path), path.name) if not isinstance(exc, OSError) else exc.strerror
         raise RegistryValidationError(
@@ -284,8 +325,9 @@ def _probe_file(path: Path, split: str, label_field: str | None, limits: Dataset
         ) from None
 
 
-def _read_stream(stream: _Stream, split: str, label_field: str | None, limits: DatasetLimits,
-                 budget: _Budget) -> _SplitRead:
+def _read_stream(
+    stream: _Stream, split: str, label_field: str | None, limits: DatasetLimits, budget: _Budget
+) -> _SplitRead:
     where = f"source.{split}"
     columns = list(stream.columns or [])
     label = _LabelColumn(label_field, split, stream.class_names)
@@ -296,7 +338,9 @@ def _read_stream(stream: _Stream, split: str, label_field: str | None, limits: D
         columns.extend(name for name in names if name not in columns)
         rows += batch.num_rows
         if rows > limits.max_rows:
-            raise _too_large(where, f"the {split} split holds more than {limits.max_rows} rows (PELT_MAX_DATASET_ROWS)")
+            raise _too_large(
+                where, f"the {split} split holds more than {limits.max_rows} rows (PELT_MAX_DATASET_ROWS)"
+            )
         budget.spend(batch.nbytes, where)
         if label_field is not None:
             position = batch.schema.get_field_index(label_field)
@@ -308,7 +352,8 @@ def _refuse_duplicate_columns(names: list[str], split: str) -> None:
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise RegistryValidationError(
-            f"source.{split}", f"the {split} split has the column {twice[0]!r} twice; give every column its own name"
+            f"source.{split}",
+            f"the {split} split has the column {twice[0]!r} twice; give every column its own name",
         )
 
 
@@ -341,7 +386,9 @@ def _csv_stream(path: Path, split: str, kind: str, label_field: str | None) -> _
     with pyarrow.csv.open_csv(path, read_options=read, parse_options=parse) as head:
         names = list(head.schema.names)
     _refuse_duplicate_columns(names, split)
-    text = pyarrow.csv.ConvertOptions(column_types={name: pa.string() for name in names if name != label_field})
+    text = pyarrow.csv.ConvertOptions(
+        column_types={name: pa.string() for name in names if name != label_field}
+    )
     reader = pyarrow.csv.open_csv(path, read_options=read, parse_options=parse, convert_options=text)
     return _Stream(iter(reader), names)
 
@@ -356,7 +403,9 @@ def _jsonl_stream(path: Path) -> _Stream:
         for chunk in _line_chunks(path):
             deep = too_deep_line(chunk, MAX_JSON_ROW_DEPTH)
             if deep is not None:
-                raise ValueError(f"line {lines + deep + 1} is JSON nested more than {MAX_JSON_ROW_DEPTH} levels deep")
+                raise ValueError(
+                    f"line {lines + deep + 1} is JSON nested more than {MAX_JSON_ROW_DEPTH} levels deep"
+                )
             lines += chunk.count(b"\n")
             options = pyarrow.json.ReadOptions(use_threads=False, block_size=len(chunk) + 1)
             yield from pyarrow.json.read_json(pa.BufferReader(chunk), read_options=options).to_batches()
@@ -382,8 +431,9 @@ def _line_chunks(path: Path) -> Iterator[bytes]:
             yield pending
 
 
-def _parquet_stream(path: Path, split: str, label_field: str | None, limits: DatasetLimits,
-                    budget: _Budget) -> _Stream:
+def _parquet_stream(
+    path: Path, split: str, label_field: str | None, limits: DatasetLimits, budget: _Budget
+) -> _Stream:
     """The metadata first (rows, each row group's declared size), then batch by batch, row group by row
     group, sized so that a batch decodes to about BATCH_BYTES."""
     import pyarrow as pa
@@ -393,18 +443,28 @@ def _parquet_stream(path: Path, split: str, label_field: str | None, limits: Dat
     parquet = pyarrow.parquet.ParquetFile(path)
     metadata = parquet.metadata
     if metadata.num_rows > limits.max_rows:
-        raise _too_large(where, f"the {split} split holds {metadata.num_rows} rows, more than {limits.max_rows} "
-                                "(PELT_MAX_DATASET_ROWS)")
+        raise _too_large(
+            where,
+            f"the {split} split holds {metadata.num_rows} rows, more than {limits.max_rows} "
+            "(PELT_MAX_DATASET_ROWS)",
+        )
     groups = [metadata.row_group(index) for index in range(metadata.num_row_groups)]
     declared = sum(max(group.total_byte_size, 0) for group in groups)
     if declared > budget.left:
-        raise _too_large(where, f"the {split} split decodes to {declared} bytes, more than the "
-                                f"{budget.limit} bytes allowed for the task's data (PELT_MAX_DATASET_BYTES)")
+        raise _too_large(
+            where,
+            f"the {split} split decodes to {declared} bytes, more than the "
+            f"{budget.limit} bytes allowed for the task's data (PELT_MAX_DATASET_BYTES)",
+        )
     names = list(parquet.schema_arrow.names)
     _refuse_duplicate_columns(names, split)
-    widest = max((group.total_byte_size / group.num_rows for group in groups if group.num_rows > 0), default=1.0)
+    widest = max(
+        (group.total_byte_size / group.num_rows for group in groups if group.num_rows > 0), default=1.0
+    )
     batch_rows = int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // max(widest, 1.0))))
-    class_names = _class_names_from_hf_metadata(parquet.schema_arrow.metadata, label_field) if label_field else None
+    class_names = (
+        _class_names_from_hf_metadata(parquet.schema_arrow.metadata, label_field) if label_field else None
+    )
     if label_field in names:  # a string label is read dictionary-encoded: _LabelColumn never decodes it
         kind_of = parquet.schema_arrow.field(label_field).type
         if pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of) or pa.types.is_binary(kind_of):
@@ -432,8 +492,9 @@ def _is_saved_dataset(path: Path) -> bool:
     return is_saved_dataset(path)
 
 
-def _probe_saved_dataset(path: Path, label_field: str | None, limits: DatasetLimits, budget: _Budget,
-                         report: Report) -> DatasetProbe:
+def _probe_saved_dataset(
+    path: Path, label_field: str | None, limits: DatasetLimits, budget: _Budget, report: Report
+) -> DatasetProbe:
     """Check the folder (pelt_core.saved_dataset: its own files only, rows from metadata), then build
     each split's table from those files as the trainer does and validate it fully (offsets, UTF-8)
     before its label column is summarized."""
@@ -453,8 +514,12 @@ def _probe_saved_dataset(path: Path, label_field: str | None, limits: DatasetLim
     except SavedDatasetError as exc:
         raise RegistryValidationError("source", str(exc)) from None
     if "train" not in layout.splits:
-        raise RegistryValidationError("source", f"the dataset has splits {', '.join(layout.splits)} but no 'train' split")
-    budget.spend(sum(file.stat().st_size for split in layout.splits.values() for file in split.files), "source")
+        raise RegistryValidationError(
+            "source", f"the dataset has splits {', '.join(layout.splits)} but no 'train' split"
+        )
+    budget.spend(
+        sum(file.stat().st_size for split in layout.splits.values() for file in split.files), "source"
+    )
     sizes: dict[str, int] = {}
     columns: dict[str, list[str]] = {}
     labels: dict[str, LabelSummary] = {}
@@ -468,15 +533,22 @@ def _probe_saved_dataset(path: Path, label_field: str | None, limits: DatasetLim
         try:
             table.validate(full=True)
         except (pa.ArrowException, ValueError) as exc:
-            raise RegistryValidationError("source", f"split {split!r} holds invalid Arrow data: {exc}") from None
+            raise RegistryValidationError(
+                "source", f"split {split!r} holds invalid Arrow data: {exc}"
+            ) from None
         sizes[split], columns[split] = table.num_rows, list(table.column_names)
         if label_field in columns[split]:
             summary = _LabelColumn(label_field, split, _class_label_names(saved.features.get(label_field)))
             for chunk in table.column(label_field).chunks:
                 summary.add(chunk, len(chunk))
             labels[split] = summary.summary()
-    return DatasetProbe(columns=columns["train"], split_sizes=sizes, label=labels.get("train"),
-                        split_columns=columns, split_labels=labels)
+    return DatasetProbe(
+        columns=columns["train"],
+        split_sizes=sizes,
+        label=labels.get("train"),
+        split_columns=columns,
+        split_labels=labels,
+    )
 
 
 def _class_label_names(feature: Any) -> list[str] | None:
@@ -487,8 +559,11 @@ def _class_label_names(feature: Any) -> list[str] | None:
     elif isinstance(feature, list) and feature:
         candidates.append(feature[0])
     for candidate in candidates:
-        if isinstance(candidate, dict) and candidate.get("_type") == "ClassLabel" \
-                and isinstance(candidate.get("names"), list):
+        if (
+            isinstance(candidate, dict)
+            and candidate.get("_type") == "ClassLabel"
+            and isinstance(candidate.get("names"), list)
+        ):
             return [str(name) for name in candidate["names"]] or None
     return None
 
@@ -526,12 +601,16 @@ class _LabelColumn:
             return
         self.kinds.add(kind)
         if kind in ("string", "list") and self._scalar_kind(values.type) == "string":
-            text = values.cast(pa.large_string()) if pa.types.is_string_view(values.type) else values  # no kernel
+            text = (
+                values.cast(pa.large_string()) if pa.types.is_string_view(values.type) else values
+            )  # no kernel
             longest = pc.max(pc.utf8_length(text)).as_py() if len(values) else None
             if longest is not None and longest > MAX_LABEL_CHARS:
                 raise RegistryValidationError(
-                    "label_field", f"{self.field!r} holds a label of {longest} characters in the {self.split} "
-                    f"split; a class label is at most {MAX_LABEL_CHARS} characters")
+                    "label_field",
+                    f"{self.field!r} holds a label of {longest} characters in the {self.split} "
+                    f"split; a class label is at most {MAX_LABEL_CHARS} characters",
+                )
         if pa.types.is_floating(values.type) and pc.any(pc.invert(pc.is_finite(values.drop_null()))).as_py():
             self.non_finite = True
         if self.too_many:
@@ -545,12 +624,18 @@ class _LabelColumn:
         import pyarrow.compute as pc
 
         values, kind_of = column, column.type
-        if pa.types.is_list(kind_of) or pa.types.is_large_list(kind_of) or pa.types.is_fixed_size_list(kind_of):
+        if (
+            pa.types.is_list(kind_of)
+            or pa.types.is_large_list(kind_of)
+            or pa.types.is_fixed_size_list(kind_of)
+        ):
             values = pc.list_flatten(column)
             if pa.types.is_dictionary(values.type):
                 values, _ = _dictionary_values(values)
             element = self._scalar_kind(values.type)
-            return ("list" if element is not None or pa.types.is_null(values.type) else self._refuse(values.type)), values
+            return (
+                "list" if element is not None or pa.types.is_null(values.type) else self._refuse(values.type)
+            ), values
         if pa.types.is_null(kind_of):
             return None, values
         return (self._scalar_kind(kind_of) or self._refuse(kind_of)), values
@@ -559,7 +644,11 @@ class _LabelColumn:
     def _scalar_kind(kind_of: Any) -> str | None:
         import pyarrow as pa
 
-        if pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of) or pa.types.is_string_view(kind_of):
+        if (
+            pa.types.is_string(kind_of)
+            or pa.types.is_large_string(kind_of)
+            or pa.types.is_string_view(kind_of)
+        ):
             return "string"
         if pa.types.is_boolean(kind_of):
             return "bool"
@@ -582,12 +671,17 @@ class _LabelColumn:
             kinds = {"float"}
         if len(kinds) > 1:
             raise RegistryValidationError(
-                "label_field", f"{self.field!r} holds values of different kinds in the {self.split} split "
-                f"({' and '.join(sorted(kinds))}); give every row the same kind of label"
+                "label_field",
+                f"{self.field!r} holds values of different kinds in the {self.split} split "
+                f"({' and '.join(sorted(kinds))}); give every row the same kind of label",
             )
-        return LabelSummary(kind=next(iter(kinds), "other"), nulls=self.nulls,
-                            values=None if self.too_many else list(self.values), names=self.names,
-                            non_finite=self.non_finite)
+        return LabelSummary(
+            kind=next(iter(kinds), "other"),
+            nulls=self.nulls,
+            values=None if self.too_many else list(self.values),
+            names=self.names,
+            non_finite=self.non_finite,
+        )
 
 
 def _dictionary_values(array: Any) -> tuple[Any, int]:
@@ -607,5 +701,13 @@ def _dictionary_values(array: Any) -> tuple[Any, int]:
     return values, nulls
 
 
-__all__ = ["FILE_FORMATS", "DatasetLimits", "DatasetProbe", "DatasetSource", "LabelSummary", "probe_dataset",
-           "probe_dataset_in_child", "resolve_source"]
+__all__ = [
+    "FILE_FORMATS",
+    "DatasetLimits",
+    "DatasetProbe",
+    "DatasetSource",
+    "LabelSummary",
+    "probe_dataset",
+    "probe_dataset_in_child",
+    "resolve_source",
+]

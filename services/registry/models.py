@@ -208,7 +208,9 @@ class Job(Base):
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     last_error: Mapped[str | None] = mapped_column(Text)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
-    submitted_by: Mapped[str | None] = mapped_column(String(200))  # the API token's name (None: not via the API)
+    submitted_by: Mapped[str | None] = mapped_column(
+        String(200)
+    )  # the API token's name (None: not via the API)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
@@ -258,7 +260,9 @@ class JobEvent(Base):
     to_status: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text, default="")
     worker_id: Mapped[str | None] = mapped_column(String(200))
-    detail: Mapped[str | None] = mapped_column(Text)  # the full error behind `reason` (a traceback): admins only
+    detail: Mapped[str | None] = mapped_column(
+        Text
+    )  # the full error behind `reason` (a traceback): admins only
 
 
 class ApiToken(Base):

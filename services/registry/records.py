@@ -86,8 +86,14 @@ class BackboneRecord:
 
     @classmethod
     def of(cls, row: models.Backbone) -> BackboneRecord:
-        return cls(row.id, row.name, row.source, row.content_hash, row.created_at,
-                   None if row.facts is None else dict(row.facts))
+        return cls(
+            row.id,
+            row.name,
+            row.source,
+            row.content_hash,
+            row.created_at,
+            None if row.facts is None else dict(row.facts),
+        )
 
 
 @dataclass(frozen=True)
@@ -254,8 +260,9 @@ class JobEventRecord:
 
     @classmethod
     def of(cls, row: models.JobEvent) -> JobEventRecord:
-        return cls(row.id, row.job_id, row.at, row.from_status, row.to_status, row.reason, row.worker_id,
-                   row.detail)
+        return cls(
+            row.id, row.job_id, row.at, row.from_status, row.to_status, row.reason, row.worker_id, row.detail
+        )
 
 
 @dataclass(frozen=True)
@@ -309,5 +316,12 @@ class ApiTokenRecord:
 
     @classmethod
     def of(cls, row: models.ApiToken) -> ApiTokenRecord:
-        return cls(id=row.id, name=row.name, prefix=row.prefix, created_at=row.created_at,
-                   revoked_at=row.revoked_at, last_used_at=row.last_used_at, scope=row.scope)
+        return cls(
+            id=row.id,
+            name=row.name,
+            prefix=row.prefix,
+            created_at=row.created_at,
+            revoked_at=row.revoked_at,
+            last_used_at=row.last_used_at,
+            scope=row.scope,
+        )

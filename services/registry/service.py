@@ -158,7 +158,9 @@ class Registry:
         self.max_sweep_jobs = settings.max_sweep_jobs  # PELT_MAX_SWEEP_JOBS
         self.worker_memory_bytes = settings.worker_memory_bytes  # PELT_WORKER_MEMORY_BYTES
         self._clock = clock
-        self.dataset_limits = dataset_probe.DatasetLimits(settings.max_dataset_rows, settings.max_dataset_bytes)
+        self.dataset_limits = dataset_probe.DatasetLimits(
+            settings.max_dataset_rows, settings.max_dataset_bytes
+        )
         self._names: dict[str, dict[int, str]] = {}  # table → id → name (names never change)
         self._task_metrics: dict[int, str] = {}
         self._reap_interval = timedelta(seconds=reap_interval_seconds)
@@ -200,8 +202,12 @@ class Registry:
     def _writing(self) -> Iterator[Session]:
         """A write transaction (BEGIN IMMEDIATE on SQLite); committed on success, rolled back on error.
         RegistryBusyError when no write turn comes within the busy timeout."""
-        with busy_as_registry_error(), hold_write_turn(self._gate), self._write_sessions() as session, \
-                session.begin():
+        with (
+            busy_as_registry_error(),
+            hold_write_turn(self._gate),
+            self._write_sessions() as session,
+            session.begin(),
+        ):
             yield session
 
     def _job_records(self, session: Session, jobs: Iterable[Job]) -> list[JobRecord]:
@@ -381,8 +387,9 @@ class Registry:
 
     # --- backbones -------------------------------------------------------------------------------
 
-    def register_backbone(self, name: str, source: str, content_hash: str,
-                          facts: Mapping[str, Any] | None = None) -> BackboneRecord:
+    def register_backbone(
+        self, name: str, source: str, content_hash: str, facts: Mapping[str, Any] | None = None
+    ) -> BackboneRecord:
         """Record a backbone. The same name, source and hash again returns it; another source or hash
         under the same name is an AlreadyExistsError (a changed model needs a new name). `facts`: the
         backbone's shape ({hidden_size: 384, ...}, numbers and short strings), kept as given."""
@@ -399,7 +406,11 @@ class Registry:
                 existing = session.scalar(select(Backbone).where(Backbone.name == name))
                 if existing is None:
                     row = Backbone(
-                        name=name, source=source, content_hash=content_hash, facts=facts, created_at=self._now()
+                        name=name,
+                        source=source,
+                        content_hash=content_hash,
+                        facts=facts,
+                        created_at=self._now(),
                     )
                     session.add(row)
                     session.flush()
@@ -407,8 +418,10 @@ class Registry:
                     return BackboneRecord.of(row)
                 if existing.source != source:  # the message names no source: it may be a server path
                     raise AlreadyExistsError(
-                        "source", f"backbone {name!r} is registered from another source; register this one under "
-                        "a new name")
+                        "source",
+                        f"backbone {name!r} is registered from another source; register this one under "
+                        "a new name",
+                    )
                 if existing.content_hash != content_hash:
                     raise AlreadyExistsError(
                         "content_hash",
@@ -424,7 +437,9 @@ class Registry:
         recorded stay: a backbone's shape never changes under its name."""
         checked = _backbone_facts(facts)
         if checked is None:
-            raise RegistryValidationError("facts", "must be a mapping of names to numbers or strings, got None")
+            raise RegistryValidationError(
+                "facts", "must be a mapping of names to numbers or strings, got None"
+            )
         with self._writing() as session:
             row = _backbone_row(session, name)
             if row.facts is None:
@@ -481,8 +496,16 @@ class Registry:
                     task_train_size=task_row.train_size,
                     held_out=held_out_rows(task_row.split_sizes, task_row.train_size),
                 )
-                check_against_backbone(method_row.name, method_row.spec, overrides, spec, config, given, facts,
-                                       memory_budget=self.worker_memory_bytes)
+                check_against_backbone(
+                    method_row.name,
+                    method_row.spec,
+                    overrides,
+                    spec,
+                    config,
+                    given,
+                    facts,
+                    memory_budget=self.worker_memory_bytes,
+                )
                 stored = canonical_hyperparameters(train, config, overrides)
                 if key is not None:
                     existing = session.scalar(select(Job).where(Job.idempotency_key == key))
@@ -529,8 +552,13 @@ class Registry:
                 )
                 session.add(job)
                 session.flush()
-                _audit(session, now, "job.submit", f"job {job.id}",
-                       {"task": task_row.name, "method": method_row.name, "backbone": backbone_row.name})
+                _audit(
+                    session,
+                    now,
+                    "job.submit",
+                    f"job {job.id}",
+                    {"task": task_row.name, "method": method_row.name, "backbone": backbone_row.name},
+                )
                 session.add(
                     JobEvent(
                         job_id=job.id,
@@ -566,12 +594,15 @@ class Registry:
         method_names = _distinct_list(methods, "methods", lambda m, f: check_name(m, f))
         seed_list = _distinct_list(seeds, "seeds", lambda s, f: check_range(SEED, s, f))
         k_list = _distinct_list(
-            k_values, "k_values", lambda k, f: None if k is None else check_range(TRAIN_RANGES["k_shot"], k, f)
+            k_values,
+            "k_values",
+            lambda k, f: None if k is None else check_range(TRAIN_RANGES["k_shot"], k, f),
         )
         total = len(method_names) * len(seed_list) * len(k_list)
         if total > self.max_sweep_jobs:
             raise RegistryValidationError(
-                "methods", f"the sweep would make {total} jobs; at most {self.max_sweep_jobs} (PELT_MAX_SWEEP_JOBS)"
+                "methods",
+                f"the sweep would make {total} jobs; at most {self.max_sweep_jobs} (PELT_MAX_SWEEP_JOBS)",
             )
         _, _, priority, max_attempts, key = self._check_job_args(
             0, None, priority, max_attempts, idempotency_key
@@ -618,8 +649,16 @@ class Registry:
                         )
                         for k in k_list
                     }
-                    check_against_backbone(name, method_rows[name].spec, overrides, spec, by_k[k_list[0]], given,
-                                           facts, memory_budget=self.worker_memory_bytes)
+                    check_against_backbone(
+                        name,
+                        method_rows[name].spec,
+                        overrides,
+                        spec,
+                        by_k[k_list[0]],
+                        given,
+                        facts,
+                        memory_budget=self.worker_memory_bytes,
+                    )
                     stored = {
                         k: canonical_hyperparameters(train, config, overrides) for k, config in by_k.items()
                     }
@@ -695,8 +734,13 @@ class Registry:
                         for job_id in job_ids
                     ],
                 )
-                _audit(session, now, "sweep.submit", f"sweep {sweep.id}",
-                       {"task": task_row.name, "methods": method_names, "jobs": len(job_ids)})
+                _audit(
+                    session,
+                    now,
+                    "sweep.submit",
+                    f"sweep {sweep.id}",
+                    {"task": task_row.name, "methods": method_names, "jobs": len(job_ids)},
+                )
                 log.info("sweep %s: queued %d jobs for task %s", sweep.id, len(job_ids), task_row.name)
                 return SweepRecord.of(sweep, job_ids)
 
@@ -725,13 +769,19 @@ class Registry:
             token_row = session.scalar(select(ApiToken.id).where(ApiToken.name == actor).with_for_update())
             if token_row is None:
                 session.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"pelt-queue:{actor}"))))
-        queued = session.scalar(
-            select(func.count()).select_from(Job).where(Job.submitted_by == actor, Job.status == JobStatus.QUEUED.value)
-        ) or 0
+        queued = (
+            session.scalar(
+                select(func.count())
+                .select_from(Job)
+                .where(Job.submitted_by == actor, Job.status == JobStatus.QUEUED.value)
+            )
+            or 0
+        )
         cap = self.max_queued_jobs_per_token
         if queued + adding > cap:
             raise QuotaExceededError(
-                "jobs", f"token {actor!r} has {queued} queued jobs and this request adds {adding}; at most {cap} "
+                "jobs",
+                f"token {actor!r} has {queued} queued jobs and this request adds {adding}; at most {cap} "
                 "may wait at once (PELT_MAX_QUEUED_JOBS_PER_TOKEN): wait for some to start, or cancel some",
             )
 
@@ -888,7 +938,12 @@ class Registry:
         with self._writing() as session:
             job = _held_job(session, job_id, worker_id)
             self._end_attempt(
-                session, job, self._now(), summary, retryable=retryable, worker_id=worker_id,
+                session,
+                job,
+                self._now(),
+                summary,
+                retryable=retryable,
+                worker_id=worker_id,
                 detail=None if full.strip() == summary else full,
             )
             return self._job_records(session, [job])[0]
@@ -1020,8 +1075,15 @@ class Registry:
         error behind `error` (a traceback), kept on the event."""
         job.last_error = error
         if job.cancel_requested:
-            _transition(session, job, JobStatus.CANCELLED, now, f"cancelled ({reason}: {error})", worker_id,
-                        detail=detail)
+            _transition(
+                session,
+                job,
+                JobStatus.CANCELLED,
+                now,
+                f"cancelled ({reason}: {error})",
+                worker_id,
+                detail=detail,
+            )
         elif retryable and job.attempts < job.max_attempts:
             job.not_before = (failed_at or now) + timedelta(seconds=self._backoff(job.attempts))
             _transition(
@@ -1035,7 +1097,9 @@ class Registry:
             )
         else:
             why = "not retryable" if not retryable else f"{job.attempts} of {job.max_attempts} attempts used"
-            _transition(session, job, JobStatus.FAILED, now, f"{reason} ({why}): {error}", worker_id, detail=detail)
+            _transition(
+                session, job, JobStatus.FAILED, now, f"{reason} ({why}): {error}", worker_id, detail=detail
+            )
 
     def _cancel(self, session: Session, job: Job, now: datetime, reason: str) -> bool:
         if job.status == JobStatus.QUEUED:
@@ -1202,8 +1266,13 @@ class Registry:
             with self._writing() as session:
                 if session.scalar(select(ApiToken.id).where(ApiToken.name == name)) is not None:
                     raise AlreadyExistsError("name", f"a token named {name!r} already exists")
-                row = ApiToken(name=name, scope=scope, token_hash=_token_hash(secret),
-                               prefix=secret[: len(TOKEN_PREFIX) + 6], created_at=self._now())
+                row = ApiToken(
+                    name=name,
+                    scope=scope,
+                    token_hash=_token_hash(secret),
+                    prefix=secret[: len(TOKEN_PREFIX) + 6],
+                    created_at=self._now(),
+                )
                 session.add(row)
                 session.flush()
                 _audit(session, row.created_at, "token.create", name, {"scope": scope})
@@ -1223,8 +1292,13 @@ class Registry:
             record = ApiTokenRecord.of(row)
         now = self._now()
         if record.last_used_at is None or now - record.last_used_at > timedelta(minutes=1):
-            with contextlib.suppress(RegistryBusyError), self._writing() as session:  # a busy registry: next time
-                session.execute(ApiToken.__table__.update().where(ApiToken.id == record.id).values(last_used_at=now))
+            with (
+                contextlib.suppress(RegistryBusyError),
+                self._writing() as session,
+            ):  # a busy registry: next time
+                session.execute(
+                    ApiToken.__table__.update().where(ApiToken.id == record.id).values(last_used_at=now)
+                )
         return record
 
     def revoke_api_token(self, name: str) -> ApiTokenRecord:
@@ -1243,11 +1317,15 @@ class Registry:
     def list_api_tokens(self) -> list[ApiTokenRecord]:
         """Every token (active and revoked), by name; no secrets."""
         with self._reading() as session:
-            return [ApiTokenRecord.of(row) for row in session.scalars(select(ApiToken).order_by(ApiToken.name))]
+            return [
+                ApiTokenRecord.of(row) for row in session.scalars(select(ApiToken).order_by(ApiToken.name))
+            ]
 
     # --- audit trail -----------------------------------------------------------------------------
 
-    def record_audit(self, action: str, target: str, detail: Mapping[str, Any] | None = None) -> AuditEventRecord:
+    def record_audit(
+        self, action: str, target: str, detail: Mapping[str, Any] | None = None
+    ) -> AuditEventRecord:
         """Record an action done outside the registry (e.g. a composition in the delta store) by the
         current actor. The registry's own writes record theirs in the same transaction."""
         with self._writing() as session:
@@ -1300,8 +1378,12 @@ def _backbone_facts(facts: Mapping[str, Any] | None) -> dict[str, Any] | None:
     for key, value in facts.items():
         if not isinstance(key, str) or not 0 < len(key) <= 100:
             raise RegistryValidationError("facts", f"names are strings of 1 to 100 characters, got {key!r}")
-        if not (value is None or isinstance(value, int | float) or (isinstance(value, str) and len(value) <= 200)):
-            raise RegistryValidationError(f"facts.{key}", f"must be a number or a short string, got {value!r}")
+        if not (
+            value is None or isinstance(value, int | float) or (isinstance(value, str) and len(value) <= 200)
+        ):
+            raise RegistryValidationError(
+                f"facts.{key}", f"must be a number or a short string, got {value!r}"
+            )
     return dict(facts)
 
 
@@ -1393,7 +1475,9 @@ def _audit(
     session: Session, at: datetime, action: str, target: str, detail: Mapping[str, Any] | None = None
 ) -> AuditEvent:
     """Add an audit event by the current actor to the caller's transaction."""
-    row = AuditEvent(at=at, actor=current_actor(), action=action, target=target[:300], detail=_jsonable(detail or {}))
+    row = AuditEvent(
+        at=at, actor=current_actor(), action=action, target=target[:300], detail=_jsonable(detail or {})
+    )
     session.add(row)
     return row
 
@@ -1417,8 +1501,6 @@ TOKEN_PREFIX = "pelt_"
 def _token_hash(secret: str) -> str:
     """Tokens are 256-bit random strings, so a plain SHA-256 (no salt, no stretching) is enough."""
     return hashlib.sha256(secret.encode()).hexdigest()
-
-
 
 
 def _retry_once_on_conflict(write: Callable[[], _T]) -> _T:

@@ -68,11 +68,18 @@ def check_task_against_data(definition: TaskDefinition, probe: DatasetProbe, whe
     if definition.problem_type != "regression":
         given = definition.label_names or label.names  # declared or a ClassLabel: positions apply
         names = given or _names_from_values(label.values or [], definition.label_field)
-        _check_labels_fit(names, label.values or [], definition.label_field,
-                          "label_names" if definition.label_names else "label_field", where, positions=bool(given))
+        _check_labels_fit(
+            names,
+            label.values or [],
+            definition.label_field,
+            "label_names" if definition.label_names else "label_field",
+            where,
+            positions=bool(given),
+        )
     if evaluation is not None:
-        _check_evaluation_split(definition, probe, evaluation, names,
-                                positions=bool(definition.label_names or label.names))
+        _check_evaluation_split(
+            definition, probe, evaluation, names, positions=bool(definition.label_names or label.names)
+        )
     return None if definition.problem_type == "regression" else names
 
 
@@ -89,7 +96,8 @@ def _check_label_kind(definition: TaskDefinition, label: LabelSummary, field: st
         return
     if definition.problem_type == "multi_label_classification" and label.kind != "list":
         raise RegistryValidationError(
-            field, f"a multi-label task needs a list of labels per row; {name!r} holds {label.kind} values in {where}"
+            field,
+            f"a multi-label task needs a list of labels per row; {name!r} holds {label.kind} values in {where}",
         )
     if definition.problem_type == "single_label_classification" and label.kind == "list":
         raise RegistryValidationError(
@@ -97,11 +105,14 @@ def _check_label_kind(definition: TaskDefinition, label: LabelSummary, field: st
             f"{name!r} holds lists of labels in {where}: use multi_label_classification",
         )
     if label.values is None:
-        raise RegistryValidationError(field, f"{name!r} has too many distinct values for class labels in {where}")
+        raise RegistryValidationError(
+            field, f"{name!r} has too many distinct values for class labels in {where}"
+        )
 
 
-def _check_evaluation_split(definition: TaskDefinition, probe: DatasetProbe, split: str,
-                            names: list[str] | None, *, positions: bool) -> None:
+def _check_evaluation_split(
+    definition: TaskDefinition, probe: DatasetProbe, split: str, names: list[str] | None, *, positions: bool
+) -> None:
     """The split jobs evaluate on has the task's columns, rows, and labels among the task's classes."""
     field, where = f"source.{split}", f"the {split} split"
     columns = probe.split_columns.get(split)
@@ -111,16 +122,21 @@ def _check_evaluation_split(definition: TaskDefinition, probe: DatasetProbe, spl
         for name in (*definition.text_fields, definition.label_field):
             if name not in columns:
                 raise RegistryValidationError(
-                    field, f"{name!r} is not a column of {where}, which jobs evaluate on (columns: {', '.join(columns)})"
+                    field,
+                    f"{name!r} is not a column of {where}, which jobs evaluate on (columns: {', '.join(columns)})",
                 )
     label = probe.split_labels.get(split)
     if label is None:
         return
     if label.nulls:
-        raise RegistryValidationError(field, f"{definition.label_field!r} is empty in {label.nulls} rows of {where}")
+        raise RegistryValidationError(
+            field, f"{definition.label_field!r} is empty in {label.nulls} rows of {where}"
+        )
     _check_label_kind(definition, label, field, where)
     if names is not None:
-        _check_labels_fit(names, label.values or [], definition.label_field, field, where, positions=positions)
+        _check_labels_fit(
+            names, label.values or [], definition.label_field, field, where, positions=positions
+        )
 
 
 def _names_from_values(values: list[Any], field: str) -> list[str]:
@@ -130,15 +146,17 @@ def _names_from_values(values: list[Any], field: str) -> list[str]:
         raise RegistryValidationError("label_field", f"{field!r} holds {values[:5]!r}: {exc}") from None
 
 
-def _check_labels_fit(names: list[str], values: list[Any], field: str, error_field: str, where: str, *,
-                      positions: bool) -> None:
+def _check_labels_fit(
+    names: list[str], values: list[Any], field: str, error_field: str, where: str, *, positions: bool
+) -> None:
     """Every label value is one of the classes: by name, or (`positions`: names declared or a ClassLabel)
     a whole number as a position (pelt_core.labels)."""
     lookup = {name: index for index, name in enumerate(names)}
     for value in values:
         if label_index(value, names, lookup, positions=positions) is None:
             raise RegistryValidationError(
-                error_field, f"{field!r} holds {value!r} in {where}, which is not among the task's labels {names!r}"
+                error_field,
+                f"{field!r} holds {value!r} in {where}, which is not among the task's labels {names!r}",
             )
 
 

@@ -221,7 +221,8 @@ def check_json_numbers(hyperparameters: Mapping[str, Any] | None) -> None:
         items = value if isinstance(value, list) else [value]
         if bound is not None and any(isinstance(item, str) for item in items):
             raise RegistryValidationError(
-                key, f"expected a JSON number in {bound.describe()}, got the text {str(value)[:40]!r}")
+                key, f"expected a JSON number in {bound.describe()}, got the text {str(value)[:40]!r}"
+            )
 
 
 def _check_train_type(name: str, value: Any, key: str) -> None:
@@ -250,7 +251,6 @@ def _check_train_type(name: str, value: Any, key: str) -> None:
         raise RegistryValidationError(key, f"must be a finite number, got {value!r}")
 
 
-
 def resolve_train_config(
     train: Mapping[str, Any],
     given: Mapping[str, str],
@@ -277,10 +277,17 @@ def resolve_train_config(
     except TypeError as exc:  # pragma: no cover - _check_train_type refuses wrong types first
         raise RegistryValidationError("hyperparameters", str(exc)) from exc
     if k_shot is not None and k_shot > task_train_size - held_out:
-        after = (f" left after the dev split of {held_out} rows that each job holds out (the task has no "
-                 "validation split)") if held_out else ""
+        after = (
+            (
+                f" left after the dev split of {held_out} rows that each job holds out (the task has no "
+                "validation split)"
+            )
+            if held_out
+            else ""
+        )
         raise RegistryValidationError(
-            "k_shot", f"{k_shot} is more than the task's {task_train_size - held_out} training examples{after}"
+            "k_shot",
+            f"{k_shot} is more than the task's {task_train_size - held_out} training examples{after}",
         )
     return config.to_dict()
 
@@ -311,8 +318,13 @@ def check_against_backbone(
         raise RegistryValidationError(field, f"{exc} (method {method_name!r}){where}") from None
 
 
-def _backbone_culprit(method_spec: Mapping[str, Any], overrides: Mapping[str, Any], train_config: Mapping[str, Any],
-                      facts: Mapping[str, Any], field: str) -> str | None:
+def _backbone_culprit(
+    method_spec: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    train_config: Mapping[str, Any],
+    facts: Mapping[str, Any],
+    field: str,
+) -> str | None:
     """The override that alone takes a module out of the backbone's range (None: the preset itself does)."""
     for key, value in overrides.items():
         spec = get_method(dict(method_spec), {key: value}).to_dict()

@@ -43,8 +43,10 @@ def toy_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     folder = tmp_path_factory.mktemp("toy")
     train, validation = toy_rows(200, seed=0), toy_rows(40, seed=1)
-    files = {"train": write_jsonl(folder / "train.jsonl", train),
-             "validation": write_jsonl(folder / "validation.jsonl", validation)}
+    files = {
+        "train": write_jsonl(folder / "train.jsonl", train),
+        "validation": write_jsonl(folder / "validation.jsonl", validation),
+    }
     pd.DataFrame(train).to_csv(folder / "train.csv", index=False)
     pd.DataFrame(validation).to_parquet(folder / "validation.parquet")
     files["train_csv"], files["validation_parquet"] = folder / "train.csv", folder / "validation.parquet"
@@ -66,8 +68,13 @@ def settings(tmp_path: Path, templates: dict[str, Path], tiny_bert_dir: Path) ->
     data.mkdir()
     shutil.copyfile(templates["registry"], data / "registry.db")
     shutil.copyfile(templates["mlflow"], data / "mlflow.db")
-    return Settings(data_dir=data, ray_address=None, max_request_bytes=64 * 1024, max_upload_bytes=2 * 1024 * 1024,
-                    backbone_dirs=[tiny_bert_dir.parent])
+    return Settings(
+        data_dir=data,
+        ray_address=None,
+        max_request_bytes=64 * 1024,
+        max_upload_bytes=2 * 1024 * 1024,
+        backbone_dirs=[tiny_bert_dir.parent],
+    )
 
 
 @dataclass
@@ -82,13 +89,17 @@ class Api:
     settings: Settings
 
     def client(self, token: str | None = None) -> PeltClient:
-        return PeltClient("http://testserver", token=token or self.token, http=TestClient(self.app),
-                          settings=self.settings)
+        return PeltClient(
+            "http://testserver", token=token or self.token, http=TestClient(self.app), settings=self.settings
+        )
 
     def files(self) -> list[Path]:
         """Every file under the data folder except the two databases (and their journals)."""
-        return sorted(p for p in self.settings.data_dir.rglob("*")
-                      if p.is_file() and not p.name.startswith(("registry.db", "mlflow.db")))
+        return sorted(
+            p
+            for p in self.settings.data_dir.rglob("*")
+            if p.is_file() and not p.name.startswith(("registry.db", "mlflow.db"))
+        )
 
 
 @pytest.fixture

@@ -32,8 +32,13 @@ def test_a_task_registers_from_uploaded_json_lines_and_its_labels_are_inferred(c
 
 
 def test_a_task_registers_from_csv_and_parquet(client, toy_files):
-    task = client.register_task("toy-csv", toy_files["train_csv"], toy_files["validation_parquet"],
-                                text_fields="sentence", label_names=["negative", "positive"])
+    task = client.register_task(
+        "toy-csv",
+        toy_files["train_csv"],
+        toy_files["validation_parquet"],
+        text_fields="sentence",
+        label_names=["negative", "positive"],
+    )
     assert task.split_sizes == {"train": 200, "validation": 40}
     assert task.label_names == ["negative", "positive"]
 
@@ -43,8 +48,12 @@ def test_a_task_registers_from_a_datasets_folder(client, tmp_path):
 
     features = Features({"text": Value("string"), "label": ClassLabel(names=["neg", "pos"])})
     rows = {"text": ["good", "bad", "great", "awful"], "label": [1, 0, 1, 0]}
-    DatasetDict({"train": Dataset.from_dict(rows, features=features),
-                 "validation": Dataset.from_dict(rows, features=features)}).save_to_disk(tmp_path / "ds")
+    DatasetDict(
+        {
+            "train": Dataset.from_dict(rows, features=features),
+            "validation": Dataset.from_dict(rows, features=features),
+        }
+    ).save_to_disk(tmp_path / "ds")
     task = client.register_task("from-disk", dataset=tmp_path / "ds", text_fields=["text"])
     assert task.source_kind == "datasets"
     assert task.label_names == ["neg", "pos"] and task.split_sizes == {"train": 4, "validation": 4}
@@ -60,21 +69,31 @@ def test_registering_the_same_task_twice_is_idempotent_and_a_different_one_confl
 def test_a_malformed_dataset_file_is_refused_and_nothing_is_kept(client, api, tmp_path):
     broken = tmp_path / "train.jsonl"
     broken.write_text('{"sentence": "fine", "label": 1}\n{"sentence": "cut off", "lab\n')
-    refused(lambda: client.register_task("broken", broken, text_fields=["sentence"]), 422, "source.train",
-            "cannot read")
+    refused(
+        lambda: client.register_task("broken", broken, text_fields=["sentence"]),
+        422,
+        "source.train",
+        "cannot read",
+    )
     nothing_written(api)
 
 
 def test_a_missing_text_field_is_refused_naming_it_and_listing_the_columns(client, api, toy_files):
-    error = refused(lambda: client.register_task("toy", toy_files["train"], text_fields=["text"]), 422,
-                    "text_fields")
+    error = refused(
+        lambda: client.register_task("toy", toy_files["train"], text_fields=["text"]), 422, "text_fields"
+    )
     assert "sentence" in error.message  # the columns the data does have
     nothing_written(api)
 
 
 def test_labels_that_do_not_fit_the_given_names_are_refused(client, api, toy_files):
-    refused(lambda: client.register_task("toy", toy_files["train"], text_fields=["sentence"],
-                                         label_names=["only-one"]), 422, "label_names")
+    refused(
+        lambda: client.register_task(
+            "toy", toy_files["train"], text_fields=["sentence"], label_names=["only-one"]
+        ),
+        422,
+        "label_names",
+    )
     nothing_written(api)
 
 
@@ -82,14 +101,23 @@ def test_an_unsupported_file_type_and_a_missing_train_split_are_refused(client, 
     text = tmp_path / "train.txt"
     text.write_text("hello\n")
     refused(lambda: client.register_task("toy", text, text_fields=["sentence"]), 422, "train", ".jsonl")
-    refused(lambda: client.register_task("toy", None, text, text_fields=["sentence"]), 422, "train", "required")
+    refused(
+        lambda: client.register_task("toy", None, text, text_fields=["sentence"]), 422, "train", "required"
+    )
     nothing_written(api)
 
 
 def test_a_bad_task_definition_is_refused_naming_the_field(client, api, toy_files):
-    refused(lambda: client.register_task("toy", toy_files["train"], text_fields=["sentence"],
-                                         problem_type="clustering"), 422, "definition.problem_type")
-    refused(lambda: client.register_task("bad name!", toy_files["train"], text_fields=["sentence"]), 422, "name")
+    refused(
+        lambda: client.register_task(
+            "toy", toy_files["train"], text_fields=["sentence"], problem_type="clustering"
+        ),
+        422,
+        "definition.problem_type",
+    )
+    refused(
+        lambda: client.register_task("bad name!", toy_files["train"], text_fields=["sentence"]), 422, "name"
+    )
     nothing_written(api)
 
 
@@ -102,8 +130,11 @@ def test_an_upload_above_the_bound_is_refused_with_413_and_nothing_is_kept(clien
 
 
 def test_an_oversized_json_body_is_refused_with_413(client, toy_task, api):
-    refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE,
-                                  hyperparameters={"note": "x" * 100_000}), 413, "body")
+    refused(
+        lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters={"note": "x" * 100_000}),
+        413,
+        "body",
+    )
     assert api.registry.list_jobs() == []
 
 
@@ -117,8 +148,11 @@ def test_an_archive_that_writes_outside_its_folder_is_refused(client, api, tmp_p
         member = tarfile.TarInfo("../../escape.jsonl")
         member.size = len(data)
         archive.addfile(member, io.BytesIO(data))
-    response = client.http.post("/v1/tasks", data={"name": "evil", "definition": '{"text_fields": ["text"]}'},
-                                files={"dataset": ("evil.tar.gz", buffer.getvalue())})
+    response = client.http.post(
+        "/v1/tasks",
+        data={"name": "evil", "definition": '{"text_fields": ["text"]}'},
+        files={"dataset": ("evil.tar.gz", buffer.getvalue())},
+    )
     assert response.status_code == 422 and response.json()["error"]["field"] == "dataset"
     assert "outside" in response.json()["error"]["message"]
     nothing_written(api)
@@ -139,11 +173,18 @@ def test_built_in_methods_are_listed_and_a_user_preset_is_data(client):
 
 
 def test_an_invalid_method_spec_is_refused_naming_the_field(client):
-    error = refused(lambda: client.register_method({"name": "broken", "modules": {
-        "ffn": {"form": "cube", "representation": "ffn", "size": 4}}}), 422)
+    error = refused(
+        lambda: client.register_method(
+            {"name": "broken", "modules": {"ffn": {"form": "cube", "representation": "ffn", "size": 4}}}
+        ),
+        422,
+    )
     assert error.field and "form" in error.field and "cube" in error.message
-    refused(lambda: client.register_method({"name": "broken", "modules": [{"form": "bottleneck"}]}), 422,
-            "broken.modules")
+    refused(
+        lambda: client.register_method({"name": "broken", "modules": [{"form": "bottleneck"}]}),
+        422,
+        "broken.modules",
+    )
 
 
 def test_backbones_register_by_folder_and_an_unloadable_one_is_refused(client, tiny_bert_dir, tmp_path):
@@ -171,44 +212,61 @@ def test_a_job_is_queued_listed_followed_and_cancelled(client, toy_task):
     refused(lambda: client.result(job.id), 404, "job_id", "no result")
 
 
-def test_an_unknown_method_task_or_backbone_is_404_listing_what_exists_and_writes_nothing(client, toy_task, api):
-    error = refused(lambda: client.submit(toy_task, "lorra", backbone=BACKBONE), 404, "method", "unknown method")
+def test_an_unknown_method_task_or_backbone_is_404_listing_what_exists_and_writes_nothing(
+    client, toy_task, api
+):
+    error = refused(
+        lambda: client.submit(toy_task, "lorra", backbone=BACKBONE), 404, "method", "unknown method"
+    )
     assert "lora" in error.message
     refused(lambda: client.submit("nope", "lora", backbone=BACKBONE), 404, "task", "toy")
     refused(lambda: client.submit(toy_task, "lora", backbone="gpt-9"), 404, "backbone", BACKBONE)
     assert api.registry.list_jobs() == []
 
 
-@pytest.mark.parametrize(("hyperparameters", "field"), [
-    ({"learning_rate": -1.0}, "learning_rate"),
-    ({"epochs": "many"}, "epochs"),
-    ({"batch_size": 0}, "batch_size"),
-    ({"r": -4}, "r"),
-    ({"warp_speed": 9}, "warp_speed"),
-])
-def test_bad_hyperparameters_are_422_naming_the_field_and_write_nothing(client, toy_task, api, hyperparameters,
-                                                                        field):
-    error = refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters=hyperparameters),
-                    422)
+@pytest.mark.parametrize(
+    ("hyperparameters", "field"),
+    [
+        ({"learning_rate": -1.0}, "learning_rate"),
+        ({"epochs": "many"}, "epochs"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"r": -4}, "r"),
+        ({"warp_speed": 9}, "warp_speed"),
+    ],
+)
+def test_bad_hyperparameters_are_422_naming_the_field_and_write_nothing(
+    client, toy_task, api, hyperparameters, field
+):
+    error = refused(
+        lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters=hyperparameters), 422
+    )
     assert field in (error.field or "") + error.message
     assert api.registry.list_jobs() == []
 
 
 def test_an_unknown_request_field_is_refused_not_ignored(client, toy_task, api):
-    response = client.http.post("/v1/jobs", json={"task": toy_task, "method": "lora", "backbone": BACKBONE,
-                                                  "learning_rate": 0.1})
+    response = client.http.post(
+        "/v1/jobs", json={"task": toy_task, "method": "lora", "backbone": BACKBONE, "learning_rate": 0.1}
+    )
     assert response.status_code == 422
     assert response.json()["error"]["field"] == "learning_rate"
     assert api.registry.list_jobs() == []
 
 
 def test_a_sweep_queues_methods_times_seeds_times_k_and_cancels_as_one(client, toy_task):
-    sweep = client.sweep(toy_task, ["lora", "bitfit"], backbone=BACKBONE, seeds=[0, 1], k_values=[16, None],
-                         method_hyperparameters={"lora": {"r": 2}})
+    sweep = client.sweep(
+        toy_task,
+        ["lora", "bitfit"],
+        backbone=BACKBONE,
+        seeds=[0, 1],
+        k_values=[16, None],
+        method_hyperparameters={"lora": {"r": 2}},
+    )
     assert len(sweep.job_ids) == 8
     jobs = client.jobs(sweep_id=sweep.id)
     assert {(j.method, j.seed, j.k_shot) for j in jobs} == {
-        (m, s, k) for m in ("lora", "bitfit") for s in (0, 1) for k in (16, None)}
+        (m, s, k) for m in ("lora", "bitfit") for s in (0, 1) for k in (16, None)
+    }
     assert client.cancel_sweep(sweep.id) == 8
     assert {j.status for j in client.jobs(sweep_id=sweep.id)} == {"cancelled"}
 
@@ -224,9 +282,16 @@ def test_the_leaderboard_has_one_row_per_method_best_first(client, toy_task, api
     for job in client.jobs(sweep_id=sweep.id):
         claimed = api.registry.claim_job("w")
         assert claimed.id == job.id
-        api.registry.complete_job(job.id, "w", {"metrics": {"accuracy": scores[(job.method, job.seed)]},
-                                                "trainable_params": 10, "trainable_percent": 0.1,
-                                                "train_seconds": 1.0})
+        api.registry.complete_job(
+            job.id,
+            "w",
+            {
+                "metrics": {"accuracy": scores[(job.method, job.seed)]},
+                "trainable_params": 10,
+                "trainable_percent": 0.1,
+                "train_seconds": 1.0,
+            },
+        )
     frame = client.leaderboard(toy_task)
     assert list(frame["method"]) == ["lora", "bitfit"]
     assert list(frame["best"]) == [0.9, 0.75] and list(frame["runs"]) == [2, 2]
@@ -274,8 +339,9 @@ def test_without_a_token_even_an_oversized_upload_is_refused_401_before_its_body
             chunks_read.append(1)
             yield b"x" * (64 * 1024)
 
-    response = TestClient(api.app).post("/v1/tasks", content=body(),
-                                        headers={"Content-Type": "multipart/form-data; boundary=b"})
+    response = TestClient(api.app).post(
+        "/v1/tasks", content=body(), headers={"Content-Type": "multipart/form-data; boundary=b"}
+    )
     assert response.status_code == 401
     assert len(chunks_read) <= 1  # the gate answered before reading the body (TestClient may pull one chunk)
 
@@ -294,17 +360,24 @@ def test_an_archive_whose_folder_holds_its_own_name_registers(client, tmp_path):
         member = tarfile.TarInfo("ds/ds")
         member.size = len(data)
         archive.addfile(member, io.BytesIO(data))
-    response = client.http.post("/v1/tasks", data={"name": "nested", "definition": '{"text_fields": ["text"]}'},
-                                files={"dataset": ("ds.tar.gz", buffer.getvalue())})
+    response = client.http.post(
+        "/v1/tasks",
+        data={"name": "nested", "definition": '{"text_fields": ["text"]}'},
+        files={"dataset": ("ds.tar.gz", buffer.getvalue())},
+    )
     assert response.status_code == 201, response.text
     assert response.json()["train_size"] == 2
 
 
 def test_compose_refuses_an_option_its_operation_does_not_take(client, toy_task, api):
-    refused(lambda: client.compose("merge", ["toy/1", "toy/2"], "soup", into_typo=1), 422, "options.into_typo")
+    refused(
+        lambda: client.compose("merge", ["toy/1", "toy/2"], "soup", into_typo=1), 422, "options.into_typo"
+    )
     refused(lambda: client.compose("average", ["toy/1"], "soup", how="ties"), 422, "options.how", "lora_rank")
-    response = client.http.post("/v1/compose", json={"op": "merge", "sources": ["toy/1"], "into": "soup",
-                                                     "options": {"aliases": ["x"]}})
+    response = client.http.post(
+        "/v1/compose",
+        json={"op": "merge", "sources": ["toy/1"], "into": "soup", "options": {"aliases": ["x"]}},
+    )
     assert response.status_code == 422 and response.json()["error"]["field"] == "options.aliases"
 
 

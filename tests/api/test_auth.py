@@ -16,8 +16,12 @@ OPEN_ROUTES = {("get", "/health")}
 
 def routes(app) -> list[tuple[str, str]]:
     schema = app.openapi()
-    found = [(method, path) for path, item in schema["paths"].items() for method in item
-             if method in ("get", "post", "put", "patch", "delete")]
+    found = [
+        (method, path)
+        for path, item in schema["paths"].items()
+        for method in item
+        if method in ("get", "post", "put", "patch", "delete")
+    ]
     assert len(found) >= 20, found  # the test is only as good as the list it walks
     return found
 
@@ -40,8 +44,12 @@ def revoked(api: Api) -> str:
 
 
 @pytest.mark.parametrize("credential", ["none", "wrong", "malformed", "revoked"])
-def test_every_route_but_health_refuses_requests_without_a_valid_token(api: Api, revoked: str, credential: str):
-    token = {"none": None, "wrong": "pelt_" + "x" * 43, "malformed": "Basic abc", "revoked": revoked}[credential]
+def test_every_route_but_health_refuses_requests_without_a_valid_token(
+    api: Api, revoked: str, credential: str
+):
+    token = {"none": None, "wrong": "pelt_" + "x" * 43, "malformed": "Basic abc", "revoked": revoked}[
+        credential
+    ]
     http = TestClient(api.app)
     checked = []
     for method, path in routes(api.app):

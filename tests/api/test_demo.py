@@ -17,8 +17,13 @@ pytestmark = pytest.mark.slow
 def run_demo(data_dir: Path) -> str:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("PELT_")}
     environment["PELT_DATA_DIR"] = str(data_dir)
-    done = subprocess.run([sys.executable, "-c", "from services.cli import main; main()", "demo", "--fast"],
-                          env=environment, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", "from services.cli import main; main()", "demo", "--fast"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -27,11 +32,12 @@ def test_the_demo_runs_the_whole_service_and_a_rerun_trains_nothing_twice(tmp_pa
     first = run_demo(tmp_path / "pelt")
     board = first.split("leaderboard:")[1].split("pulled")[0]
     assert sorted(line.split()[1] for line in board.strip().splitlines()[2:]) == sorted(
-        ["bitfit", "pfeiffer", "prefix", "lora", "unipelt"])
+        ["bitfit", "pfeiffer", "prefix", "lora", "unipelt"]
+    )
     assert "pulled rotten_tomatoes-dev64's best delta by task name" in first
     predictions = first.split("sha256")[1].splitlines()[1:5]
     assert all(line.split()[0] in ("positive", "negative") for line in predictions), predictions
     assert (tmp_path / "pelt" / "api_token").stat().st_mode & 0o777 == 0o600
 
     second = run_demo(tmp_path / "pelt")
-    assert second.split("leaderboard:")[1] .split("pulled")[0] == board  # the same five results, not new ones
+    assert second.split("leaderboard:")[1].split("pulled")[0] == board  # the same five results, not new ones

@@ -31,10 +31,20 @@ def service(tmp_path: Path, templates, tiny_bert_dir: Path):
     data = tmp_path / "data"
     data.mkdir()
     shutil.copyfile(templates["mlflow"], data / "mlflow.db")
-    settings = Settings(data_dir=data, ray_address=None, lease_seconds=20, heartbeat_seconds=1,
-                        retry_backoff_seconds=0.2, backbone_dirs=[tiny_bert_dir.parent])
-    config = DispatcherConfig(namespace="api-e2e", heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=2)
-    running = Service(settings, port=0, num_cpus=2, dispatcher_config=config).start()  # embedded: migrates itself
+    settings = Settings(
+        data_dir=data,
+        ray_address=None,
+        lease_seconds=20,
+        heartbeat_seconds=1,
+        retry_backoff_seconds=0.2,
+        backbone_dirs=[tiny_bert_dir.parent],
+    )
+    config = DispatcherConfig(
+        namespace="api-e2e", heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=2
+    )
+    running = Service(
+        settings, port=0, num_cpus=2, dispatcher_config=config
+    ).start()  # embedded: migrates itself
     try:
         yield running
     finally:
@@ -44,8 +54,11 @@ def service(tmp_path: Path, templates, tiny_bert_dir: Path):
 def cli(service, *args: str, exit_code: int = 0) -> str:
     from services.cli import main
 
-    environment = {"PELT_API_URL": service.url, "PELT_API_TOKEN": service.token,
-                   "PELT_DATA_DIR": str(service.settings.data_dir)}
+    environment = {
+        "PELT_API_URL": service.url,
+        "PELT_API_TOKEN": service.token,
+        "PELT_DATA_DIR": str(service.settings.data_dir),
+    }
     get_settings.cache_clear()
     try:
         result = CliRunner().invoke(main, list(args), env=environment, catch_exceptions=False)
@@ -63,17 +76,32 @@ def assert_predictions(predictions: list[dict], count: int) -> None:
         assert 0.0 <= prediction["score"] <= 1.0, prediction
 
 
-def test_register_sweep_wait_leaderboard_pull_and_compose_over_http(service, tiny_bert_dir, toy_files, tmp_path):
+def test_register_sweep_wait_leaderboard_pull_and_compose_over_http(
+    service, tiny_bert_dir, toy_files, tmp_path
+):
     assert service.token and (service.settings.data_dir / "api_token").read_text().strip() == service.token
     client = PeltClient(service.url, token=service.token, settings=service.settings)
     assert client.health()["dispatcher"] is not None
 
     client.register_backbone(BACKBONE, str(tiny_bert_dir))
-    out = cli(service, "task", "add", "toy", "--train", str(toy_files["train"]), "--validation",
-              str(toy_files["validation"]), "--text-field", "sentence", "--label-names", "negative,positive")
+    out = cli(
+        service,
+        "task",
+        "add",
+        "toy",
+        "--train",
+        str(toy_files["train"]),
+        "--validation",
+        str(toy_files["validation"]),
+        "--text-field",
+        "sentence",
+        "--label-names",
+        "negative,positive",
+    )
     assert "task toy: 200 training rows" in out
-    sweep = client.sweep("toy", ["lora", "bitfit", "prefix"], backbone=BACKBONE, seeds=[0, 1],
-                         hyperparameters=TRAINING)
+    sweep = client.sweep(
+        "toy", ["lora", "bitfit", "prefix"], backbone=BACKBONE, seeds=[0, 1], hyperparameters=TRAINING
+    )
     ended = client.wait(sweep, timeout=300, poll_seconds=0.5, progress=False)
     assert [job.status for job in ended] == ["succeeded"] * 6, [(j.id, j.status, j.last_error) for j in ended]
 
@@ -96,16 +124,22 @@ def test_register_sweep_wait_leaderboard_pull_and_compose_over_http(service, tin
 
     loras = [v for v in client.versions("toy") if v.method == "lora"]
     assert len(loras) == 2
-    composed = client.compose("merge", [f"toy/{v.version}" for v in loras], "toy-soup", how="ties", density=0.5)
+    composed = client.compose(
+        "merge", [f"toy/{v.version}" for v in loras], "toy-soup", how="ties", density=0.5
+    )
     assert (composed.provenance["op"], composed.provenance["how"]) == ("merge(ties)", "ties")
     soup = client.pull("toy-soup", version=composed.version)
     texts = ["good great", "bad awful"]
     soup_predictions = soup.predict(texts)
     assert_predictions(soup_predictions, 2)
     assert client.pull("toy-soup", version=composed.version).predict(texts) == soup_predictions  # as stored
-    refused = cli(service, "compose", "average", "toy@best-lora", "toy@best-bitfit", "--into", "toy-avg", exit_code=1)
+    refused = cli(
+        service, "compose", "average", "toy@best-lora", "toy@best-bitfit", "--into", "toy-avg", exit_code=1
+    )
     assert "only deltas of one method compose (HTTP 422)" in refused
-    out = cli(service, "compose", "multi_task", "lora=toy@best-lora", "bitfit=toy@best-bitfit", "--into", "toy-both")
+    out = cli(
+        service, "compose", "multi_task", "lora=toy@best-lora", "bitfit=toy@best-bitfit", "--into", "toy-both"
+    )
     assert "toy-both version 1" in out
     both = client.pull("toy-both", version=1)  # a composed task has no "best": the registry ranks jobs
     assert set(both.deltas) == {"lora", "bitfit"}
@@ -121,7 +155,9 @@ def test_a_running_job_cancelled_over_http_stops_and_is_not_retried(service, tin
     client = PeltClient(service.url, token=service.token, settings=service.settings)
     client.register_backbone(BACKBONE, str(tiny_bert_dir))
     client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
-    job = client.submit("toy", "lora", backbone=BACKBONE, hyperparameters={"max_steps": 5000, "batch_size": 2})
+    job = client.submit(
+        "toy", "lora", backbone=BACKBONE, hyperparameters={"max_steps": 5000, "batch_size": 2}
+    )
     deadline = time.monotonic() + 120
     while (client.job(job.id).progress_detail or {}).get("step", 0) < 3:
         assert time.monotonic() < deadline, client.job(job.id)

@@ -21,7 +21,10 @@ def test_an_embedded_service_starts_migrated_with_a_local_token_and_answers_over
         assert client.tasks() == []
         assert client.health()["dispatcher"] is None
         assert {m.name for m in client.methods()} >= {"lora", "unipelt"}
-        assert PeltClient(service.url, token="pelt_wrong", settings=settings).http.get("/v1/tasks").status_code == 401
+        assert (
+            PeltClient(service.url, token="pelt_wrong", settings=settings).http.get("/v1/tasks").status_code
+            == 401
+        )
     assert (tmp_path / "pelt" / "api_token").stat().st_mode & 0o777 == 0o600
 
 
@@ -39,11 +42,14 @@ def test_a_taken_port_is_an_error_naming_it(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=str(port)):
-            Service(Settings(data_dir=tmp_path / "pelt", ray_address=None), port=port, dispatcher=False).start()
+            Service(
+                Settings(data_dir=tmp_path / "pelt", ray_address=None), port=port, dispatcher=False
+            ).start()
 
 
 def test_a_deployment_registry_is_not_migrated_behind_its_back(tmp_path):
-    settings = Settings(data_dir=tmp_path / "pelt", ray_address=None,
-                        database_url=f"sqlite:///{tmp_path / 'elsewhere.db'}")
+    settings = Settings(
+        data_dir=tmp_path / "pelt", ray_address=None, database_url=f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    )
     with pytest.raises(SchemaOutOfDateError, match="pelt db upgrade"):
         Service(settings, port=0, dispatcher=False).start()

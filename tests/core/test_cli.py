@@ -43,10 +43,31 @@ def test_methods_lists_every_preset_with_its_parameter_share(model_dir):
 def test_train_writes_the_delta_and_prints_metrics_json_last(model_dir, data_files, tmp_path):
     train, validation = data_files
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, [
-        "train", "--backbone", str(model_dir), "--train", str(train), "--validation", str(validation),
-        "--method", "lora", "--set", "r=4", "--set", "epochs=2", "--set", "lr=1e-2", "--set", "bf16=false",
-        "--out", str(out), "--quiet"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--backbone",
+            str(model_dir),
+            "--train",
+            str(train),
+            "--validation",
+            str(validation),
+            "--method",
+            "lora",
+            "--set",
+            "r=4",
+            "--set",
+            "epochs=2",
+            "--set",
+            "lr=1e-2",
+            "--set",
+            "bf16=false",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["method"] == "lora" and 0.0 <= summary["metrics"]["accuracy"] <= 1.0
@@ -58,28 +79,69 @@ def test_train_writes_the_delta_and_prints_metrics_json_last(model_dir, data_fil
 
 def test_a_user_defined_method_from_a_json_file(model_dir, data_files, tmp_path):
     spec = tmp_path / "my_method.json"
-    spec.write_text(json.dumps({"name": "ffn_lora_gated", "modules": {"m": {
-        "form": "bottleneck", "representation": "ffn.in", "insertion": "parallel", "composition": "scaled",
-        "size": 2, "alpha": 4, "nonlinearity": "identity", "proj_bias": False, "init": "lora", "gate": True}}}))
+    spec.write_text(
+        json.dumps(
+            {
+                "name": "ffn_lora_gated",
+                "modules": {
+                    "m": {
+                        "form": "bottleneck",
+                        "representation": "ffn.in",
+                        "insertion": "parallel",
+                        "composition": "scaled",
+                        "size": 2,
+                        "alpha": 4,
+                        "nonlinearity": "identity",
+                        "proj_bias": False,
+                        "init": "lora",
+                        "gate": True,
+                    }
+                },
+            }
+        )
+    )
     train, _ = data_files
-    result = CliRunner().invoke(main, ["train", "--backbone", str(model_dir), "--train", str(train), "--method",
-                                       str(spec), "--set", "epochs=1", "--out", str(tmp_path / "o"), "--quiet"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--backbone",
+            str(model_dir),
+            "--train",
+            str(train),
+            "--method",
+            str(spec),
+            "--set",
+            "epochs=1",
+            "--out",
+            str(tmp_path / "o"),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output.strip().splitlines()[-1])["method"] == "ffn_lora_gated"
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--method", "lorra"], "unknown method 'lorra'"),
-    (["--method", "lora", "--set", "lr=-1"], "lr: must be in (0, 10], got -1.0"),  # the table of limits' range
-    (["--method", "lora", "--set", "r=0"], "r: must be in [1, 16384], got 0"),
-    (["--method", "lora", "--label-field", "stars"], "label field 'stars' is not in the data"),
-    (["--method", "lora", "--set", "k_shot=1000"], "K=1000 is larger than the training set"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "lorra"], "unknown method 'lorra'"),
+        (
+            ["--method", "lora", "--set", "lr=-1"],
+            "lr: must be in (0, 10], got -1.0",
+        ),  # the table of limits' range
+        (["--method", "lora", "--set", "r=0"], "r: must be in [1, 16384], got 0"),
+        (["--method", "lora", "--label-field", "stars"], "label field 'stars' is not in the data"),
+        (["--method", "lora", "--set", "k_shot=1000"], "K=1000 is larger than the training set"),
+    ],
+)
 def test_bad_input_fails_with_a_message_naming_what_is_wrong(args, message, model_dir, data_files, tmp_path):
     train, _ = data_files
     out = tmp_path / "never"
-    result = CliRunner().invoke(main, ["train", "--backbone", str(model_dir), "--train", str(train), *args,
-                                       "--out", str(out), "--quiet"])
+    result = CliRunner().invoke(
+        main,
+        ["train", "--backbone", str(model_dir), "--train", str(train), *args, "--out", str(out), "--quiet"],
+    )
     assert result.exit_code != 0
     assert message in result.output
     assert not out.exists()
@@ -87,6 +149,18 @@ def test_bad_input_fails_with_a_message_naming_what_is_wrong(args, message, mode
 
 def test_an_unknown_backbone_names_the_packaged_ones(data_files, tmp_path):
     train, _ = data_files
-    result = CliRunner().invoke(main, ["train", "--backbone", "gpt-17", "--train", str(train), "--method", "lora",
-                                       "--out", str(tmp_path / "o")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--backbone",
+            "gpt-17",
+            "--train",
+            str(train),
+            "--method",
+            "lora",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+    )
     assert result.exit_code != 0 and "all-minilm-l6-v2" in result.output

@@ -57,15 +57,19 @@ def snapshot(deltas) -> list[dict]:
 
 
 def unchanged(deltas, before) -> bool:
-    return all(d.state_dict().keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in d.state_dict().items())
-               for d, b in zip(deltas, before, strict=True))
+    return all(
+        d.state_dict().keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in d.state_dict().items())
+        for d, b in zip(deltas, before, strict=True)
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # Linear merge (task arithmetic) of LoRA: exact in ΔW
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["bert", "llama"])
-def test_linear_merge_of_loras_is_the_weighted_sum_of_their_delta_w(family, make_backbone, tmp_path, sentences):
+def test_linear_merge_of_loras_is_the_weighted_sum_of_their_delta_w(
+    family, make_backbone, tmp_path, sentences
+):
     backbone = make_backbone(family)
     deltas = [make(backbone, ("lora", {"r": 2}), seed) for seed in (1, 2)]
     before = snapshot(deltas)
@@ -87,8 +91,9 @@ def test_linear_merge_of_loras_is_the_weighted_sum_of_their_delta_w(family, make
     by_hand = TINY[family](str(tmp_path), seed=0).model  # the same frozen weights, as a plain model
     with torch.no_grad():
         for (layer, concrete), delta_w in first.items():
-            by_hand.get_submodule(backbone.linear_path(layer, concrete)).weight += 0.7 * delta_w - 0.4 * second[
-                (layer, concrete)]
+            by_hand.get_submodule(backbone.linear_path(layer, concrete)).weight += (
+                0.7 * delta_w - 0.4 * second[(layer, concrete)]
+            )
     expected = by_hand(input_ids=input_ids, attention_mask=mask).last_hidden_state
     ours = PeltModel(backbone, merged).eval()(input_ids, mask, return_hidden=True)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
@@ -169,15 +174,23 @@ def test_dare_merge_of_deltas_uses_the_documented_draw_order_and_is_unbiased(mak
     merged_vector = task_vector(merged)
     for key, tensor in task_vector(deltas[0]).items():  # sorted keys, one draw per tensor
         dropped = torch.rand(tensor.shape, generator=generator) < 0.5
-        torch.testing.assert_close(merged_vector[key], torch.where(dropped, 0.0, 2.0 * tensor).to(torch.float32),
-                                   check_dtype=False)
+        torch.testing.assert_close(
+            merged_vector[key], torch.where(dropped, 0.0, 2.0 * tensor).to(torch.float32), check_dtype=False
+        )
     assert merged.provenance["seed"] == 3 and merged.provenance["drop_rate"] == 0.5
 
     # over many seeds, DARE + linear combination averages to the plain linear merge
     linear = torch.cat([t.flatten() for t in task_vector(merge(deltas, [0.6, 0.4])).values()])
     seeds = 150
-    total = sum(torch.cat([t.flatten() for t in task_vector(
-        merge(deltas, [0.6, 0.4], how="dare", density=0.5, seed=s)).values()]) for s in range(seeds))
+    total = sum(
+        torch.cat(
+            [
+                t.flatten()
+                for t in task_vector(merge(deltas, [0.6, 0.4], how="dare", density=0.5, seed=s)).values()
+            ]
+        )
+        for s in range(seeds)
+    )
     relative = (total / seeds - linear).norm() / linear.norm()
     assert relative < 3 / math.sqrt(seeds)  # the Monte-Carlo error is about sqrt(p/(1-p)/seeds)·(spread)
     # DARE + TIES runs too and is recorded as such
@@ -205,7 +218,10 @@ def test_svd_merge_is_exact_at_full_rank_and_the_best_approximation_below(make_b
     backbone = make_backbone("llama")
     deltas = [make(backbone, ("lora", {"r": 2}), 1), make(backbone, ("lora", {"r": 3, "alpha": 6.0}), 2)]
     weights = [0.6, 0.4]
-    target = {key: weights[0] * a + weights[1] * lora_sites(deltas[1])[key] for key, a in lora_sites(deltas[0]).items()}
+    target = {
+        key: weights[0] * a + weights[1] * lora_sites(deltas[1])[key]
+        for key, a in lora_sites(deltas[0]).items()
+    }
     with pytest.raises(CompositionError, match="merge_lora_svd"):
         merge(deltas, weights)  # different ranks: merge() refuses and points to merge_lora_svd
 
@@ -272,9 +288,17 @@ def test_a_mixed_batch_gives_each_row_what_its_task_model_gives_alone(family, ma
         "score": make(backbone, "bitfit", 4, num_labels=1, problem_type="regression"),
     }
     model = multi_task(backbone, tasks)
-    items = [("sentiment", "the movie was good"), ("topic", "a film"), ("nli", ("the film", "a movie")),
-             ("score", "great fun"), ("sentiment", "bad film , not fun"), ("topic", "the very boring movie"),
-             ("nli", ("good", "bad")), ("score", "awful"), ("sentiment", "great")]
+    items = [
+        ("sentiment", "the movie was good"),
+        ("topic", "a film"),
+        ("nli", ("the film", "a movie")),
+        ("score", "great fun"),
+        ("sentiment", "bad film , not fun"),
+        ("topic", "the very boring movie"),
+        ("nli", ("good", "bad")),
+        ("score", "awful"),
+        ("sentiment", "great"),
+    ]
     random.Random(0).shuffle(items)
 
     results = model.predict(items, batch_size=5)  # two forwards, each over mixed tasks
@@ -283,7 +307,11 @@ def test_a_mixed_batch_gives_each_row_what_its_task_model_gives_alone(family, ma
         assert result.pop("task") == task
         assert result.keys() == alone.keys()
         for key, value in result.items():
-            assert value == pytest.approx(alone[key], abs=1e-5) if not isinstance(value, str) else value == alone[key]
+            assert (
+                value == pytest.approx(alone[key], abs=1e-5)
+                if not isinstance(value, str)
+                else value == alone[key]
+            )
 
     texts = [text for _, text in items if isinstance(text, str)]
     names = [task for task, text in items if isinstance(text, str)]
@@ -310,12 +338,17 @@ def test_a_folded_lora_gives_the_logits_of_the_unfolded_one(family, make_backbon
     torch.testing.assert_close(folded(input_ids, mask), expected, atol=1e-5, rtol=1e-5)
     assert not any(hook for m in folded.model.modules() for hook in m._forward_hooks.values())
     assert [r["label"] for r in folded.predict(sentences)] == [
-        r["label"] for r in predict(PeltModel(backbone, delta).eval(), sentences)]
+        r["label"] for r in predict(PeltModel(backbone, delta).eval(), sentences)
+    ]
     assert all(torch.equal(before[k], v) for k, v in backbone.model.state_dict().items())
     # a merged LoRA folds too
     merged = merge([delta, make(backbone, ("lora", {"r": 2}), 2, num_labels=3)])
-    torch.testing.assert_close(fold_lora(backbone, merged)(input_ids, mask),
-                               PeltModel(backbone, merged).eval()(input_ids, mask), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        fold_lora(backbone, merged)(input_ids, mask),
+        PeltModel(backbone, merged).eval()(input_ids, mask),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_only_lora_folds(make_backbone):
@@ -329,16 +362,20 @@ def test_only_lora_folds(make_backbone):
 # --------------------------------------------------------------------------------------------------
 # Saving and provenance
 # --------------------------------------------------------------------------------------------------
-def test_a_composed_delta_saves_loads_to_identical_logits_and_records_its_provenance(make_backbone, tmp_path,
-                                                                                     sentences):
+def test_a_composed_delta_saves_loads_to_identical_logits_and_records_its_provenance(
+    make_backbone, tmp_path, sentences
+):
     backbone = make_backbone("bert")
     inputs = []
     for seed in (1, 2):
         trained = make(backbone, ("lora", {"r": 2}), seed)
         saved = save_delta(trained, backbone, tmp_path / f"in{seed}")
-        inputs.append((state_dict_hash(trained), load_delta(saved.path, backbone, expected_sha256=saved.sha256)))
-    composed = merge({"sst2": inputs[0][1], "imdb": inputs[1][1]}, [0.5, 0.5], how="ties", density=0.3,
-                     lora_rank=4)
+        inputs.append(
+            (state_dict_hash(trained), load_delta(saved.path, backbone, expected_sha256=saved.sha256))
+        )
+    composed = merge(
+        {"sst2": inputs[0][1], "imdb": inputs[1][1]}, [0.5, 0.5], how="ties", density=0.3, lora_rank=4
+    )
     input_ids, mask = encode(backbone, sentences)
     expected = PeltModel(backbone, composed).eval()(input_ids, mask)
 
@@ -355,7 +392,9 @@ def test_a_composed_delta_saves_loads_to_identical_logits_and_records_its_proven
     assert provenance["backbone_hash"] == backbone.content_hash
     assert inputs[0][0] != inputs[1][0]
     assert [(i["name"], i["tensors_sha256"]) for i in provenance["inputs"]] == [
-        ("sst2", inputs[0][0]), ("imdb", inputs[1][0])]  # the hashes of the trained deltas, before saving
+        ("sst2", inputs[0][0]),
+        ("imdb", inputs[1][0]),
+    ]  # the hashes of the trained deltas, before saving
     assert loaded.manifest["extra"]["composition"] == provenance
 
     # a composed delta composes again; the next provenance names it by the hash it had before saving
@@ -377,7 +416,10 @@ def test_deltas_that_do_not_compose_are_refused_with_the_reason(make_backbone, t
         (lambda: merge(lora[0]), "not one delta"),
         (lambda: merge([lora[0], "x"]), "expected a JobDelta, got str"),
         (lambda: merge([lora[0], make(backbone, ("houlsby", {"size": 4}), 3)]), "uses method 'houlsby'"),
-        (lambda: merge([lora[0], make(backbone, ("lora", {"r": 2, "q.layers": "0"}), 3)]), "modules.q.layers"),
+        (
+            lambda: merge([lora[0], make(backbone, ("lora", {"r": 2, "q.layers": "0"}), 3)]),
+            "modules.q.layers",
+        ),
         (lambda: merge([lora[0], make(backbone, ("lora", {"r": 2}), 3, num_labels=3)]), "number of labels 2"),
         (lambda: merge([lora[0], make(backbone, ("lora", {"r": 2}), 3, pooling="cls")]), "pooling"),
         (lambda: merge(lora, [1.0]), "1 weights for 2 deltas"),

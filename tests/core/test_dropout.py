@@ -49,7 +49,9 @@ def test_keep_mask_refuses_a_probability_outside_0_1_and_dropout_hands_those_to_
         with pytest.raises(ValueError, match="dropout probability"):
             keep_mask((3,), p)
     assert torch.all(keep_mask((100,), 0.0))
-    assert torch.equal(cheap.dropout(torch.ones(10), 1.0), torch.zeros(10))  # nn.Dropout(p=1) zeroes everything
+    assert torch.equal(
+        cheap.dropout(torch.ones(10), 1.0), torch.zeros(10)
+    )  # nn.Dropout(p=1) zeroes everything
 
 
 def test_attention_in_bf16_computes_its_softmax_in_fp32():
@@ -98,8 +100,10 @@ def test_attention_dropout_multiplies_the_softmax_weights_by_the_keep_mask():
 
 
 def _model(family: str, tmp_path, method: str = "unipelt"):
-    dropouts = {"bert": {"hidden_dropout_prob": 0.2, "attention_probs_dropout_prob": 0.2},
-                "llama": {"attention_dropout": 0.2}}[family]
+    dropouts = {
+        "bert": {"hidden_dropout_prob": 0.2, "attention_probs_dropout_prob": 0.2},
+        "llama": {"attention_dropout": 0.2},
+    }[family]
     backbone = (tiny_bert if family == "bert" else tiny_llama)(str(tmp_path), **dropouts)
     torch.manual_seed(0)
     model = PeltModel(backbone, JobDelta(get_method(method), backbone, 2))
@@ -114,8 +118,9 @@ def test_a_pelt_model_swaps_the_backbones_dropout_modules_keeping_their_rate(tmp
 
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
-def test_training_forward_with_every_mask_kept_equals_the_backbone_without_dropout(family, tmp_path, monkeypatch,
-                                                                                   sentences):
+def test_training_forward_with_every_mask_kept_equals_the_backbone_without_dropout(
+    family, tmp_path, monkeypatch, sentences
+):
     """With the keep mask forced to ones, the cheap attention path (prefix, padding, GQA, causal) computes
     exactly what transformers' sdpa computes in eval mode."""
     backbone, model = _model(family, tmp_path)
@@ -123,11 +128,16 @@ def test_training_forward_with_every_mask_kept_equals_the_backbone_without_dropo
     model.eval()
     with torch.no_grad():
         expected = model(ids, mask)
-    monkeypatch.setattr(cheap, "keep_mask", lambda shape, p, device="cpu", generator=None:
-                        torch.ones(shape, dtype=torch.bool, device=device))
+    monkeypatch.setattr(
+        cheap,
+        "keep_mask",
+        lambda shape, p, device="cpu", generator=None: torch.ones(shape, dtype=torch.bool, device=device),
+    )
     monkeypatch.setattr(cheap, "keep_scale", lambda p: 1.0)
     model.train()
-    for delta in model.deltas.values():  # the head's and modules' own dropout off; only the backbone's is tested
+    for (
+        delta
+    ) in model.deltas.values():  # the head's and modules' own dropout off; only the backbone's is tested
         for module in delta.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0

@@ -53,7 +53,9 @@ def test_peft_export_loads_in_peft_with_the_same_logits(make_backbone, tmp_path,
     export = export_peft_lora(delta, backbone, tmp_path / "peft")
 
     config = json.loads((export / "adapter_config.json").read_text())
-    assert config["peft_type"] == "LORA" and config["r"] == 8 and config["target_modules"] == ["query", "value"]
+    assert (
+        config["peft_type"] == "LORA" and config["r"] == 8 and config["target_modules"] == ["query", "value"]
+    )
     base = TINY["bert"](str(tmp_path), seed=0).model
     loaded = peft.PeftModel.from_pretrained(base, str(export)).eval()
     hidden = loaded(input_ids=input_ids, attention_mask=mask).last_hidden_state

@@ -18,8 +18,12 @@ def expected_pelt_parameters(spec, backbone) -> int:
     kv = backbone.num_kv_heads * backbone.head_dim
     llama = backbone.arch.family == "llama"
     shapes = {  # representation -> list of (d_in, d_out) of the matrices it names
-        "attn.q": [(d, d)], "attn.k": [(d, kv)], "attn.v": [(d, kv)], "attn.o": [(d, d)],
-        "ffn.in": [(d, ffn)] * (2 if llama else 1), "ffn.out": [(ffn, d)],
+        "attn.q": [(d, d)],
+        "attn.k": [(d, kv)],
+        "attn.v": [(d, kv)],
+        "attn.o": [(d, d)],
+        "ffn.in": [(d, ffn)] * (2 if llama else 1),
+        "ffn.out": [(ffn, d)],
     }
     total = 0
     for module in spec.modules.values():
@@ -34,8 +38,12 @@ def expected_pelt_parameters(spec, backbone) -> int:
             total += count * (2 * module.size * d + d + module.size + gate)
     per_layer_biases = 0
     if spec.bias:
-        per_layer_biases += sum(out for _, out in [(0, d), (0, kv), (0, kv), (0, d)]) + sum(
-            out for _, out in shapes["ffn.in"]) + d + 2 * d  # linear biases + two norm shifts
+        per_layer_biases += (
+            sum(out for _, out in [(0, d), (0, kv), (0, kv), (0, d)])
+            + sum(out for _, out in shapes["ffn.in"])
+            + d
+            + 2 * d
+        )  # linear biases + two norm shifts
     if spec.layer_norm:
         per_layer_biases += 2 * d + (0 if spec.bias else 2 * d)  # two norms: scale (+ shift unless counted)
     return total + layers * per_layer_biases
@@ -59,7 +67,8 @@ def test_parameter_count_matches_the_papers_formula(name, family, make_backbone)
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_METHODS))
 def test_only_the_jobs_tensors_get_gradients_and_the_backbone_stays_bit_identical(
-        name, family, make_backbone, sentences):
+    name, family, make_backbone, sentences
+):
     backbone = make_backbone(family)
     before = {k: v.clone() for k, v in backbone.model.state_dict().items()}
     torch.manual_seed(0)
@@ -80,7 +89,9 @@ def test_only_the_jobs_tensors_get_gradients_and_the_backbone_stays_bit_identica
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-@pytest.mark.parametrize("name", ["lora", "lora_ffn", "parallel_adapter", "scaled_parallel_adapter", "bitfit"])
+@pytest.mark.parametrize(
+    "name", ["lora", "lora_ffn", "parallel_adapter", "scaled_parallel_adapter", "bitfit"]
+)
 def test_zero_initialised_methods_reproduce_the_backbone_exactly(name, family, make_backbone, sentences):
     backbone = make_backbone(family)
     input_ids, mask = encode(backbone, sentences)
@@ -107,8 +118,10 @@ def test_two_jobs_share_one_backbone_and_each_row_sees_only_its_own_modules(make
     prefix = JobDelta(get_method("prefix"), backbone, num_labels=3)
     houlsby = JobDelta(get_method("houlsby"), backbone, num_labels=2)
     input_ids, mask = encode(backbone, sentences)
-    alone = {name: PeltModel(backbone, d).eval()(input_ids, mask)
-             for name, d in {"lora": lora, "prefix": prefix, "houlsby": houlsby}.items()}
+    alone = {
+        name: PeltModel(backbone, d).eval()(input_ids, mask)
+        for name, d in {"lora": lora, "prefix": prefix, "houlsby": houlsby}.items()
+    }
     mixed = PeltModel(backbone, {"lora": lora, "prefix": prefix, "houlsby": houlsby}).eval()
     out = mixed(input_ids, mask, routes=[("lora", 1), ("prefix", 2), ("houlsby", 1)])
     torch.testing.assert_close(out[0], alone["lora"][:1])
@@ -138,11 +151,28 @@ def test_a_scaled_bottleneck_adds_s_times_the_unscaled_delta_and_a_learned_scale
     from pelt_core.layers import Bottleneck
     from pelt_core.spec import ModuleSpec
 
-    plain = ModuleSpec(form="bottleneck", representation="ffn", insertion="parallel", composition="add", size=4,
-                       nonlinearity="relu", init="near_identity", init_std=0.5)
-    scaled = ModuleSpec(form="bottleneck", representation="ffn", insertion="parallel", composition="scaled",
-                        scale=4.0, size=4, nonlinearity="relu", init="near_identity", init_std=0.5,
-                        learned_scale=learned)
+    plain = ModuleSpec(
+        form="bottleneck",
+        representation="ffn",
+        insertion="parallel",
+        composition="add",
+        size=4,
+        nonlinearity="relu",
+        init="near_identity",
+        init_std=0.5,
+    )
+    scaled = ModuleSpec(
+        form="bottleneck",
+        representation="ffn",
+        insertion="parallel",
+        composition="scaled",
+        scale=4.0,
+        size=4,
+        nonlinearity="relu",
+        init="near_identity",
+        init_std=0.5,
+        learned_scale=learned,
+    )
     torch.manual_seed(0)
     unscaled_module, scaled_module = Bottleneck(plain, 6, 6), Bottleneck(scaled, 6, 6)
     scaled_module.load_state_dict(unscaled_module.state_dict(), strict=False)

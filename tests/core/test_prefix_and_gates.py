@@ -37,8 +37,9 @@ def attend(q, k, v, key_mask, scale):
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_prefix_equals_explicit_key_value_concatenation_and_the_gated_form(attn_implementation, make_backbone,
-                                                                             sentences):
+def test_prefix_equals_explicit_key_value_concatenation_and_the_gated_form(
+    attn_implementation, make_backbone, sentences
+):
     backbone = make_backbone("bert", attn_implementation=attn_implementation)
     torch.manual_seed(0)
     delta = JobDelta(get_method("prefix", {"reparam_hidden": "none", "size": 3}), backbone, num_labels=2)
@@ -46,7 +47,7 @@ def test_prefix_equals_explicit_key_value_concatenation_and_the_gated_form(attn_
     input_ids, mask = encode(backbone, sentences)
     x, out = capture_first_attention(backbone, model, input_ids, mask)
 
-    n_heads, scale = backbone.num_heads, backbone.head_dim ** -0.5
+    n_heads, scale = backbone.num_heads, backbone.head_dim**-0.5
     q = heads(backbone.linear(0, "attn.q")(x), n_heads)
     k = heads(backbone.linear(0, "attn.k")(x), n_heads)
     v = heads(backbone.linear(0, "attn.v")(x), n_heads)
@@ -57,7 +58,9 @@ def test_prefix_equals_explicit_key_value_concatenation_and_the_gated_form(attn_
     prefix_valid = torch.ones(len(sentences), 3, dtype=torch.bool)
 
     # 1. concatenation: softmax(q [P_k; K]ᵀ) [P_v; V]
-    concat, _ = attend(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), torch.cat([prefix_valid, tokens], 1), scale)
+    concat, _ = attend(
+        q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), torch.cat([prefix_valid, tokens], 1), scale
+    )
     torch.testing.assert_close(out, concat.transpose(1, 2).reshape_as(out), atol=1e-5, rtol=1e-5)
 
     # 2. He et al.'s gated form: (1 - λ) Attn(q, K, V) + λ Attn(q, P_k, P_v)
@@ -96,8 +99,9 @@ def test_prefix_keeps_a_decoder_causal(make_backbone):
 def test_unipelt_gates_match_a_hand_computation(make_backbone, sentences):
     backbone = make_backbone("bert")
     torch.manual_seed(0)
-    spec = get_method("unipelt", {"size": 4, "prefix.reparam_hidden": "none", "init": "near_identity",
-                                  "init_std": 0.3})
+    spec = get_method(
+        "unipelt", {"size": 4, "prefix.reparam_hidden": "none", "init": "near_identity", "init_std": 0.3}
+    )
     delta = JobDelta(spec, backbone, num_labels=2)
     for gate in [m for m in delta.modules() if m.__class__.__name__ == "Gate"]:
         torch.nn.init.normal_(gate.proj.weight, std=0.5)
@@ -107,8 +111,10 @@ def test_unipelt_gates_match_a_hand_computation(make_backbone, sentences):
 
     seen = {}
     q_linear, ffn_out = backbone.linear(0, "attn.q"), backbone.linear(0, "ffn.out")
-    hooks = [q_linear.register_forward_hook(lambda m, a, o: seen.update(q_in=a[0], q_out=o)),
-             ffn_out.register_forward_hook(lambda m, a, o: seen.update(f_in=a[0], f_out=o))]
+    hooks = [
+        q_linear.register_forward_hook(lambda m, a, o: seen.update(q_in=a[0], q_out=o)),
+        ffn_out.register_forward_hook(lambda m, a, o: seen.update(f_in=a[0], f_out=o)),
+    ]
     model(input_ids, mask)
     for hook in hooks:
         hook.remove()

@@ -9,8 +9,20 @@ import pytest
 from pelt_core import BUILTIN_METHODS, MethodSpec, SpecError, TrainConfig, get_method
 from pelt_core.config import ConfigError, parse_assignments, split_overrides
 
-REQUIRED_PRESETS = {"bitfit", "houlsby", "pfeiffer", "prefix", "lora", "parallel_adapter", "scaled_parallel_adapter",
-                    "lora_ffn", "mam", "unipelt", "unipelt_ap", "unipelt_apl"}
+REQUIRED_PRESETS = {
+    "bitfit",
+    "houlsby",
+    "pfeiffer",
+    "prefix",
+    "lora",
+    "parallel_adapter",
+    "scaled_parallel_adapter",
+    "lora_ffn",
+    "mam",
+    "unipelt",
+    "unipelt_ap",
+    "unipelt_apl",
+}
 
 
 def test_all_presets_of_the_seed_papers_exist_and_validate():
@@ -27,19 +39,34 @@ def test_preset_round_trips_through_json(name):
 
 
 def test_user_defined_method_is_plain_data():
-    spec = get_method({
-        "name": "gated_ffn_lora",
-        "modules": {"ffn": {"form": "bottleneck", "representation": "ffn.in", "insertion": "parallel",
-                            "composition": "scaled", "size": 4, "alpha": 8, "nonlinearity": "identity",
-                            "proj_bias": False, "init": "lora", "gate": True}},
-        "bias": True,
-    })
+    spec = get_method(
+        {
+            "name": "gated_ffn_lora",
+            "modules": {
+                "ffn": {
+                    "form": "bottleneck",
+                    "representation": "ffn.in",
+                    "insertion": "parallel",
+                    "composition": "scaled",
+                    "size": 4,
+                    "alpha": 8,
+                    "nonlinearity": "identity",
+                    "proj_bias": False,
+                    "init": "lora",
+                    "gate": True,
+                }
+            },
+            "bias": True,
+        }
+    )
     assert spec.modules["ffn"].effective_scale == 2.0
     assert spec.bias
 
 
 def test_overrides_address_modules_by_role_or_alias():
-    spec = get_method("unipelt", {"lora_q.size": "4", "prefix_length": "5", "bottleneck": "16", "bias": "true"})
+    spec = get_method(
+        "unipelt", {"lora_q.size": "4", "prefix_length": "5", "bottleneck": "16", "bias": "true"}
+    )
     assert spec.modules["lora_q"].size == 4 and spec.modules["lora_v"].size == 8
     assert spec.modules["prefix"].size == 5
     assert spec.modules["adapter"].size == 16
@@ -47,14 +74,17 @@ def test_overrides_address_modules_by_role_or_alias():
     assert get_method("lora", {"r": 2}).modules["q"].effective_scale == 4.0  # α/r follows the rank
 
 
-@pytest.mark.parametrize(("method", "overrides", "names"), [
-    ("lora", {"r": "0"}, "size"),
-    ("lora", {"rank": "two"}, "rank"),
-    ("lora", {"nope.size": "2"}, "nope"),
-    ("lora", {"colour": "red"}, "colour"),
-    ("prefix", {"composition": "add"}, "composition"),
-    ("pfeiffer", {"nonlinearity": "cubic"}, "nonlinearity"),
-])
+@pytest.mark.parametrize(
+    ("method", "overrides", "names"),
+    [
+        ("lora", {"r": "0"}, "size"),
+        ("lora", {"rank": "two"}, "rank"),
+        ("lora", {"nope.size": "2"}, "nope"),
+        ("lora", {"colour": "red"}, "colour"),
+        ("prefix", {"composition": "add"}, "composition"),
+        ("pfeiffer", {"nonlinearity": "cubic"}, "nonlinearity"),
+    ],
+)
 def test_bad_overrides_name_the_field(method, overrides, names):
     with pytest.raises(SpecError, match=names):
         get_method(method, overrides)
@@ -72,8 +102,13 @@ def test_a_method_must_train_something():
 
 def test_train_config_validates_and_names_the_field():
     assert TrainConfig.from_dict({"learning_rate": "1e-3", "k_shot": "8", "epochs": "2"}).k_shot == 8
-    for bad, field in [({"learning_rate": 0}, "learning_rate"), ({"batch_size": 0}, "batch_size"),
-                       ({"k_shot": 0}, "k_shot"), ({"epochs": "many"}, "epochs"), ({"warmup": 1}, "warmup")]:
+    for bad, field in [
+        ({"learning_rate": 0}, "learning_rate"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"k_shot": 0}, "k_shot"),
+        ({"epochs": "many"}, "epochs"),
+        ({"warmup": 1}, "warmup"),
+    ]:
         with pytest.raises(ConfigError, match=field):
             TrainConfig.from_dict(bad)
 

@@ -58,7 +58,9 @@ def test_unreadable_and_unknown_files_are_named_in_the_error(tmp_path):
 
 
 def test_fields_are_detected_from_glue_names_or_named_explicitly(tmp_path):
-    pair = load_table(write(tmp_path / "p.jsonl", [{"sentence1": "a", "sentence2": "b", "label": 1}] * 3, "jsonl"))
+    pair = load_table(
+        write(tmp_path / "p.jsonl", [{"sentence1": "a", "sentence2": "b", "label": 1}] * 3, "jsonl")
+    )
     assert infer_task_fields(pair).text_fields == ("sentence1", "sentence2")
     odd = load_table(write(tmp_path / "o.jsonl", [{"body": "a", "stars": "good"}] * 3, "jsonl"))
     with pytest.raises(DataError, match="which column holds the text"):
@@ -89,14 +91,18 @@ def test_training_is_reproducible_by_seed(make_backbone):
     first = fit(make_backbone("bert"))
     second = fit(make_backbone("bert"))
     assert first.metrics == second.metrics
-    assert all(torch.equal(a, b) for a, b in zip(first.delta.state_dict().values(),
-                                                 second.delta.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(first.delta.state_dict().values(), second.delta.state_dict().values(), strict=True)
+    )
     third = fit(make_backbone("bert"), seed=1)
     assert third.metrics != first.metrics
 
 
-@pytest.mark.parametrize(("family", "method"), [("bert", m) for m in ("lora", "pfeiffer", "prefix", "unipelt", "bitfit")]
-                         + [("llama", "lora")])
+@pytest.mark.parametrize(
+    ("family", "method"),
+    [("bert", m) for m in ("lora", "pfeiffer", "prefix", "unipelt", "bitfit")] + [("llama", "lora")],
+)
 def test_a_few_epochs_learn_a_separable_toy_task(method, family, make_backbone):
     result = fit(make_backbone(family), method, epochs=8, learning_rate=1e-2)
     assert result.history[-1]["loss"] < result.history[0]["loss"]
@@ -114,14 +120,23 @@ def test_progress_reports_every_step_and_the_stop_flag_stops(make_backbone):
     assert [p.step for p in seen] == list(range(1, 13))
     assert all(p.total_steps == 12 and p.tokens_per_second > 0 for p in seen)
     with pytest.raises(TrainingCancelled, match="step 3"):
-        train(make_backbone("bert"), get_method("lora"), data, None, config, should_stop=lambda: len(seen) >= 15,
-              progress=seen.append)
+        train(
+            make_backbone("bert"),
+            get_method("lora"),
+            data,
+            None,
+            config,
+            should_stop=lambda: len(seen) >= 15,
+            progress=seen.append,
+        )
 
 
 def test_a_nan_loss_ends_the_job_with_a_clear_error(make_backbone):
     import datasets
 
-    data = datasets.Dataset.from_list([{"text": "good", "score": 0.5}, {"text": "bad", "score": float("nan")}])
+    data = datasets.Dataset.from_list(
+        [{"text": "good", "score": 0.5}, {"text": "bad", "score": float("nan")}]
+    )
     with pytest.raises(TrainingError, match="loss became nan at step 0"):
         train(make_backbone("bert"), get_method("lora"), data, None, TrainConfig(batch_size=2, bf16="false"))
     with pytest.raises(Exception, match="learning_rate"):
@@ -131,15 +146,30 @@ def test_a_nan_loss_ends_the_job_with_a_clear_error(make_backbone):
 def test_regression_and_multi_label_heads_train(make_backbone):
     import datasets
 
-    regression = datasets.Dataset.from_list([{"text": t, "score": float(i % 5) + 0.5} for i, t in
-                                             enumerate(POSITIVE + NEGATIVE)])
-    result = train(make_backbone("bert"), get_method("lora"), regression, regression,
-                   TrainConfig(epochs=1, batch_size=4, bf16="false"))
+    regression = datasets.Dataset.from_list(
+        [{"text": t, "score": float(i % 5) + 0.5} for i, t in enumerate(POSITIVE + NEGATIVE)]
+    )
+    result = train(
+        make_backbone("bert"),
+        get_method("lora"),
+        regression,
+        regression,
+        TrainConfig(epochs=1, batch_size=4, bf16="false"),
+    )
     assert {"pearson", "spearman", "mse"} <= set(result.metrics)
-    multi = datasets.Dataset.from_list([{"text": t, "labels": ["pos", "fun"] if i % 2 else ["neg"]} for i, t in
-                                        enumerate(POSITIVE + NEGATIVE)])
-    result = train(make_backbone("bert"), get_method("lora"), multi, multi, TrainConfig(epochs=1, batch_size=4,
-                                                                                        bf16="false"))
+    multi = datasets.Dataset.from_list(
+        [
+            {"text": t, "labels": ["pos", "fun"] if i % 2 else ["neg"]}
+            for i, t in enumerate(POSITIVE + NEGATIVE)
+        ]
+    )
+    result = train(
+        make_backbone("bert"),
+        get_method("lora"),
+        multi,
+        multi,
+        TrainConfig(epochs=1, batch_size=4, bf16="false"),
+    )
     assert result.task.problem_type == "multi_label_classification"
     assert result.task.label_names == ["fun", "neg", "pos"] and "micro_f1" in result.metrics
 

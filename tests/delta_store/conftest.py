@@ -45,8 +45,26 @@ BACKENDS = ["sqlite", pytest.param("server", marks=pytest.mark.postgres)]
 BACKBONE = "tiny-bert"  # the registry's name for the tiny backbone
 WORKER = "worker-1"
 
-POSITIVE = ["good", "great", "fun", "very good", "a great film", "the movie was fun", "great fun", "very great"]
-NEGATIVE = ["bad", "awful", "boring", "very bad", "an awful film", "the movie was boring", "not fun", "very awful"]
+POSITIVE = [
+    "good",
+    "great",
+    "fun",
+    "very good",
+    "a great film",
+    "the movie was fun",
+    "great fun",
+    "very great",
+]
+NEGATIVE = [
+    "bad",
+    "awful",
+    "boring",
+    "very bad",
+    "an awful film",
+    "the movie was boring",
+    "not fun",
+    "very awful",
+]
 TOPICS = {"w1": "sports", "w2": "music", "w3": "news"}
 SST2_TEXTS = ["the movie was good", "an awful film", "very boring , not fun", "great"]
 
@@ -59,8 +77,9 @@ def logits_of(backbone: Backbone, delta: Any, texts: list[str] = SST2_TEXTS) -> 
 
     batch = backbone.tokenizer(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
-        return PeltModel(backbone, delta).eval()(batch["input_ids"], batch["attention_mask"],
-                                                 batch.get("token_type_ids"))
+        return PeltModel(backbone, delta).eval()(
+            batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -70,12 +89,16 @@ def logits_of(backbone: Backbone, delta: Any, texts: list[str] = SST2_TEXTS) -> 
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two tiny tasks: sst2 (sentiment, 2 labels) and topic (3 labels)."""
     folder = tmp_path_factory.mktemp("data")
-    sst2 = [{"sentence": s, "label": "positive"} for s in POSITIVE] + \
-           [{"sentence": s, "label": "negative"} for s in NEGATIVE]
+    sst2 = [{"sentence": s, "label": "positive"} for s in POSITIVE] + [
+        {"sentence": s, "label": "negative"} for s in NEGATIVE
+    ]
     write_jsonl(folder / "sst2-train.jsonl", sst2 + sst2[::-1])
     write_jsonl(folder / "sst2-validation.jsonl", sst2)
-    topic = [{"text": f"{word} {filler} w{10 + i}", "label": label}
-             for i, (word, label) in enumerate(TOPICS.items()) for filler in ("the", "a", "was", "is")]
+    topic = [
+        {"text": f"{word} {filler} w{10 + i}", "label": label}
+        for i, (word, label) in enumerate(TOPICS.items())
+        for filler in ("the", "a", "was", "is")
+    ]
     write_jsonl(folder / "topic-train.jsonl", topic)
     write_jsonl(folder / "topic-validation.jsonl", topic)
     return folder
@@ -131,7 +154,9 @@ CATALOG = {  # key -> (task, method, method hyperparameters, seed)
 
 
 @pytest.fixture(scope="session")
-def trained(backbone: Backbone, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trained]:
+def trained(
+    backbone: Backbone, data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Trained]:
     """The catalog's deltas, each trained for 2 epochs with pelt_core (a second or so each)."""
     from pelt_core import TrainConfig, get_method
     from pelt_core.data import infer_task_fields, load_table
@@ -148,8 +173,12 @@ def trained(backbone: Backbone, data_dir: Path, tmp_path_factory: pytest.TempPat
         run = train(backbone, get_method(method, overrides), train_data, eval_data, config, task=fields)
         saved = save_delta(run.delta, backbone, root / key)
         counts = run.parameter_counts
-        result = {"metrics": dict(run.metrics), "trainable_params": counts["pelt"] + counts["head"],
-                  "trainable_percent": run.trainable_percent, "train_seconds": run.train_seconds}
+        result = {
+            "metrics": dict(run.metrics),
+            "trainable_params": counts["pelt"] + counts["head"],
+            "trainable_percent": run.trainable_percent,
+            "train_seconds": run.train_seconds,
+        }
         out[key] = Trained(task, method, dict(overrides), seed, saved.path, run.delta, result, run.history)
     return out
 
@@ -165,14 +194,22 @@ def registry_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def registry(registry_template: Path, tmp_path: Path, data_dir: Path, backbone: Backbone) -> Iterator[Registry]:
+def registry(
+    registry_template: Path, tmp_path: Path, data_dir: Path, backbone: Backbone
+) -> Iterator[Registry]:
     """A registry with tasks sst2 and topic and the tiny backbone registered."""
     path = tmp_path / "registry.db"
     shutil.copyfile(registry_template, path)
     with Registry(sqlite_url(path), lease_seconds=60, retry_backoff_seconds=0) as opened:
         for task, text in (("sst2", "sentence"), ("topic", "text")):
-            opened.register_task(task, {"train": data_dir / f"{task}-train.jsonl",
-                                        "validation": data_dir / f"{task}-validation.jsonl"}, text_fields=[text])
+            opened.register_task(
+                task,
+                {
+                    "train": data_dir / f"{task}-train.jsonl",
+                    "validation": data_dir / f"{task}-validation.jsonl",
+                },
+                text_fields=[text],
+            )
         opened.register_backbone(BACKBONE, backbone.source, backbone.content_hash)
         yield opened
 
@@ -193,8 +230,10 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One MLflow tracking server for the session, on a scratch PostgreSQL database."""
     base = os.environ.get(PG_ENV)
     if not base:
-        pytest.skip(f"{PG_ENV} is unset, so the MLflow server + PostgreSQL half of the delta-store tests cannot "
-                    "run (`make test` sets it when a local PostgreSQL is installed)")
+        pytest.skip(
+            f"{PG_ENV} is unset, so the MLflow server + PostgreSQL half of the delta-store tests cannot "
+            "run (`make test` sets it when a local PostgreSQL is installed)"
+        )
     url = create_postgres_database(base, prefix="pelt_test_mlflow_")
     folder = tmp_path_factory.mktemp("mlflow-server")
     server = MlflowServer(url, folder / "artifacts", folder / "server.log")
@@ -216,17 +255,28 @@ def tracking(store_backend: str, request: pytest.FixtureRequest, tmp_path: Path)
     if store_backend == "sqlite":
         path = tmp_path / "mlflow.db"
         shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
-        return {"tracking_uri": sqlite_url(path), "artifact_root": str(tmp_path / "mlartifacts"),
-                "namespace": "pelt"}
-    return {"tracking_uri": request.getfixturevalue("mlflow_server"), "artifact_root": None,
-            "namespace": f"t{secrets.token_hex(5)}"}
+        return {
+            "tracking_uri": sqlite_url(path),
+            "artifact_root": str(tmp_path / "mlartifacts"),
+            "namespace": "pelt",
+        }
+    return {
+        "tracking_uri": request.getfixturevalue("mlflow_server"),
+        "artifact_root": None,
+        "namespace": f"t{secrets.token_hex(5)}",
+    }
 
 
 @pytest.fixture
 def store(tracking: dict[str, Any], registry: Registry, backbone: Backbone) -> MlflowDeltaStore:
     """The store under test, wired to the test's registry, reusing the session's backbone."""
-    return MlflowDeltaStore(tracking["tracking_uri"], tracking["artifact_root"], registry=registry,
-                            namespace=tracking["namespace"], backbones=[backbone])
+    return MlflowDeltaStore(
+        tracking["tracking_uri"],
+        tracking["artifact_root"],
+        registry=registry,
+        namespace=tracking["namespace"],
+        backbones=[backbone],
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -238,13 +288,24 @@ def job_spec(registry: Registry, job_id: int) -> JobSpec:
     task = registry.get_task(record.task)
     return JobSpec(
         job_id=record.id,
-        task=TaskSpec(name=task.name, train_path=task.source["train"], validation_path=task.source.get("validation"),
-                      text_fields=tuple(task.text_fields), label_field=task.label_field,
-                      problem_type=task.problem_type,
-                      label_names=None if task.label_names is None else tuple(task.label_names),
-                      metric=task.metric, metric_direction=task.metric_direction, max_length=task.max_length),
-        method=record.method, method_spec=record.method_spec, train_config=record.train_config,
-        backbone=record.backbone, attempt=record.attempts, sweep_id=record.sweep_id,
+        task=TaskSpec(
+            name=task.name,
+            train_path=task.source["train"],
+            validation_path=task.source.get("validation"),
+            text_fields=tuple(task.text_fields),
+            label_field=task.label_field,
+            problem_type=task.problem_type,
+            label_names=None if task.label_names is None else tuple(task.label_names),
+            metric=task.metric,
+            metric_direction=task.metric_direction,
+            max_length=task.max_length,
+        ),
+        method=record.method,
+        method_spec=record.method_spec,
+        train_config=record.train_config,
+        backbone=record.backbone,
+        attempt=record.attempts,
+        sweep_id=record.sweep_id,
     )
 
 
@@ -252,8 +313,9 @@ def claim(registry: Registry, delta: Trained, *, sweep: bool = False) -> JobSpec
     """Submit the job that trains `delta` (alone, or as a one-job sweep) and claim it."""
     hyperparameters = {**TRAINING, **delta.hyperparameters}
     if sweep:
-        job_id = registry.submit_sweep(delta.task, [delta.method], [delta.seed], [None], BACKBONE,
-                                       hyperparameters).job_ids[0]
+        job_id = registry.submit_sweep(
+            delta.task, [delta.method], [delta.seed], [None], BACKBONE, hyperparameters
+        ).job_ids[0]
     else:
         job_id = registry.submit_job(delta.task, delta.method, BACKBONE, hyperparameters, seed=delta.seed).id
     claimed = registry.claim_job(WORKER)
@@ -269,7 +331,9 @@ def with_metric(delta: Trained, accuracy: float | None) -> dict[str, Any]:
     return result
 
 
-def run_job(store: MlflowDeltaStore, registry: Registry, delta: Trained, accuracy: float | None = None) -> JobSpec:
+def run_job(
+    store: MlflowDeltaStore, registry: Registry, delta: Trained, accuracy: float | None = None
+) -> JobSpec:
     """A whole successful job: claim, then store + complete + finalize (`complete_job`)."""
     job = claim(registry, delta)
     store.complete_job(job, WORKER, delta.folder, with_metric(delta, accuracy), delta.history)

@@ -37,11 +37,17 @@ def test_pull_by_task_name_returns_the_trained_models_logits(store, registry, tr
 
 def test_pull_loads_the_backbone_its_manifest_names(tracking, store, registry, trained, backbone_dir):
     run_job(store, registry, trained["lora-0"], accuracy=0.7)
-    fresh = MlflowDeltaStore(tracking["tracking_uri"], tracking["artifact_root"], registry=registry,
-                             namespace=tracking["namespace"])  # no backbone given: Backbone.load(manifest name)
+    fresh = MlflowDeltaStore(
+        tracking["tracking_uri"],
+        tracking["artifact_root"],
+        registry=registry,
+        namespace=tracking["namespace"],
+    )  # no backbone given: Backbone.load(manifest name)
     pulled = fresh.pull("sst2")
     assert pulled.manifest["backbone"]["name"] == str(backbone_dir)
-    assert pulled.backbone is not store._backbones[pulled.backbone.content_hash]  # loaded anew, from the folder
+    assert (
+        pulled.backbone is not store._backbones[pulled.backbone.content_hash]
+    )  # loaded anew, from the folder
     torch.testing.assert_close(pulled.logits(SST2_TEXTS), store.pull("sst2").logits(SST2_TEXTS))
     assert fresh.pull("sst2").backbone is pulled.backbone  # loaded once per store
 
@@ -80,7 +86,9 @@ def test_pulling_an_unknown_task_method_alias_or_version_lists_what_exists(store
         store.pull("sst2", method="houlsby")
     with pytest.raises(DeltaNotFoundError, match=r"no version '9'.*known versions: 1, 2"):
         store.pull("sst2", version=9)
-    with pytest.raises(DeltaNotFoundError, match=r"no alias 'soup'.*known aliases: best, best-bitfit, best-lora"):
+    with pytest.raises(
+        DeltaNotFoundError, match=r"no alias 'soup'.*known aliases: best, best-bitfit, best-lora"
+    ):
         store.pull("sst2", alias="soup")
 
 

@@ -41,8 +41,9 @@ def test_a_jobs_run_holds_its_params_metric_history_tags_and_delta(store, regist
     assert tags["pelt.sweep_id"] == str(job.sweep_id) and tags["pelt.kind"] == "job"
 
     history = store.client.get_metric_history(run.info.run_id, "accuracy")  # one point per epoch
-    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == \
-        [(r["epoch"], pytest.approx(r["accuracy"])) for r in delta.history]
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [
+        (r["epoch"], pytest.approx(r["accuracy"])) for r in delta.history
+    ]
     assert len(store.client.get_metric_history(run.info.run_id, "loss")) == 2
     assert run.data.metrics["final/accuracy"] == 0.75  # the final metrics, as the registry recorded them
     assert run.data.metrics["trainable_params"] == delta.result["trainable_params"]
@@ -74,8 +75,11 @@ def test_three_jobs_of_two_methods_give_three_versions_and_best_aliases(store, r
     ]
     for info in versions:  # each version is the one the registry recorded, with the same sha256
         result = registry.get_result(info.job_id)
-        assert (result.mlflow_model_version, result.delta_sha256, result.mlflow_run_id) == \
-            (info.version, info.sha256, info.run_id)
+        assert (result.mlflow_model_version, result.delta_sha256, result.mlflow_run_id) == (
+            info.version,
+            info.sha256,
+            info.run_id,
+        )
         assert info.source == f"runs:/{info.run_id}/delta"
     assert aliases(store) == {"best": "3", "best-lora": "3", "best-bitfit": "2"}
     assert store.list_tasks() == ["sst2"]
@@ -124,8 +128,9 @@ def test_a_retry_of_the_same_delta_reuses_its_version(store, registry, trained):
     stored = store.store(job, delta.folder, with_metric(delta, 0.7), delta.history)
     registry.fail_job(job.job_id, WORKER, "worker lost", retryable=True)
     registry.claim_job("worker-2")
-    record = store.complete_job(job_spec(registry, job.job_id), "worker-2", delta.folder,
-                                with_metric(delta, 0.7), delta.history)
+    record = store.complete_job(
+        job_spec(registry, job.job_id), "worker-2", delta.folder, with_metric(delta, 0.7), delta.history
+    )
     assert record.mlflow_model_version == stored.model_version
     assert [v.version for v in store.list_versions("sst2")] == [stored.model_version]
 
@@ -136,11 +141,14 @@ def test_two_workers_completing_one_job_keep_the_recorded_version(store, registr
     slow_stored = store.store(job, slow.folder, with_metric(slow, 0.7), slow.history)  # then its lease lapses
     registry.fail_job(job.job_id, WORKER, "lease expired", retryable=True)
     registry.claim_job("worker-2")
-    fast_stored = store.store(job_spec(registry, job.job_id), fast.folder, with_metric(fast, 0.8), fast.history)
+    fast_stored = store.store(
+        job_spec(registry, job.job_id), fast.folder, with_metric(fast, 0.8), fast.history
+    )
     assert len(store.list_versions("sst2")) == 2  # until the registry decides
 
-    record = store.complete_job(job_spec(registry, job.job_id), "worker-2", fast.folder,
-                                with_metric(fast, 0.8), fast.history)
+    record = store.complete_job(
+        job_spec(registry, job.job_id), "worker-2", fast.folder, with_metric(fast, 0.8), fast.history
+    )
     late = store.complete_job(job, WORKER, slow.folder, with_metric(slow, 0.7), slow.history)  # lapsed worker
     assert late == record and record.mlflow_model_version == fast_stored.model_version
     assert [v.version for v in store.list_versions("sst2")] == [fast_stored.model_version]
@@ -151,9 +159,17 @@ def test_a_crash_between_result_and_aliases_is_repaired_by_sync(store, registry,
     delta = trained["lora-0"]
     job = claim(registry, delta)
     stored = store.store(job, delta.folder, with_metric(delta, 0.7), delta.history)
-    registry.complete_job(job.job_id, WORKER, {**with_metric(delta, 0.7), "delta_uri": stored.uri,
-                                               "delta_sha256": stored.sha256, "mlflow_run_id": stored.run_id,
-                                               "mlflow_model_version": stored.model_version})
+    registry.complete_job(
+        job.job_id,
+        WORKER,
+        {
+            **with_metric(delta, 0.7),
+            "delta_uri": stored.uri,
+            "delta_sha256": stored.sha256,
+            "mlflow_run_id": stored.run_id,
+            "mlflow_model_version": stored.model_version,
+        },
+    )
     assert aliases(store) == {}  # the process died here, before the alias step
 
     expected = {"best": stored.model_version, "best-lora": stored.model_version}
@@ -172,7 +188,9 @@ def test_a_failed_jobs_version_is_dropped(store, registry, trained):
 
 
 def test_without_a_registry_the_last_attempt_replaces_the_earlier_ones(tracking, registry, trained):
-    store = MlflowDeltaStore(tracking["tracking_uri"], tracking["artifact_root"], namespace=tracking["namespace"])
+    store = MlflowDeltaStore(
+        tracking["tracking_uri"], tracking["artifact_root"], namespace=tracking["namespace"]
+    )
     first, second = trained["lora-0"], trained["lora-1"]
     job = claim(registry, first)
     store.store(job, first.folder, with_metric(first, 0.7), first.history)

@@ -99,19 +99,27 @@ def test_a_tracking_server_that_does_not_answer_is_a_clear_error():
 def test_the_store_travels_to_workers_by_pickle(store, registry, trained):
     run_job(store, registry, trained["lora-0"], accuracy=0.7)
     copy = pickle.loads(pickle.dumps(store))  # what Ray does with the sink
-    assert (copy.tracking_uri, copy.namespace, copy.artifact_root) == \
-        (store.tracking_uri, store.namespace, store.artifact_root)
+    assert (copy.tracking_uri, copy.namespace, copy.artifact_root) == (
+        store.tracking_uri,
+        store.namespace,
+        store.artifact_root,
+    )
     assert str(copy.registry.engine.url) == str(registry.engine.url)
     assert [v.version for v in copy.list_versions("sst2")] == ["1"]
 
 
 def test_importing_the_store_is_light_and_turns_telemetry_off():
     # light: no MLflow, torch or transformers (pelt_core's pure-Python tables, e.g. its limits, may load)
-    code = ("import json, os, sys; import services.delta_store; "
-            "print(json.dumps({'loaded': [m for m in ('mlflow', 'torch', 'transformers') "
-            "if m in sys.modules], 'telemetry_off': os.environ.get('MLFLOW_DISABLE_TELEMETRY'), "
-            "'do_not_track': os.environ.get('DO_NOT_TRACK')}))")
+    code = (
+        "import json, os, sys; import services.delta_store; "
+        "print(json.dumps({'loaded': [m for m in ('mlflow', 'torch', 'transformers') "
+        "if m in sys.modules], 'telemetry_off': os.environ.get('MLFLOW_DISABLE_TELEMETRY'), "
+        "'do_not_track': os.environ.get('DO_NOT_TRACK')}))"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"loaded": [], "telemetry_off": "true",
-                                                               "do_not_track": "true"}
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "loaded": [],
+        "telemetry_off": "true",
+        "do_not_track": "true",
+    }

@@ -103,8 +103,10 @@ def test_a_claimer_killed_while_holding_a_lease_loses_the_job_to_the_lease_and_i
         first = registry.get_job(job_id)
         first_expiry = aware(first.lease_expires_at)
         # a heartbeat (every 0.1 s) renews the 1.5 s lease: at the moment the claim's lease ran out, it holds
-        renewed = wait_until(lambda: aware(registry.get_job(job_id).heartbeat_at) > aware(first.heartbeat_at),
-                             "a heartbeat from the victim")
+        renewed = wait_until(
+            lambda: aware(registry.get_job(job_id).heartbeat_at) > aware(first.heartbeat_at),
+            "a heartbeat from the victim",
+        )
         assert renewed
         clock.now = first_expiry + timedelta(milliseconds=1)
         assert registry.requeue_expired_leases() == []

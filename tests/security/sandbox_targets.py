@@ -13,10 +13,15 @@ from typing import Any
 
 def what_the_child_sees(request: dict[str, Any], report: Any) -> dict[str, Any]:
     """The child's environment, working folder, import path and resource limits."""
-    return {"environment": sorted(os.environ), "cwd": os.getcwd(), "cwd_entries": os.listdir("."),
-            "path": sys.path, "core": resource.getrlimit(resource.RLIMIT_CORE)[0],
-            "file_size": resource.getrlimit(resource.RLIMIT_FSIZE)[0],
-            "open_files": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}
+    return {
+        "environment": sorted(os.environ),
+        "cwd": os.getcwd(),
+        "cwd_entries": os.listdir("."),
+        "path": sys.path,
+        "core": resource.getrlimit(resource.RLIMIT_CORE)[0],
+        "file_size": resource.getrlimit(resource.RLIMIT_FSIZE)[0],
+        "open_files": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+    }
 
 
 def invalid_utf8_on_stderr(request: dict[str, Any], report: Any) -> dict[str, Any]:

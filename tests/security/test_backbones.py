@@ -72,7 +72,8 @@ def no_server_path_in(text: str, *paths: Path) -> None:
 
 
 def test_a_folder_of_an_uploaded_dataset_archive_is_refused_even_inside_an_allowed_folder(
-        api, client, tiny_bert_dir, tmp_path):
+    api, client, tiny_bert_dir, tmp_path
+):
     from datasets import Dataset
 
     folder = tmp_path / "upload"
@@ -93,7 +94,8 @@ def test_a_folder_of_an_uploaded_dataset_archive_is_refused_even_inside_an_allow
 
 
 def test_a_model_folder_in_an_allowed_folder_registers_by_its_name_or_its_absolute_path(
-        api, client, models, tiny_bert_dir):
+    api, client, models, tiny_bert_dir
+):
     model_folder(tiny_bert_dir, models / "my-bert")
     tiny_hash = api.registry.get_backbone(BACKBONE).content_hash
 
@@ -108,11 +110,20 @@ def test_a_model_folder_in_an_allowed_folder_registers_by_its_name_or_its_absolu
 
 
 def test_a_folder_outside_every_allowed_folder_is_refused_the_same_whether_it_exists_or_not(
-        api, client, models, tiny_bert_dir, tmp_path):
+    api, client, models, tiny_bert_dir, tmp_path
+):
     outside = model_folder(tiny_bert_dir, tmp_path / "elsewhere" / "bert")
     before = snapshot(api)
     messages = set()
-    for source in (str(outside), "../elsewhere/bert", "/etc", "/etc/passwd", ".", "no-such-model", "/no/such"):
+    for source in (
+        str(outside),
+        "../elsewhere/bert",
+        "/etc",
+        "/etc/passwd",
+        ".",
+        "no-such-model",
+        "/no/such",
+    ):
         error = refused(lambda source=source: client.register_backbone("outside", source), 422)
         no_server_path_in(error.message, models, api.settings.data_dir)
         messages.add(re.sub(r"^source: '[^']*'", "source: SOURCE", error.message))
@@ -167,31 +178,47 @@ def load_under_memory_limit(source: Path, **load_arguments: object) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize(("config", "words"), [
-    ({"hidden_size": 10**6}, "config.hidden_size: must be in [1, 16384], got 1000000"),
-    ({"num_hidden_layers": 0}, "config.num_hidden_layers: must be in [1, 256], got 0"),
-    ({"vocab_size": 2.5}, "config.vocab_size: must be a whole number"),
-    ({"hidden_size": 16_384, "intermediate_size": 131_072, "num_hidden_layers": 256, "num_attention_heads": 128},
-     "parameters, more than"),
-])
-def test_backbone_load_refuses_a_config_out_of_range_before_building_anything(tiny_bert_dir, tmp_path, config,
-                                                                                words):
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"hidden_size": 10**6}, "config.hidden_size: must be in [1, 16384], got 1000000"),
+        ({"num_hidden_layers": 0}, "config.num_hidden_layers: must be in [1, 256], got 0"),
+        ({"vocab_size": 2.5}, "config.vocab_size: must be a whole number"),
+        (
+            {
+                "hidden_size": 16_384,
+                "intermediate_size": 131_072,
+                "num_hidden_layers": 256,
+                "num_attention_heads": 128,
+            },
+            "parameters, more than",
+        ),
+    ],
+)
+def test_backbone_load_refuses_a_config_out_of_range_before_building_anything(
+    tiny_bert_dir, tmp_path, config, words
+):
     folder = model_folder(tiny_bert_dir, tmp_path / "bad", **config)  # the tiny weights: the config decides
     outcome = load_under_memory_limit(folder)
     assert outcome.startswith("BackboneError:") and words in outcome, outcome
 
 
 def test_backbone_load_takes_a_lower_parameter_bound_and_weights_are_required(tiny_bert_dir, tmp_path):
-    assert "parameters, more than the limit 1,000" in load_under_memory_limit(tiny_bert_dir, max_parameters=1000)
-    assert "no weights" in load_under_memory_limit(model_folder(tiny_bert_dir, tmp_path / "bare", weights=False))
+    assert "parameters, more than the limit 1,000" in load_under_memory_limit(
+        tiny_bert_dir, max_parameters=1000
+    )
+    assert "no weights" in load_under_memory_limit(
+        model_folder(tiny_bert_dir, tmp_path / "bare", weights=False)
+    )
     assert load_under_memory_limit(tiny_bert_dir) == "loaded"
 
 
 # --- loading off the request path ----------------------------------------------------------------------
 
 
-def test_a_loader_that_runs_out_of_its_memory_limit_is_a_422_and_the_api_stays_up(api, client, models,
-                                                                                  tiny_bert_dir):
+def test_a_loader_that_runs_out_of_its_memory_limit_is_a_422_and_the_api_stays_up(
+    api, client, models, tiny_bert_dir
+):
     model_folder(tiny_bert_dir, models / "my-bert")
     api.settings.backbone_load_memory_bytes = 64 << 20  # too little to import torch in the loader
     before = snapshot(api)
@@ -214,14 +241,19 @@ def test_a_loader_past_its_time_limit_is_a_422(api, client, models, tiny_bert_di
 # --- what the API shows --------------------------------------------------------------------------------
 
 
-def test_backbones_are_shown_by_alias_or_relative_folder_never_an_absolute_path(api, client, models,
-                                                                                tiny_bert_dir, tmp_path):
+def test_backbones_are_shown_by_alias_or_relative_folder_never_an_absolute_path(
+    api, client, models, tiny_bert_dir, tmp_path
+):
     api.registry.register_backbone("packaged", "all-minilm-l6-v2", "sha256:" + "0" * 64)
     api.registry.register_backbone("nested", str(models / "team" / "bert"), "sha256:" + "1" * 64)
     api.registry.register_backbone("legacy", str(tmp_path / "gone" / "old-bert"), "sha256:" + "2" * 64)
     shown = {b.name: b.source for b in client.backbones()}
-    assert shown == {BACKBONE: "tiny-bert", "packaged": "all-minilm-l6-v2", "nested": "team/bert",
-                     "legacy": "old-bert"}
+    assert shown == {
+        BACKBONE: "tiny-bert",
+        "packaged": "all-minilm-l6-v2",
+        "nested": "team/bert",
+        "legacy": "old-bert",
+    }
     assert client.http.get(f"/v1/backbones/{BACKBONE}").json()["source"] == "tiny-bert"
     listing = client.http.get("/v1/backbones").text
     no_server_path_in(listing, tmp_path, tiny_bert_dir, models)

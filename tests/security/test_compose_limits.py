@@ -47,17 +47,21 @@ def versions(api: Api, task: str) -> list[str]:
     return [v.version for v in api.store.list_versions(task)] if task in api.store.list_tasks() else []
 
 
-@pytest.mark.parametrize(("op", "options", "field", "words"), [
-    ("merge", {"lora_rank": 1_000_000}, "options.lora_rank", "in [1, 16384]"),
-    ("merge", {"lora_rank": 16_384}, "options.lora_rank", "at most 32"),
-    ("merge", {"how": "ties", "density": 0.5, "lora_rank": 33}, "options.lora_rank", "at most 32"),
-    ("average", {"lora_rank": 1_000_000}, "options.lora_rank", "in [1, 16384]"),
-    ("average", {"lora_rank": 33}, "options.lora_rank", "at most 32"),
-    ("merge_lora_svd", {"rank": 1_000_000}, "options.rank", "in [1, 16384]"),
-    ("merge_lora_svd", {"rank": 33}, "options.rank", "at most 32"),
-])
-def test_a_rank_above_what_the_matrices_hold_is_422_and_writes_no_version(client, api, loras, op, options, field,
-                                                                          words):
+@pytest.mark.parametrize(
+    ("op", "options", "field", "words"),
+    [
+        ("merge", {"lora_rank": 1_000_000}, "options.lora_rank", "in [1, 16384]"),
+        ("merge", {"lora_rank": 16_384}, "options.lora_rank", "at most 32"),
+        ("merge", {"how": "ties", "density": 0.5, "lora_rank": 33}, "options.lora_rank", "at most 32"),
+        ("average", {"lora_rank": 1_000_000}, "options.lora_rank", "in [1, 16384]"),
+        ("average", {"lora_rank": 33}, "options.lora_rank", "at most 32"),
+        ("merge_lora_svd", {"rank": 1_000_000}, "options.rank", "in [1, 16384]"),
+        ("merge_lora_svd", {"rank": 33}, "options.rank", "at most 32"),
+    ],
+)
+def test_a_rank_above_what_the_matrices_hold_is_422_and_writes_no_version(
+    client, api, loras, op, options, field, words
+):
     before = versions(api, "toy")
     refused(lambda: client.compose(op, loras, "soup", **options), 422, field, words)
     assert versions(api, "toy") == before and versions(api, "soup") == []
@@ -68,22 +72,26 @@ def test_ranks_up_to_the_matrices_or_the_sources_summed_rank_compose(client, api
     assert client.compose("merge_lora_svd", loras, "soup", rank=4).version == "2"  # 2 + 2
 
 
-@pytest.mark.parametrize(("op", "options", "field"), [
-    ("merge", {"weights": [1.0]}, "options.weights"),
-    ("merge", {"weights": [1.0, math.nan]}, "options.weights[1]"),
-    ("merge", {"weights": [1.0, 1e300]}, "options.weights[1]"),
-    ("merge", {"weights": "1,1"}, "options.weights"),
-    ("merge", {"how": "ties", "density": 0}, "options.density"),
-    ("merge", {"how": "dare", "density": 2}, "options.density"),
-    ("merge", {"how": "dare", "seed": 2**40}, "options.seed"),
-    ("merge", {"how": "dare", "seed": 1.5}, "options.seed"),
-    ("merge", {"scale": math.inf}, "options.scale"),
-    ("merge", {"how": "magic"}, "options.how"),
-    ("merge", {"lora_rank": "8"}, "options.lora_rank"),
-    ("merge_lora_svd", {"rank": True}, "options.rank"),
-])
-def test_compose_options_of_the_wrong_type_or_range_are_422_before_anything_is_pulled(client, api, loras, monkeypatch,
-                                                                                      op, options, field):
+@pytest.mark.parametrize(
+    ("op", "options", "field"),
+    [
+        ("merge", {"weights": [1.0]}, "options.weights"),
+        ("merge", {"weights": [1.0, math.nan]}, "options.weights[1]"),
+        ("merge", {"weights": [1.0, 1e300]}, "options.weights[1]"),
+        ("merge", {"weights": "1,1"}, "options.weights"),
+        ("merge", {"how": "ties", "density": 0}, "options.density"),
+        ("merge", {"how": "dare", "density": 2}, "options.density"),
+        ("merge", {"how": "dare", "seed": 2**40}, "options.seed"),
+        ("merge", {"how": "dare", "seed": 1.5}, "options.seed"),
+        ("merge", {"scale": math.inf}, "options.scale"),
+        ("merge", {"how": "magic"}, "options.how"),
+        ("merge", {"lora_rank": "8"}, "options.lora_rank"),
+        ("merge_lora_svd", {"rank": True}, "options.rank"),
+    ],
+)
+def test_compose_options_of_the_wrong_type_or_range_are_422_before_anything_is_pulled(
+    client, api, loras, monkeypatch, op, options, field
+):
     def no_pull(*args, **kwargs):
         raise AssertionError("pulled a delta for a request that was bad from the start")
 
@@ -134,7 +142,9 @@ def test_a_composition_whose_audit_fails_is_503_and_leaves_no_version(client, ap
     refused(lambda: client.compose("merge", loras, "toy", aliases=["soup"]), 503, words="busy")
     assert versions(api, "toy") == before
     refused(lambda: client.compose("merge", loras, "fresh"), 503, words="busy")
-    assert versions(api, "fresh") == [] and "delta.compose" not in {e.action for e in api.registry.audit_events()}
+    assert versions(api, "fresh") == [] and "delta.compose" not in {
+        e.action for e in api.registry.audit_events()
+    }
     monkeypatch.undo()
     composed = client.compose("merge", loras, "fresh")
     assert api.registry.audit_events()[0].target == f"fresh version {composed.version}"
@@ -168,7 +178,9 @@ ATTACK = textwrap.dedent("""
 
 
 def test_a_huge_rank_is_refused_before_anything_is_allocated_under_a_memory_limit():
-    done = subprocess.run([sys.executable, "-c", ATTACK], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", ATTACK], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("refused: lora_rank: must be in [1, 16384]"), lines
@@ -180,8 +192,12 @@ def test_a_huge_rank_is_refused_before_anything_is_allocated_under_a_memory_limi
 def test_the_service_applies_pelt_cores_compose_options_which_the_table_bounds(client, api, loras):
     from pelt_core.compose import OPTIONS
 
-    refused(lambda: client.compose("average", loras, "soup", how="ties"), 422, "options.how",
-            "not an option of average; its options: lora_rank")
+    refused(
+        lambda: client.compose("average", loras, "soup", how="ties"),
+        422,
+        "options.how",
+        "not an option of average; its options: lora_rank",
+    )
     assert versions(api, "soup") == []
     for name in ("backbone", "into", "aliases", "description", "on_written"):  # the store's own parameters
         body = {"op": "merge", "sources": loras, "into": "soup", "options": {name: "x"}}

@@ -23,9 +23,18 @@ from tests.api.conftest import BACKBONE, Api
 
 def secrets_of_the_machine(api: Api) -> list[str]:
     """What no answer may contain: the data folder, the temporary folder, the stores' URIs and files."""
-    return [str(api.settings.data_dir), str(api.settings.data_dir.parent), tempfile.gettempdir() + "/",
-            api.settings.mlflow_tracking_uri, api.settings.database_url, "mlflow.db", "registry.db",
-            "mlartifacts", "Traceback", 'File "']
+    return [
+        str(api.settings.data_dir),
+        str(api.settings.data_dir.parent),
+        tempfile.gettempdir() + "/",
+        api.settings.mlflow_tracking_uri,
+        api.settings.database_url,
+        "mlflow.db",
+        "registry.db",
+        "mlartifacts",
+        "Traceback",
+        'File "',
+    ]
 
 
 def assert_tells_nothing(api: Api, text: str) -> None:
@@ -43,21 +52,31 @@ def error_responses(api: Api, toy_task: str, tiny_bert_dir: Path) -> dict[str, o
         "deltas of a task without versions": http.get("/v1/tasks/toy/deltas/info", headers=auth),
         "deltas of an unknown task": http.get("/v1/tasks/nope/deltas", headers=auth),
         "download of an unknown version": http.get("/v1/tasks/toy/deltas/download?version=7", headers=auth),
-        "compose of unknown deltas": http.post("/v1/compose", headers=auth,
-                                               json={"op": "merge", "sources": ["nope/1", "toy/3"], "into": "x"}),
-        "a backbone from a missing folder": http.post("/v1/backbones", headers=auth,
-                                                      json={"name": "mine", "source": str(missing)}),
-        "a backbone from the data folder": http.post("/v1/backbones", headers=auth,
-                                                     json={"name": "mine2", "source": str(api.settings.data_dir)}),
-        "a job on an unknown backbone": http.post("/v1/jobs", headers=auth,
-                                                  json={"task": toy_task, "method": "lora", "backbone": "nope"}),
-        "a job on an unknown task": http.post("/v1/jobs", headers=auth, json={"task": "nope", "method": "lora"}),
-        "a broken data file": http.post("/v1/tasks", headers=auth,
-                                        data={"name": "broken", "definition": json.dumps({"text_fields": ["sentence"]})},
-                                        files={"train": ("train.jsonl", bad_rows)}),
+        "compose of unknown deltas": http.post(
+            "/v1/compose", headers=auth, json={"op": "merge", "sources": ["nope/1", "toy/3"], "into": "x"}
+        ),
+        "a backbone from a missing folder": http.post(
+            "/v1/backbones", headers=auth, json={"name": "mine", "source": str(missing)}
+        ),
+        "a backbone from the data folder": http.post(
+            "/v1/backbones", headers=auth, json={"name": "mine2", "source": str(api.settings.data_dir)}
+        ),
+        "a job on an unknown backbone": http.post(
+            "/v1/jobs", headers=auth, json={"task": toy_task, "method": "lora", "backbone": "nope"}
+        ),
+        "a job on an unknown task": http.post(
+            "/v1/jobs", headers=auth, json={"task": "nope", "method": "lora"}
+        ),
+        "a broken data file": http.post(
+            "/v1/tasks",
+            headers=auth,
+            data={"name": "broken", "definition": json.dumps({"text_fields": ["sentence"]})},
+            files={"train": ("train.jsonl", bad_rows)},
+        ),
         "an unknown job's result": http.get("/v1/jobs/77/result", headers=auth),
-        "a method spec that does not build": http.post("/v1/methods", headers=auth,
-                                                       json={"spec": {"name": "odd", "modules": {"x": {"form": "cube"}}}}),
+        "a method spec that does not build": http.post(
+            "/v1/methods", headers=auth, json={"spec": {"name": "odd", "modules": {"x": {"form": "cube"}}}}
+        ),
     }
 
 
@@ -97,8 +116,12 @@ def test_a_failed_jobs_error_is_the_exceptions_message_on_one_line_without_paths
     assert job.last_error.endswith("…/train.jsonl'")
     _, reader = api.registry.create_api_token("reader", scope="read")
     client = api.client(reader)
-    for text in (job.last_error, client.http.get(f"/v1/jobs/{job_id}/progress").text,
-                 client.http.get(f"/v1/jobs/{job_id}/events").text, client.http.get("/v1/jobs").text):
+    for text in (
+        job.last_error,
+        client.http.get(f"/v1/jobs/{job_id}/progress").text,
+        client.http.get(f"/v1/jobs/{job_id}/events").text,
+        client.http.get("/v1/jobs").text,
+    ):
         assert_tells_nothing(api, text)
 
 
@@ -136,13 +159,24 @@ def test_the_operator_can_turn_the_docs_on(api: Api):
     assert http.get("/v1/tasks").status_code == 401
 
 
-@pytest.mark.parametrize(("text", "shown"), [
-    ("no such file: '/srv/pelt/datasets/ab12/train.jsonl'", "no such file: '…/train.jsonl'"),
-    ("no task 'x' in the MLflow store sqlite:////srv/pelt/mlflow.db", "no task 'x' in the MLflow store sqlite://…"),
-    ("the MLflow server http://mlflow:5000 does not answer", "the MLflow server http://… does not answer"),
-    ("version models:/pelt.toy/3 (runs:/abc/delta), lr 1/2, attn/ffn, GET /v1/tasks/x",
-     "version models:/pelt.toy/3 (runs:/abc/delta), lr 1/2, attn/ffn, GET /v1/tasks/x"),
-])
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("no such file: '/srv/pelt/datasets/ab12/train.jsonl'", "no such file: '…/train.jsonl'"),
+        (
+            "no task 'x' in the MLflow store sqlite:////srv/pelt/mlflow.db",
+            "no task 'x' in the MLflow store sqlite://…",
+        ),
+        (
+            "the MLflow server http://mlflow:5000 does not answer",
+            "the MLflow server http://… does not answer",
+        ),
+        (
+            "version models:/pelt.toy/3 (runs:/abc/delta), lr 1/2, attn/ffn, GET /v1/tasks/x",
+            "version models:/pelt.toy/3 (runs:/abc/delta), lr 1/2, attn/ffn, GET /v1/tasks/x",
+        ),
+    ],
+)
 def test_redaction_cuts_paths_and_uris_and_keeps_what_users_named(text: str, shown: str):
     from services.redaction import redact
 
@@ -166,9 +200,18 @@ def test_a_delta_kept_in_a_local_folder_is_not_shown_by_its_server_path(api: Api
     job = api.client().submit(toy_task, "lora", backbone=BACKBONE)
     api.registry.claim_job("worker-1")
     folder = api.settings.data_dir / "deltas" / toy_task / f"job-{job.id}"  # where `pelt dispatcher` keeps it
-    api.registry.complete_job(job.id, "worker-1", {
-        "metrics": {"accuracy": 0.5}, "trainable_params": 10, "total_params": 1000, "train_seconds": 1.0,
-        "delta_uri": folder.as_uri(), "delta_sha256": "0" * 64})
+    api.registry.complete_job(
+        job.id,
+        "worker-1",
+        {
+            "metrics": {"accuracy": 0.5},
+            "trainable_params": 10,
+            "total_params": 1000,
+            "train_seconds": 1.0,
+            "delta_uri": folder.as_uri(),
+            "delta_sha256": "0" * 64,
+        },
+    )
     http, auth = TestClient(api.app), {"Authorization": f"Bearer {api.token}"}
     result = http.get(f"/v1/jobs/{job.id}/result", headers=auth)
     board = http.get(f"/v1/tasks/{toy_task}/leaderboard", headers=auth)

@@ -27,8 +27,17 @@ from tests.api.conftest import BACKBONE, Api
 from tests.api.helpers import refused
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_FACTS = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4, "head_dim": 8,
-              "intermediate_size": 64, "max_positions": 64, "vocab_size": 114, "num_parameters": 40_000}
+TINY_FACTS = {
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "head_dim": 8,
+    "intermediate_size": 64,
+    "max_positions": 64,
+    "vocab_size": 114,
+    "num_parameters": 40_000,
+}
 SIZED = "tiny-bert-facts"  # the tiny backbone registered with its facts
 
 
@@ -54,8 +63,12 @@ def test_every_range_refuses_non_numbers_non_finite_numbers_and_values_outside_i
         with pytest.raises(LimitError, match=f"^{field}: ") as caught:
             bound.check(value, field)
         assert caught.value.field == field
-    for outside in ((bound.low - 1) if bound.low is not None else None,
-                    (bound.high + 1) if bound.high is not None else None, 2**70, -(2**70)):
+    for outside in (
+        (bound.low - 1) if bound.low is not None else None,
+        (bound.high + 1) if bound.high is not None else None,
+        2**70,
+        -(2**70),
+    ):
         if outside is not None and not (bound.low is None and outside < 0):
             with pytest.raises(LimitError, match=f"^{field}: "):
                 bound.check(outside, field)
@@ -65,12 +78,37 @@ def test_every_range_refuses_non_numbers_non_finite_numbers_and_values_outside_i
 
 
 def test_command_line_text_is_read_through_the_table_and_inf_nan_are_refused():
-    assert parse_settings({"lr": "2e-3", "epochs": "5", "r": "16", "q.size": "4", "max_steps": "none",
-                           "layers": "0,1", "gate": "true", "pooling": "mean"}) == {
-        "lr": 2e-3, "epochs": 5.0, "r": 16, "q.size": 4, "max_steps": None, "layers": [0, 1], "gate": True,
-        "pooling": "mean"}
-    for key, text in (("epochs", "inf"), ("lr", "nan"), ("max_grad_norm", "Infinity"), ("weight_decay", "-nan"),
-                      ("epochs", "1e400"), ("batch_size", "1e3"), ("r", "1e9"), ("seed", str(2**63))):
+    assert parse_settings(
+        {
+            "lr": "2e-3",
+            "epochs": "5",
+            "r": "16",
+            "q.size": "4",
+            "max_steps": "none",
+            "layers": "0,1",
+            "gate": "true",
+            "pooling": "mean",
+        }
+    ) == {
+        "lr": 2e-3,
+        "epochs": 5.0,
+        "r": 16,
+        "q.size": 4,
+        "max_steps": None,
+        "layers": [0, 1],
+        "gate": True,
+        "pooling": "mean",
+    }
+    for key, text in (
+        ("epochs", "inf"),
+        ("lr", "nan"),
+        ("max_grad_norm", "Infinity"),
+        ("weight_decay", "-nan"),
+        ("epochs", "1e400"),
+        ("batch_size", "1e3"),
+        ("r", "1e9"),
+        ("seed", str(2**63)),
+    ):
         with pytest.raises(ConfigError, match=f"^{key}: "):
             parse_settings({key: text})
 
@@ -91,16 +129,19 @@ def test_one_alias_table_says_what_r_bottleneck_and_prefix_length_set_everywhere
         assert {role for role, module in spec.modules.items() if module.size == 4} == kinds[kind]
 
 
-@pytest.mark.parametrize(("values", "field"), [
-    ({"epochs": 1e308}, "epochs"),
-    ({"max_steps": 2**70}, "max_steps"),
-    ({"batch_size": 2**70}, "batch_size"),
-    ({"max_length": 10**9}, "max_length"),
-    ({"learning_rate": math.nan}, "learning_rate"),
-    ({"epochs": "inf"}, "epochs"),  # text (the CLI's) is read by the table, which refuses inf and nan
-    ({"max_grad_norm": "1e400"}, "max_grad_norm"),
-    ({"seed": 2**31}, "seed"),
-])
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"epochs": 1e308}, "epochs"),
+        ({"max_steps": 2**70}, "max_steps"),
+        ({"batch_size": 2**70}, "batch_size"),
+        ({"max_length": 10**9}, "max_length"),
+        ({"learning_rate": math.nan}, "learning_rate"),
+        ({"epochs": "inf"}, "epochs"),  # text (the CLI's) is read by the table, which refuses inf and nan
+        ({"max_grad_norm": "1e400"}, "max_grad_norm"),
+        ({"seed": 2**31}, "seed"),
+    ],
+)
 def test_training_hyperparameters_beyond_their_range_are_refused_by_the_trainer_config(values, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):
         TrainConfig.from_dict(values)
@@ -114,8 +155,13 @@ def test_a_method_spec_with_a_huge_size_or_too_many_modules_is_refused():
     big = {"name": "big", "modules": {"a": {"form": "bottleneck", "representation": "ffn", "size": 10**9}}}
     with pytest.raises(SpecError, match=r"big\.modules\.a\.size"):
         MethodSpec.from_dict(big)
-    many = {"name": "many", "modules": {f"m{i}": {"form": "bottleneck", "representation": "ffn", "size": 2}
-                                        for i in range(limits.MAX_MODULES + 1)}}
+    many = {
+        "name": "many",
+        "modules": {
+            f"m{i}": {"form": "bottleneck", "representation": "ffn", "size": 2}
+            for i in range(limits.MAX_MODULES + 1)
+        },
+    }
     with pytest.raises(SpecError, match="modules"):
         MethodSpec.from_dict(many)
     with pytest.raises(SpecError, match="scale"):
@@ -137,7 +183,9 @@ def test_ranks_lengths_and_layers_are_bounded_by_the_backbone():
         assert caught.value.field == field, caught.value
     # an adapter may be wider than the backbone (the built-in parallel adapters are 512 wide): memory bounds it
     check_against_backbone(config, get_method("pfeiffer", {"bottleneck": 512}).to_dict(), TINY_FACTS)
-    check_against_backbone(TrainConfig(max_length=10**5).to_dict(), get_method("lora").to_dict(), {})  # no facts
+    check_against_backbone(
+        TrainConfig(max_length=10**5).to_dict(), get_method("lora").to_dict(), {}
+    )  # no facts
 
 
 def test_a_job_whose_memory_estimate_exceeds_the_budget_is_refused_naming_what_to_lower():
@@ -152,8 +200,14 @@ def test_a_job_whose_memory_estimate_exceeds_the_budget_is_refused_naming_what_t
         check_against_backbone(large, spec, TINY_FACTS, memory_budget=1 << 30)
     assert caught.value.field == "batch_size"
     wide = get_method("prefix", {"reparam_hidden": 16_384}).to_dict()
-    smollm = {"hidden_size": 576, "num_layers": 30, "num_heads": 9, "intermediate_size": 1536,
-              "max_positions": 8192, "num_parameters": 134_515_008}
+    smollm = {
+        "hidden_size": 576,
+        "num_layers": 30,
+        "num_heads": 9,
+        "intermediate_size": 1536,
+        "max_positions": 8192,
+        "num_parameters": 134_515_008,
+    }
     with pytest.raises(LimitError) as caught:
         check_against_backbone(small, wide, smollm, memory_budget=4 << 30)
     assert caught.value.field == "prefix.modules.prefix.size"
@@ -176,29 +230,41 @@ def test_the_readme_lists_the_table_of_limits():
 # --- over the API: refused with the field named, nothing queued or registered ------------------------------
 
 
-@pytest.mark.parametrize(("hyperparameters", "field"), [
-    ({"r": 10**9}, "r"),
-    ({"q.size": 10**6}, "q.size"),
-    ({"epochs": 1e308}, "epochs"),
-    ({"max_steps": 2**70}, "max_steps"),
-    ({"batch_size": 2**70}, "batch_size"),
-    ({"max_length": 10**9}, "max_length"),
-    ({"epochs": "inf"}, "epochs"),
-    ({"lr": "nan"}, "lr"),
-    ({"max_grad_norm": "inf"}, "max_grad_norm"),
-    ({"weight_decay": "nan"}, "weight_decay"),
-    ({"lr": "1e-3"}, "lr"),
-])
+@pytest.mark.parametrize(
+    ("hyperparameters", "field"),
+    [
+        ({"r": 10**9}, "r"),
+        ({"q.size": 10**6}, "q.size"),
+        ({"epochs": 1e308}, "epochs"),
+        ({"max_steps": 2**70}, "max_steps"),
+        ({"batch_size": 2**70}, "batch_size"),
+        ({"max_length": 10**9}, "max_length"),
+        ({"epochs": "inf"}, "epochs"),
+        ({"lr": "nan"}, "lr"),
+        ({"max_grad_norm": "inf"}, "max_grad_norm"),
+        ({"weight_decay": "nan"}, "weight_decay"),
+        ({"lr": "1e-3"}, "lr"),
+    ],
+)
 def test_hyperparameters_out_of_range_or_not_numbers_are_422_naming_the_field_and_queue_nothing(
-        client, toy_task, api, hyperparameters, field):
-    refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters=hyperparameters), 422, field)
+    client, toy_task, api, hyperparameters, field
+):
+    refused(
+        lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters=hyperparameters),
+        422,
+        field,
+    )
     assert api.registry.list_jobs() == []
 
 
 def test_a_job_of_more_steps_than_the_bound_is_422_naming_epochs(client, toy_task, api, monkeypatch):
     monkeypatch.setattr(limits, "MAX_TRAIN_STEPS", 1000)  # 200 rows, 10 epochs at batch 1: 2,000 steps
-    refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters={"epochs": 10, "bs": 1}),
-            422, "epochs", "2,000 steps; at most 1,000")
+    refused(
+        lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters={"epochs": 10, "bs": 1}),
+        422,
+        "epochs",
+        "2,000 steps; at most 1,000",
+    )
     assert api.registry.list_jobs() == []
 
 
@@ -217,18 +283,32 @@ def test_a_method_spec_with_a_huge_size_is_422_and_not_registered(client, api):
     assert "huge" not in [m.name for m in client.methods()]
 
 
-@pytest.mark.parametrize(("hyperparameters", "field", "words"), [
-    ({"r": 33}, "r", "at most 32"),
-    ({"layers": "0,2"}, "layers", "the backbone has 2 layers"),
-    ({"max_length": 65}, "max_length", "at most 64, the backbone's positions"),
-])
-def test_ranks_layers_and_lengths_beyond_the_backbone_are_422(client, toy_task, api, sized, hyperparameters, field,
-                                                             words):
-    values = {key: ([int(i) for i in value.split(",")] if key == "layers" else value)
-              for key, value in hyperparameters.items()}
-    refused(lambda: client.submit(toy_task, "lora", backbone=sized, hyperparameters=values), 422, field, words)
-    refused(lambda: client.sweep(toy_task, ["bitfit", "lora"], backbone=sized, method_hyperparameters={"lora": values}),
-            422, field, words)
+@pytest.mark.parametrize(
+    ("hyperparameters", "field", "words"),
+    [
+        ({"r": 33}, "r", "at most 32"),
+        ({"layers": "0,2"}, "layers", "the backbone has 2 layers"),
+        ({"max_length": 65}, "max_length", "at most 64, the backbone's positions"),
+    ],
+)
+def test_ranks_layers_and_lengths_beyond_the_backbone_are_422(
+    client, toy_task, api, sized, hyperparameters, field, words
+):
+    values = {
+        key: ([int(i) for i in value.split(",")] if key == "layers" else value)
+        for key, value in hyperparameters.items()
+    }
+    refused(
+        lambda: client.submit(toy_task, "lora", backbone=sized, hyperparameters=values), 422, field, words
+    )
+    refused(
+        lambda: client.sweep(
+            toy_task, ["bitfit", "lora"], backbone=sized, method_hyperparameters={"lora": values}
+        ),
+        422,
+        field,
+        words,
+    )
     assert api.registry.list_jobs() == []
 
 
@@ -236,22 +316,35 @@ def test_the_tasks_default_length_is_cut_to_the_backbones_positions(client, toy_
     job = client.submit(toy_task, "lora", backbone=sized)  # the task says 128; the backbone takes 64
     assert job.train_config["max_length"] == 64
     registry_alone = api.registry.submit_job(toy_task, "lora", BACKBONE)  # a backbone without facts: not cut
-    assert api.registry.get_backbone(BACKBONE).facts is None and registry_alone.train_config["max_length"] == 128
+    assert (
+        api.registry.get_backbone(BACKBONE).facts is None and registry_alone.train_config["max_length"] == 128
+    )
 
 
-def test_a_backbone_registered_without_facts_gets_them_from_its_config_and_its_bounds_apply(client, toy_task, api,
-                                                                                          tiny_bert_dir):
+def test_a_backbone_registered_without_facts_gets_them_from_its_config_and_its_bounds_apply(
+    client, toy_task, api, tiny_bert_dir
+):
     from pelt_core.backbones import Backbone
 
     assert api.registry.get_backbone(BACKBONE).facts is None  # as a backbone registered before migration 0006
-    refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters={"r": 33}), 422, "r",
-            "at most 32")
+    refused(
+        lambda: client.submit(toy_task, "lora", backbone=BACKBONE, hyperparameters={"r": 33}),
+        422,
+        "r",
+        "at most 32",
+    )
     assert api.registry.list_jobs() == []
     facts, loaded = api.registry.get_backbone(BACKBONE).facts, Backbone.load(str(tiny_bert_dir)).facts
-    assert {key: value for key, value in facts.items() if key != "num_parameters"} == \
-        {key: value for key, value in loaded.items() if key != "num_parameters"}
-    assert facts["num_parameters"] == pytest.approx(loaded["num_parameters"], rel=0.05)  # estimated from the config
-    assert client.submit(toy_task, "lora", backbone=BACKBONE).train_config["max_length"] == facts["max_positions"]
+    assert {key: value for key, value in facts.items() if key != "num_parameters"} == {
+        key: value for key, value in loaded.items() if key != "num_parameters"
+    }
+    assert facts["num_parameters"] == pytest.approx(
+        loaded["num_parameters"], rel=0.05
+    )  # estimated from the config
+    assert (
+        client.submit(toy_task, "lora", backbone=BACKBONE).train_config["max_length"]
+        == facts["max_positions"]
+    )
 
 
 def test_a_tasks_max_length_has_the_one_range_of_the_table_in_the_api_and_the_registry():
@@ -261,8 +354,14 @@ def test_a_tasks_max_length_has_the_one_range_of_the_table_in_the_api_and_the_re
     from services.registry.validation import check_task_definition
 
     bound = limits.TRAIN_RANGES["max_length"]
-    definition = {"text_fields": ["sentence"], "label_field": "label", "problem_type": "single_label_classification",
-                  "metric": "accuracy", "metric_direction": None, "label_names": None}
+    definition = {
+        "text_fields": ["sentence"],
+        "label_field": "label",
+        "problem_type": "single_label_classification",
+        "metric": "accuracy",
+        "metric_direction": None,
+        "label_names": None,
+    }
     assert check_task_definition(**definition, max_length=int(bound.high)).max_length == bound.high
     assert TaskDefinition(text_fields="sentence", max_length=int(bound.high)).max_length == bound.high
     for outside in (int(bound.low) - 1, int(bound.high) + 1):
@@ -275,8 +374,12 @@ def test_a_tasks_max_length_has_the_one_range_of_the_table_in_the_api_and_the_re
 
 def test_a_job_over_the_worker_memory_budget_is_422_naming_what_to_lower(client, toy_task, api, sized):
     api.registry.worker_memory_bytes = 1 << 30
-    refused(lambda: client.submit(toy_task, "lora", backbone=sized, hyperparameters={"batch_size": 4096}), 422,
-            "batch_size", "PELT_WORKER_MEMORY_BYTES")
+    refused(
+        lambda: client.submit(toy_task, "lora", backbone=sized, hyperparameters={"batch_size": 4096}),
+        422,
+        "batch_size",
+        "PELT_WORKER_MEMORY_BYTES",
+    )
     assert api.registry.list_jobs() == []
     assert client.submit(toy_task, "lora", backbone=sized, hyperparameters={"batch_size": 16})
 
@@ -302,8 +405,12 @@ def test_sweep_seeds_outside_the_job_seed_range_are_422_naming_the_entry(client,
 
 def test_a_sweep_above_the_job_cap_is_422_and_queues_nothing(client, toy_task, api):
     api.registry.max_sweep_jobs = 5
-    refused(lambda: client.sweep(toy_task, ["lora", "bitfit"], backbone=BACKBONE, seeds=[0, 1, 2]), 422, "methods",
-            "6 jobs; at most 5 (PELT_MAX_SWEEP_JOBS)")
+    refused(
+        lambda: client.sweep(toy_task, ["lora", "bitfit"], backbone=BACKBONE, seeds=[0, 1, 2]),
+        422,
+        "methods",
+        "6 jobs; at most 5 (PELT_MAX_SWEEP_JOBS)",
+    )
     assert api.registry.list_jobs() == []
     assert len(client.sweep(toy_task, ["lora"], backbone=BACKBONE, seeds=[0, 1, 2, 3, 4]).job_ids) == 5
 
@@ -339,7 +446,9 @@ def test_a_busy_registry_answers_503_with_retry_after_and_writes_nothing(client,
         assert response.status_code == 503, response.text
         assert int(response.headers["Retry-After"]) >= 1
         assert response.json()["error"]["type"] == "RegistryBusyError"
-        response = client.http.post("/v1/jobs", json={"task": toy_task, "method": "lora", "backbone": BACKBONE})
+        response = client.http.post(
+            "/v1/jobs", json={"task": toy_task, "method": "lora", "backbone": BACKBONE}
+        )
         assert response.status_code == 503
     finally:
         release.set()
@@ -368,21 +477,38 @@ def test_sqlite_database_is_locked_becomes_a_registry_busy_error(api, tmp_path):
 # --- the command lines ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("setting", "words"), [
-    ("epochs=inf", "epochs: must be a finite number"),
-    ("lr=nan", "lr: must be a finite number"),
-    ("r=1000000", "r: must be in [1, 16384]"),
-    ("max_length=65", "max_length: must be at most 64, the backbone's positions"),
-    ("r=64", "must be at most 32, min(d_in, d_out)"),
-])
+@pytest.mark.parametrize(
+    ("setting", "words"),
+    [
+        ("epochs=inf", "epochs: must be a finite number"),
+        ("lr=nan", "lr: must be a finite number"),
+        ("r=1000000", "r: must be in [1, 16384]"),
+        ("max_length=65", "max_length: must be at most 64, the backbone's positions"),
+        ("r=64", "must be at most 32, min(d_in, d_out)"),
+    ],
+)
 def test_pelt_train_refuses_what_the_service_refuses(tiny_bert_dir, toy_files, tmp_path, setting, words):
     from click.testing import CliRunner
 
     from services.cli import main
 
-    result = CliRunner().invoke(main, ["train", "--backbone", str(tiny_bert_dir), "--train", str(toy_files["train"]),
-                                       "--method", "lora", "--set", setting, "--out", str(tmp_path / "out"),
-                                       "--quiet"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--backbone",
+            str(tiny_bert_dir),
+            "--train",
+            str(toy_files["train"]),
+            "--method",
+            "lora",
+            "--set",
+            setting,
+            "--out",
+            str(tmp_path / "out"),
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 1, result.output
     assert words in result.output
     assert not (tmp_path / "out").exists()
@@ -394,10 +520,21 @@ def test_the_service_cli_reads_set_values_through_the_table_before_sending_anyth
     from services.commands import _values
 
     assert _values(("lr=2e-3", "r=8", "note=[1, 2]", "max_steps=none")) == {
-        "lr": 2e-3, "r": 8, "note": [1, 2], "max_steps": None}
+        "lr": 2e-3,
+        "r": 8,
+        "note": [1, 2],
+        "max_steps": None,
+    }
     assert _values(("weights=[0.7,0.3]", "density=0.5", "how=ties"), compose=True) == {
-        "weights": [0.7, 0.3], "density": 0.5, "how": "ties"}
-    for settings, compose in ((("epochs=inf",), False), (("seed=9223372036854775808",), False),
-                              (("weights=1,nan",), True), (("lora_rank=1e6",), True)):
+        "weights": [0.7, 0.3],
+        "density": 0.5,
+        "how": "ties",
+    }
+    for settings, compose in (
+        (("epochs=inf",), False),
+        (("seed=9223372036854775808",), False),
+        (("weights=1,nan",), True),
+        (("lora_rank=1e6",), True),
+    ):
         with pytest.raises(click.BadParameter):
             _values(settings, compose=compose)

@@ -46,19 +46,39 @@ def test_every_registry_write_records_its_actor(ready: Registry):  # noqa: F811
         sweep = ready.submit_sweep("sst2", ["bitfit"], [0, 1], [None], "tiny-bert")
         ready.cancel_job(job.id)
         ready.cancel_sweep(sweep.id)
-        ready.register_method({"name": "mine", "modules": {"q": {
-            "form": "bottleneck", "representation": "attn.q", "insertion": "parallel", "composition": "scaled",
-            "size": 2, "alpha": 4, "nonlinearity": "identity", "proj_bias": False, "init": "lora"}}})
+        ready.register_method(
+            {
+                "name": "mine",
+                "modules": {
+                    "q": {
+                        "form": "bottleneck",
+                        "representation": "attn.q",
+                        "insertion": "parallel",
+                        "composition": "scaled",
+                        "size": 2,
+                        "alpha": 4,
+                        "nonlinearity": "identity",
+                        "proj_bias": False,
+                        "init": "lora",
+                    }
+                },
+            }
+        )
         ready.create_api_token("dave", scope="read")
         ready.revoke_api_token("dave")
         ready.record_audit("delta.compose", "sst2 version 3", {"op": "merge"})
     trail = [(e.actor, e.action, e.target) for e in reversed(ready.audit_events())]
     assert trail == [
-        (None, "task.register", "sst2"), (None, "backbone.register", "tiny-bert"),
-        ("carol", "job.submit", f"job {job.id}"), ("carol", "sweep.submit", f"sweep {sweep.id}"),
-        ("carol", "job.cancel", f"job {job.id}"), ("carol", "sweep.cancel", f"sweep {sweep.id}"),
-        ("carol", "method.register", "mine"), ("carol", "token.create", "dave"),
-        ("carol", "token.revoke", "dave"), ("carol", "delta.compose", "sst2 version 3"),
+        (None, "task.register", "sst2"),
+        (None, "backbone.register", "tiny-bert"),
+        ("carol", "job.submit", f"job {job.id}"),
+        ("carol", "sweep.submit", f"sweep {sweep.id}"),
+        ("carol", "job.cancel", f"job {job.id}"),
+        ("carol", "sweep.cancel", f"sweep {sweep.id}"),
+        ("carol", "method.register", "mine"),
+        ("carol", "token.create", "dave"),
+        ("carol", "token.revoke", "dave"),
+        ("carol", "delta.compose", "sst2 version 3"),
     ]
     assert ready.audit_events()[0].detail == {"op": "merge"}
 
@@ -90,10 +110,16 @@ def test_on_postgresql_a_submit_waits_for_the_other_submits_of_its_token_before_
         waiting = 0
         while not waiting and worker.is_alive() and time.monotonic() < deadline:
             worker.join(0.02)
-            waiting = watcher.execute(text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                                           "AND datname = current_database()")).scalar()
+            waiting = watcher.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()"
+                )
+            ).scalar()
             watcher.rollback()  # a fresh snapshot of the activity each time
-        assert waiting and not submitted, f"the submit did not wait for the other one of its token: {submitted}"
+        assert waiting and not submitted, (
+            f"the submit did not wait for the other one of its token: {submitted}"
+        )
         other.rollback()
     worker.join(60)
     assert len(submitted) == 1 and getattr(submitted[0], "submitted_by", None) == "alice", submitted
@@ -104,8 +130,10 @@ def test_downgrading_below_token_scopes_revokes_every_token_that_was_not_admin(d
     would become a full-power one. The downgrade revokes them; admin tokens keep working."""
     db.upgrade(db_url)
     with Registry(db_url) as migrated:
-        secrets = {scope: migrated.create_api_token(f"{scope}-user", scope=scope)[1]
-                   for scope in ("read", "write", "admin")}
+        secrets = {
+            scope: migrated.create_api_token(f"{scope}-user", scope=scope)[1]
+            for scope in ("read", "write", "admin")
+        }
         migrated.revoke_api_token("admin-user")
         _, kept = migrated.create_api_token("operator", scope="admin")
     db.downgrade(db_url, "0006")

@@ -27,7 +27,10 @@ from services.settings import Settings, get_settings
 from tests.api.conftest import BACKBONE, Api
 
 ADMIN_ROUTES = {("post", "/v1/backbones"), ("get", "/v1/audit")}
-SET_UP = [(None, "backbone.register", BACKBONE), (None, "token.create", "tests")]  # the `api` fixture's writes
+SET_UP = [
+    (None, "backbone.register", BACKBONE),
+    (None, "token.create", "tests"),
+]  # the `api` fixture's writes
 
 
 def needed_scope(method: str, path: str) -> str:
@@ -39,8 +42,12 @@ def needed_scope(method: str, path: str) -> str:
 
 def api_routes(api: Api) -> list[tuple[str, str]]:
     schema = api.app.openapi()
-    found = [(method, path) for path, item in schema["paths"].items() for method in item
-             if method in ("get", "post", "put", "patch", "delete") and path.startswith("/v1/")]
+    found = [
+        (method, path)
+        for path, item in schema["paths"].items()
+        for method in item
+        if method in ("get", "post", "put", "patch", "delete") and path.startswith("/v1/")
+    ]
     assert len(found) >= 20, found
     return found
 
@@ -50,8 +57,9 @@ def concrete(path: str) -> str:
 
 
 def tokens(api: Api) -> dict[str, str]:
-    return {scope: api.registry.create_api_token(f"{scope}-user", scope=scope)[1] for scope in ("read", "write")} | {
-        "admin": api.token}
+    return {
+        scope: api.registry.create_api_token(f"{scope}-user", scope=scope)[1] for scope in ("read", "write")
+    } | {"admin": api.token}
 
 
 def audit_actions(api: Api) -> list[tuple[str | None, str, str]]:
@@ -60,8 +68,10 @@ def audit_actions(api: Api) -> list[tuple[str | None, str, str]]:
 
 def row_counts(api: Api) -> dict[str, int]:
     with api.registry.engine.connect() as connection:
-        return {table: connection.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
-                for table in ("tasks", "methods", "backbones", "jobs", "sweeps", "job_events")}
+        return {
+            table: connection.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
+            for table in ("tasks", "methods", "backbones", "jobs", "sweeps", "job_events")
+        }
 
 
 # --- scopes ---------------------------------------------------------------------------------------------
@@ -75,7 +85,9 @@ def test_a_token_is_write_by_default_and_an_unknown_scope_is_refused(api: Api):
     assert [t.name for t in api.registry.list_api_tokens()] == ["colleague", "tests"]
 
 
-def test_every_route_needs_the_scope_it_declares_and_a_403_names_it_and_writes_nothing(api: Api, toy_task: str):
+def test_every_route_needs_the_scope_it_declares_and_a_403_names_it_and_writes_nothing(
+    api: Api, toy_task: str
+):
     secrets = tokens(api)
     http = TestClient(api.app)
     before = row_counts(api)
@@ -83,8 +95,12 @@ def test_every_route_needs_the_scope_it_declares_and_a_403_names_it_and_writes_n
     for method, path in api_routes(api):
         needed = needed_scope(method, path)
         for scope, secret in secrets.items():
-            response = http.request(method.upper(), concrete(path), headers={"Authorization": f"Bearer {secret}"},
-                                    **({"json": {}} if method == "post" else {}))
+            response = http.request(
+                method.upper(),
+                concrete(path),
+                headers={"Authorization": f"Bearer {secret}"},
+                **({"json": {}} if method == "post" else {}),
+            )
             allowed = ["read", "write", "admin"].index(scope) >= ["read", "write", "admin"].index(needed)
             if allowed:
                 assert response.status_code != 403, (scope, method, path, response.text)
@@ -103,11 +119,13 @@ def test_a_read_token_reads_everything_and_can_change_nothing(api: Api, toy_task
     assert [t.name for t in reader.tasks()] == ["toy"]
     assert reader.leaderboard_raw("toy").rows == []
     assert reader.jobs() == [] and {m.name for m in reader.methods()} >= {"lora"}
-    for call in (lambda: reader.submit("toy", "lora", backbone=BACKBONE),
-                 lambda: reader.sweep("toy", ["lora"], backbone=BACKBONE),
-                 lambda: reader.register_method({"name": "mine", "modules": {}}),
-                 lambda: reader.cancel(1),
-                 lambda: reader.compose("merge", ["toy/1", "toy/2"], "soup")):
+    for call in (
+        lambda: reader.submit("toy", "lora", backbone=BACKBONE),
+        lambda: reader.sweep("toy", ["lora"], backbone=BACKBONE),
+        lambda: reader.register_method({"name": "mine", "modules": {}}),
+        lambda: reader.cancel(1),
+        lambda: reader.compose("merge", ["toy/1", "toy/2"], "soup"),
+    ):
         with pytest.raises(PeltAPIError) as refused:
             call()
         assert refused.value.status == 403 and "'write' scope" in refused.value.message
@@ -122,8 +140,9 @@ def test_registering_a_backbone_needs_an_admin_token(api: Api, tiny_bert_dir: Pa
     assert [b.name for b in api.registry.list_backbones()] == [BACKBONE]
 
 
-def test_a_write_tokens_submit_registers_nothing_but_a_packaged_backbone(api: Api, toy_task: str,
-                                                                         tiny_bert_dir: Path):
+def test_a_write_tokens_submit_registers_nothing_but_a_packaged_backbone(
+    api: Api, toy_task: str, tiny_bert_dir: Path
+):
     """A submit naming an unregistered packaged backbone registers it on first use, with any write token
     (packaged backbones ship with pelt); a model folder, even one an admin may register, is a 404."""
     from pelt_core.backbones import BackboneError
@@ -156,8 +175,13 @@ def test_tokens_made_before_scopes_existed_become_admin(tmp_path: Path):
     url = sqlite_url(tmp_path / "registry.db")
     upgrade(url, "0006")
     with db.connect(url) as engine, engine.begin() as connection:
-        connection.execute(text("INSERT INTO api_tokens (name, token_hash, prefix, created_at) "
-                                "VALUES ('old', :hash, 'pelt_abcdef', '2026-01-01 00:00:00')"), {"hash": "0" * 64})
+        connection.execute(
+            text(
+                "INSERT INTO api_tokens (name, token_hash, prefix, created_at) "
+                "VALUES ('old', :hash, 'pelt_abcdef', '2026-01-01 00:00:00')"
+            ),
+            {"hash": "0" * 64},
+        )
     upgrade(url)
     with Registry(url) as registry:
         assert [(t.name, t.scope) for t in registry.list_api_tokens()] == [("old", "admin")]
@@ -194,9 +218,11 @@ def test_pelt_token_create_takes_a_scope_and_list_shows_it(api: Api, monkeypatch
         get_settings.cache_clear()
     trail = audit_actions(api)
     assert trail[: len(SET_UP)] == SET_UP
-    assert [(action, target) for _, action, target in trail[len(SET_UP):]] == [("token.create", "viewer"),
-                                                                               ("token.revoke", "viewer")]
-    assert all(actor.startswith("cli") for actor, _, _ in trail[len(SET_UP):])
+    assert [(action, target) for _, action, target in trail[len(SET_UP) :]] == [
+        ("token.create", "viewer"),
+        ("token.revoke", "viewer"),
+    ]
+    assert all(actor.startswith("cli") for actor, _, _ in trail[len(SET_UP) :])
 
 
 # --- job errors: the traceback is for admins ------------------------------------------------------------
@@ -241,14 +267,18 @@ def test_a_submit_past_the_tokens_queued_job_cap_is_429_naming_it_and_writes_not
     first = writer.submit(toy_task, "lora", backbone=BACKBONE)
     writer.sweep(toy_task, ["bitfit"], seeds=[0, 1], backbone=BACKBONE)
     before = row_counts(api), audit_actions(api)
-    for call in (lambda: writer.submit(toy_task, "lora", backbone=BACKBONE, seed=9),
-                 lambda: writer.sweep(toy_task, ["lora", "bitfit"], seeds=[5], backbone=BACKBONE)):
+    for call in (
+        lambda: writer.submit(toy_task, "lora", backbone=BACKBONE, seed=9),
+        lambda: writer.sweep(toy_task, ["lora", "bitfit"], seeds=[5], backbone=BACKBONE),
+    ):
         with pytest.raises(PeltAPIError) as refused:
             call()
         assert refused.value.status == 429, refused.value
         assert "PELT_MAX_QUEUED_JOBS_PER_TOKEN" in refused.value.message and "3" in refused.value.message
     assert (row_counts(api), audit_actions(api)) == before
-    assert api.client().submit(toy_task, "lora", backbone=BACKBONE, seed=9).submitted_by == "tests"  # not capped
+    assert (
+        api.client().submit(toy_task, "lora", backbone=BACKBONE, seed=9).submitted_by == "tests"
+    )  # not capped
     writer.cancel(first.id)  # a cancelled job no longer waits: there is room for one more
     assert writer.submit(toy_task, "lora", backbone=BACKBONE, seed=10).submitted_by == "writer"
     assert {job.submitted_by for job in api.registry.list_jobs()} == {"writer", "tests"}
@@ -257,8 +287,10 @@ def test_a_submit_past_the_tokens_queued_job_cap_is_429_naming_it_and_writes_not
 def test_the_same_idempotent_submit_again_is_not_counted_against_the_cap(api: Api, toy_task: str):
     api.registry.max_queued_jobs_per_token = 3
     writer = api.client(api.registry.create_api_token("writer")[1])
-    jobs = [writer.submit(toy_task, "lora", backbone=BACKBONE, seed=seed, idempotency_key=f"k{seed}")
-            for seed in range(3)]
+    jobs = [
+        writer.submit(toy_task, "lora", backbone=BACKBONE, seed=seed, idempotency_key=f"k{seed}")
+        for seed in range(3)
+    ]
     again = writer.submit(toy_task, "lora", backbone=BACKBONE, seed=0, idempotency_key="k0")
     assert again.id == jobs[0].id and len(api.registry.list_jobs()) == 3
 
@@ -266,15 +298,32 @@ def test_the_same_idempotent_submit_again_is_not_counted_against_the_cap(api: Ap
 # --- the audit trail ------------------------------------------------------------------------------------
 
 
-def test_the_audit_trail_records_who_did_what_and_only_admins_read_it(api: Api, toy_files: dict[str, Path],
-                                                                      tmp_path: Path):
+def test_the_audit_trail_records_who_did_what_and_only_admins_read_it(
+    api: Api, toy_files: dict[str, Path], tmp_path: Path
+):
     writer = api.client(api.registry.create_api_token("writer")[1])
     writer.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
-    writer.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])  # no-op
-    writer.register_method({"name": "tiny_lora", "modules": {"q": {"form": "bottleneck",
-                            "representation": "attn.q", "insertion": "parallel", "composition": "scaled",
-                            "size": 2, "alpha": 4, "nonlinearity": "identity", "proj_bias": False,
-                            "init": "lora"}}})
+    writer.register_task(
+        "toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"]
+    )  # no-op
+    writer.register_method(
+        {
+            "name": "tiny_lora",
+            "modules": {
+                "q": {
+                    "form": "bottleneck",
+                    "representation": "attn.q",
+                    "insertion": "parallel",
+                    "composition": "scaled",
+                    "size": 2,
+                    "alpha": 4,
+                    "nonlinearity": "identity",
+                    "proj_bias": False,
+                    "init": "lora",
+                }
+            },
+        }
+    )
     job = writer.submit("toy", "lora", backbone=BACKBONE)
     sweep = writer.sweep("toy", ["lora", "bitfit"], backbone=BACKBONE)
     writer.cancel(job.id)
@@ -286,10 +335,14 @@ def test_the_audit_trail_records_who_did_what_and_only_admins_read_it(api: Api, 
     with pytest.raises(PeltAPIError):
         writer.submit("nope", "lora", backbone=BACKBONE)  # refused: not recorded
     assert audit_actions(api) == [
-        *SET_UP, (None, "token.create", "writer"),
-        ("writer", "task.register", "toy"), ("writer", "method.register", "tiny_lora"),
-        ("writer", "job.submit", f"job {job.id}"), ("writer", "sweep.submit", f"sweep {sweep.id}"),
-        ("writer", "job.cancel", f"job {job.id}"), ("writer", "sweep.cancel", f"sweep {sweep.id}"),
+        *SET_UP,
+        (None, "token.create", "writer"),
+        ("writer", "task.register", "toy"),
+        ("writer", "method.register", "tiny_lora"),
+        ("writer", "job.submit", f"job {job.id}"),
+        ("writer", "sweep.submit", f"sweep {sweep.id}"),
+        ("writer", "job.cancel", f"job {job.id}"),
+        ("writer", "sweep.cancel", f"sweep {sweep.id}"),
         ("writer", "delta.compose", f"soup version {composed.version}"),
     ]
     newest = api.client().audit(limit=2)
@@ -307,7 +360,9 @@ def test_a_registration_the_registry_refuses_leaves_no_audit_event(api: Api, toy
     writer = api.client(api.registry.create_api_token("writer")[1])
     before = audit_actions(api)
     with pytest.raises(PeltAPIError):
-        writer.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["no_such_column"])
+        writer.register_task(
+            "toy", toy_files["train"], toy_files["validation"], text_fields=["no_such_column"]
+        )
     with acting_as("someone"), pytest.raises(RegistryValidationError):
         api.registry.register_backbone("x", "", "sha256:0")
     assert audit_actions(api) == before

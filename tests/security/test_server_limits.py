@@ -44,8 +44,13 @@ DEADLINE_SECONDS = 60.0  # how long a test waits for what must happen (far above
 
 def serve(tmp_path: Path, timeout: float, **options: object) -> Service:
     """`pelt serve` without a dispatcher, with this header and body-idle timeout."""
-    settings = Settings(data_dir=tmp_path / "pelt", ray_address=None, api_header_timeout_seconds=timeout,
-                        api_body_idle_timeout_seconds=timeout, **options)
+    settings = Settings(
+        data_dir=tmp_path / "pelt",
+        ray_address=None,
+        api_header_timeout_seconds=timeout,
+        api_body_idle_timeout_seconds=timeout,
+        **options,
+    )
     return Service(settings, port=0, dispatcher=False)
 
 
@@ -94,8 +99,11 @@ def read_response(sock: socket.socket) -> bytes:
         assert chunk, f"the connection closed in a response's head: {received!r}"
         received += chunk
     head, _, body = received.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
     while len(body) < length:
         chunk = sock.recv(65536)
         assert chunk, f"the connection closed in a response's body: {received!r}"
@@ -122,8 +130,9 @@ def test_an_unexpected_error_is_a_json_500_on_a_connection_that_stays_open(serve
         raise RuntimeError(f"boom in {served.settings.data_dir}")
 
     monkeypatch.setattr(served.app.state.service, "list_tasks", broken)
-    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {served.token}"},
-                      timeout=DEADLINE_SECONDS) as http:
+    with httpx.Client(
+        base_url=served.url, headers={"Authorization": f"Bearer {served.token}"}, timeout=DEADLINE_SECONDS
+    ) as http:
         failed = http.get("/v1/tasks")
         assert failed.status_code == 500, failed.text
         assert failed.json()["error"]["type"] == "InternalError" and "boom" not in failed.text
@@ -131,7 +140,9 @@ def test_an_unexpected_error_is_a_json_500_on_a_connection_that_stays_open(serve
         first = failed.extensions["network_stream"].get_extra_info("client_addr")
         answered = http.get("/v1/methods")
         assert answered.status_code == 200
-        assert answered.extensions["network_stream"].get_extra_info("client_addr") == first  # the same connection
+        assert (
+            answered.extensions["network_stream"].get_extra_info("client_addr") == first
+        )  # the same connection
 
 
 # --- finding 11: slow clients ---------------------------------------------------------------------------
@@ -152,7 +163,9 @@ def test_a_kept_alive_connection_whose_next_request_head_stalls_is_closed(impati
     with connect(impatient) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: pelt\r\n\r\n")
         assert read_response(sock).startswith(b"HTTP/1.1 200")
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: pe")  # uvicorn's keep-alive timer stops at this first byte
+        sock.sendall(
+            b"GET /health HTTP/1.1\r\nHost: pe"
+        )  # uvicorn's keep-alive timer stops at this first byte
         assert until_closed(sock) == b""
 
 
@@ -172,15 +185,21 @@ def test_many_slow_clients_are_all_closed_and_the_service_still_answers(impatien
 
 def job_request_head(service: Service, *, authorized: bool, length: int = 1000) -> bytes:
     """The head of a POST /v1/jobs announcing a JSON body of `length` bytes."""
-    head = (f"POST /v1/jobs HTTP/1.1\r\nHost: pelt\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n")
+    head = (
+        f"POST /v1/jobs HTTP/1.1\r\nHost: pelt\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n"
+    )
     if authorized:
         head += f"Authorization: Bearer {service.token}\r\n"
     return (head + "\r\n").encode()
 
 
-@pytest.mark.parametrize("body_sent", [b"", b'{"task": "toy", "meth'], ids=["no-body-byte", "part-of-the-body"])
-def test_a_request_whose_body_stops_arriving_is_closed_and_writes_nothing(impatient: Service, body_sent: bytes):
+@pytest.mark.parametrize(
+    "body_sent", [b"", b'{"task": "toy", "meth'], ids=["no-body-byte", "part-of-the-body"]
+)
+def test_a_request_whose_body_stops_arriving_is_closed_and_writes_nothing(
+    impatient: Service, body_sent: bytes
+):
     files_before = sorted(impatient.settings.data_dir.rglob("*"))
     with connect(impatient) as sock:
         sock.sendall(job_request_head(impatient, authorized=True) + body_sent)
@@ -205,8 +224,11 @@ def test_a_body_still_trickling_after_an_early_answer_is_closed(served: Service)
 
 def body_deadlines(service: Service) -> list[float]:
     """When each open connection's request body is due to be closed for idleness (event-loop time)."""
-    return [deadline for protocol in list(service._server.server_state.connections)
-            if (deadline := protocol.body_deadline) is not None]
+    return [
+        deadline
+        for protocol in list(service._server.server_state.connections)
+        if (deadline := protocol.body_deadline) is not None
+    ]
 
 
 def next_body_deadline(service: Service, after: float | None = None) -> float:
@@ -294,20 +316,49 @@ def test_pelt_serve_keeps_everything_it_writes_to_its_own_user(tmp_path: Path, t
     data = tmp_path / "pelt"
     data.mkdir()
     data.chmod(0o755)  # as an older pelt left it
-    env = {**os.environ, "PELT_DATA_DIR": str(data), "HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "PELT_DATA_DIR": str(data),
+        "HOME": str(tmp_path / "home"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
     env.pop("PELT_DATABASE_URL", None)
     env.pop("PELT_MLFLOW_TRACKING_URI", None)
-    command = [sys.executable, "-c", "from services.cli import main; main()", "serve", "--no-dispatcher", "--port", "0"]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    command = [
+        sys.executable,
+        "-c",
+        "from services.cli import main; main()",
+        "serve",
+        "--no-dispatcher",
+        "--port",
+        "0",
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         url = read_line_until(output_lines(process), "pelt serving on").split()[3]
         client = PeltClient(url, settings=Settings(data_dir=data, ray_address=None))
         client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
-        client.register_method({"name": "mine", "modules": {"q": {
-            "form": "bottleneck", "representation": "attn.q", "insertion": "parallel", "composition": "scaled",
-            "size": 2, "alpha": 4, "nonlinearity": "identity", "proj_bias": False, "init": "lora"}}})
+        client.register_method(
+            {
+                "name": "mine",
+                "modules": {
+                    "q": {
+                        "form": "bottleneck",
+                        "representation": "attn.q",
+                        "insertion": "parallel",
+                        "composition": "scaled",
+                        "size": 2,
+                        "alpha": 4,
+                        "nonlinearity": "identity",
+                        "proj_bias": False,
+                        "init": "lora",
+                    }
+                },
+            }
+        )
         written = sorted(p.name for p in data.rglob("*"))
         assert {"registry.db", "mlflow.db", "api_token", "datasets", "train.jsonl"} <= set(written), written
         assert modes_open_to_others(data) == []
@@ -346,8 +397,9 @@ def test_the_ray_token_file_is_made_private_without_rays_private_helpers(tmp_pat
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
 
 
-def test_a_ray_token_file_that_is_missing_or_cannot_be_made_private_is_a_warning(tmp_path: Path, monkeypatch,
-                                                                                  caplog):
+def test_a_ray_token_file_that_is_missing_or_cannot_be_made_private_is_a_warning(
+    tmp_path: Path, monkeypatch, caplog
+):
     from services.dispatcher import private_ray_token
 
     monkeypatch.setitem(sys.modules, RAY_TOKEN_SETUP, None)
@@ -375,8 +427,11 @@ def test_a_ray_token_file_that_is_missing_or_cannot_be_made_private_is_a_warning
 def test_a_local_ray_started_by_pelt_leaves_its_token_file_private(tmp_path: Path):
     home = tmp_path / "home"
     home.mkdir()
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("RAY_AUTH", "RAY_ADDRESS", "PELT_RAY_ADDRESS"))}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("RAY_AUTH", "RAY_ADDRESS", "PELT_RAY_ADDRESS"))
+    }
     env.update(HOME=str(home), PELT_DATA_DIR=str(tmp_path / "pelt"))
     code = textwrap.dedent("""
         import ray
@@ -384,8 +439,9 @@ def test_a_local_ray_started_by_pelt_leaves_its_token_file_private(tmp_path: Pat
         assert connect_ray(num_cpus=1, namespace="file-modes-test")
         ray.shutdown()
     """)
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     token = home / ".ray" / "auth_token"
     assert token.is_file() and stat.S_IMODE(token.stat().st_mode) == 0o600

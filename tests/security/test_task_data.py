@@ -73,11 +73,17 @@ def run_job(api: Api, task: str, backbone_dir: Path, tmp_path: Path, k_shot: int
     from workers.job import JobSpec, LocalDeltaSink
     from workers.worker import PeltWorker, WorkerConfig
 
-    spec = JobSpec(job_id=1, task=task_spec(api.registry.get_task(task)), method="lora",
-                   method_spec=get_method("lora").to_dict(), backbone=str(backbone_dir),
-                   train_config={"max_steps": 4, "batch_size": 4, "seed": 3, "bf16": "false", "k_shot": k_shot})
-    worker = PeltWorker("w1", WorkerConfig(threads=None, heartbeat_seconds=0.05, lease_seconds=5),
-                        backbones=LocalBackbones())
+    spec = JobSpec(
+        job_id=1,
+        task=task_spec(api.registry.get_task(task)),
+        method="lora",
+        method_spec=get_method("lora").to_dict(),
+        backbone=str(backbone_dir),
+        train_config={"max_steps": 4, "batch_size": 4, "seed": 3, "bf16": "false", "k_shot": k_shot},
+    )
+    worker = PeltWorker(
+        "w1", WorkerConfig(threads=None, heartbeat_seconds=0.05, lease_seconds=5), backbones=LocalBackbones()
+    )
     lease = Lease(1)
     worker.run(spec, lease, LocalDeltaSink(tmp_path / "deltas"))
     return lease
@@ -87,7 +93,8 @@ def run_job(api: Api, task: str, backbone_dir: Path, tmp_path: Path, k_shot: int
 
 
 def test_a_task_without_a_validation_split_registers_and_its_job_trains_on_a_held_out_dev_split(
-        client, api, toy_files, tiny_bert_dir, tmp_path):
+    client, api, toy_files, tiny_bert_dir, tmp_path
+):
     task = client.register_task("no-dev", toy_files["train"], text_fields=["sentence"])
     assert task.split_sizes == {"train": 200}
 
@@ -104,7 +111,9 @@ def test_the_dev_split_is_held_out_by_seed_and_never_overlaps_the_k_shot_sample(
     from pelt_core.limits import dev_split_rows
 
     assert [dev_split_rows(n) for n in (2, 9, 10, 200, 10_000, 400_000)] == [1, 1, 1, 20, 1000, 1000]
-    rows = Dataset.from_dict({"sentence": [f"row {i}" for i in range(200)], "label": [i % 2 for i in range(200)]})
+    rows = Dataset.from_dict(
+        {"sentence": [f"row {i}" for i in range(200)], "label": [i % 2 for i in range(200)]}
+    )
     train, dev = hold_out_dev_split(rows, seed=5)
     assert (len(train), len(dev)) == (180, 20)
     assert set(train["sentence"]).isdisjoint(dev["sentence"])
@@ -122,7 +131,12 @@ def test_k_is_checked_against_the_rows_left_after_the_dev_split(client, api, toy
 
 def test_a_single_training_row_without_a_validation_split_is_refused(client, api, tmp_path):
     one = jsonl(tmp_path / "train.jsonl", [{"sentence": "only", "label": 1}])
-    refused(lambda: client.register_task("one", one, text_fields=["sentence"]), 422, "source.validation", "dev split")
+    refused(
+        lambda: client.register_task("one", one, text_fields=["sentence"]),
+        422,
+        "source.validation",
+        "dev split",
+    )
     nothing_written(api)
 
 
@@ -131,9 +145,12 @@ def test_a_single_training_row_without_a_validation_split_is_refused(client, api
 
 @pytest.mark.parametrize("values", [[-3, -2, -1], [0, 1, 1e9], [1, 2, 3]])
 def test_integer_labels_outside_0_to_n_are_class_names_and_their_jobs_train(
-        client, api, tiny_bert_dir, tmp_path, values):
-    rows = [{"sentence": row["sentence"], "label": values[index % len(values)]}
-            for index, row in enumerate(toy_rows(60, seed=0))]
+    client, api, tiny_bert_dir, tmp_path, values
+):
+    rows = [
+        {"sentence": row["sentence"], "label": values[index % len(values)]}
+        for index, row in enumerate(toy_rows(60, seed=0))
+    ]
     train, validation = jsonl(tmp_path / "train.jsonl", rows), jsonl(tmp_path / "validation.jsonl", rows[:12])
     task = client.register_task("ints", train, validation, text_fields=["sentence"])
     assert task.label_names == [str(int(v)) for v in values]
@@ -149,14 +166,22 @@ def test_the_registry_and_the_trainer_map_labels_to_the_same_classes():
     task = TaskFields(("sentence",), "label", label_names=["-3", "-2", "-1"])
     assert encode_labels([-1, -3, -2.0], task, "data").tolist() == [2, 0, 1]
     declared = TaskFields(("sentence",), "label", label_names=["neg", "pos"])
-    assert encode_labels([1, 0, "pos"], declared, "data").tolist() == [1, 0, 1]  # positions, as ClassLabel does
+    assert encode_labels([1, 0, "pos"], declared, "data").tolist() == [
+        1,
+        0,
+        1,
+    ]  # positions, as ClassLabel does
 
 
 def test_evaluation_labels_the_training_data_lacks_are_refused(client, api, tmp_path):
     train = jsonl(tmp_path / "train.jsonl", [{"sentence": "a", "label": 0}, {"sentence": "b", "label": 1}])
     validation = jsonl(tmp_path / "validation.jsonl", [{"sentence": "c", "label": 7}])
-    refused(lambda: client.register_task("odd", train, validation, text_fields=["sentence"]), 422,
-            "source.validation", "7")
+    refused(
+        lambda: client.register_task("odd", train, validation, text_fields=["sentence"]),
+        422,
+        "source.validation",
+        "7",
+    )
     nothing_written(api)
 
 
@@ -166,41 +191,68 @@ def test_evaluation_labels_the_training_data_lacks_are_refused(client, api, tmp_
 def test_a_latin1_csv_is_refused_naming_the_split_and_the_encoding(client, api, tmp_path):
     latin = tmp_path / "train.csv"
     latin.write_bytes("sentence,label\ncaf\u00e9 cr\u00e8me,1\nna\u00efve,0\n".encode("latin-1"))
-    refused(lambda: client.register_task("latin", latin, text_fields=["sentence"]), 422, "source.train",
-            "UTF-8", "train.csv")
+    refused(
+        lambda: client.register_task("latin", latin, text_fields=["sentence"]),
+        422,
+        "source.train",
+        "UTF-8",
+        "train.csv",
+    )
     nothing_written(api)
 
 
 def test_a_csv_with_its_label_column_twice_is_refused_naming_it(client, api, tmp_path):
     twice = tmp_path / "train.csv"
     twice.write_text("sentence,label,label\ngood,1,0\nbad,0,1\n")
-    refused(lambda: client.register_task("twice", twice, text_fields=["sentence"]), 422, "source.train",
-            "label", "twice")
+    refused(
+        lambda: client.register_task("twice", twice, text_fields=["sentence"]),
+        422,
+        "source.train",
+        "label",
+        "twice",
+    )
     nothing_written(api)
 
 
 @pytest.mark.parametrize("label", [{"a": 1}, [{"a": 1}]])
 def test_a_label_that_is_an_object_is_refused_naming_the_label_field(client, api, tmp_path, label):
-    rows = jsonl(tmp_path / "train.jsonl", [{"sentence": "good", "label": label}, {"sentence": "bad", "label": label}])
+    rows = jsonl(
+        tmp_path / "train.jsonl", [{"sentence": "good", "label": label}, {"sentence": "bad", "label": label}]
+    )
     problem = "multi_label_classification" if isinstance(label, list) else "single_label_classification"
-    refused(lambda: client.register_task("objects", rows, text_fields=["sentence"], problem_type=problem), 422,
-            "label_field")
+    refused(
+        lambda: client.register_task("objects", rows, text_fields=["sentence"], problem_type=problem),
+        422,
+        "label_field",
+    )
     nothing_written(api)
 
 
-def test_dataset_errors_name_the_split_and_the_uploaded_file_not_a_server_path(client, api, tmp_path, toy_files):
+def test_dataset_errors_name_the_split_and_the_uploaded_file_not_a_server_path(
+    client, api, tmp_path, toy_files
+):
     broken = tmp_path / "mine.jsonl"
     broken.write_text('{"sentence": "fine", "label": 1}\n{"sentence": "cut off", "lab\n')
-    message = refused(lambda: client.register_task("broken", broken, text_fields=["sentence"]), 422,
-                      "source.train", "mine.jsonl", "cannot read")
+    message = refused(
+        lambda: client.register_task("broken", broken, text_fields=["sentence"]),
+        422,
+        "source.train",
+        "mine.jsonl",
+        "cannot read",
+    )
     assert str(api.settings.data_dir) not in message and "/" not in message.replace("mine.jsonl", "")
     not_parquet = tmp_path / "dev.parquet"
     not_parquet.write_bytes(b"PAR1 but not really")
-    message = refused(lambda: client.register_task("broken", toy_files["train"], not_parquet,
-                                                   text_fields=["sentence"]), 422, "source.validation", "dev.parquet")
+    message = refused(
+        lambda: client.register_task("broken", toy_files["train"], not_parquet, text_fields=["sentence"]),
+        422,
+        "source.validation",
+        "dev.parquet",
+    )
     assert str(api.settings.data_dir) not in message
-    message = refused(lambda: client.register_task("broken", toy_files["train"], text_fields=["text"]), 422,
-                      "text_fields")
+    message = refused(
+        lambda: client.register_task("broken", toy_files["train"], text_fields=["text"]), 422, "text_fields"
+    )
     assert str(api.settings.data_dir) not in message
     nothing_written(api)
 
@@ -208,22 +260,36 @@ def test_dataset_errors_name_the_split_and_the_uploaded_file_not_a_server_path(c
 # --- positions apply to declared names only (round 2) -----------------------------------------------------
 
 
-def test_an_evaluation_label_outside_the_inferred_names_is_refused_not_taken_as_a_position(client, api, tmp_path):
+def test_an_evaluation_label_outside_the_inferred_names_is_refused_not_taken_as_a_position(
+    client, api, tmp_path
+):
     """Training labels {1, 2} infer the classes ["1", "2"]: a validation label 0 is no class (not "1")."""
     train = jsonl(tmp_path / "train.jsonl", [{"sentence": "a", "label": 1}, {"sentence": "b", "label": 2}])
     validation = jsonl(tmp_path / "validation.jsonl", [{"sentence": "c", "label": 0}])
-    refused(lambda: client.register_task("shifted", train, validation, text_fields=["sentence"]), 422,
-            "source.validation", "0")
-    words = jsonl(tmp_path / "words.jsonl", [{"sentence": "a", "label": "neg"}, {"sentence": "b", "label": "pos"}])
-    refused(lambda: client.register_task("shifted", words, validation, text_fields=["sentence"]), 422,
-            "source.validation", "0")
+    refused(
+        lambda: client.register_task("shifted", train, validation, text_fields=["sentence"]),
+        422,
+        "source.validation",
+        "0",
+    )
+    words = jsonl(
+        tmp_path / "words.jsonl", [{"sentence": "a", "label": "neg"}, {"sentence": "b", "label": "pos"}]
+    )
+    refused(
+        lambda: client.register_task("shifted", words, validation, text_fields=["sentence"]),
+        422,
+        "source.validation",
+        "0",
+    )
     nothing_written(api)
 
 
 def test_declared_label_names_still_take_whole_numbers_as_positions(client, api, tmp_path):
     train = jsonl(tmp_path / "train.jsonl", [{"sentence": "a", "label": 0}, {"sentence": "b", "label": 1}])
     validation = jsonl(tmp_path / "validation.jsonl", [{"sentence": "c", "label": 1}])
-    task = client.register_task("declared", train, validation, text_fields=["sentence"], label_names=["neg", "pos"])
+    task = client.register_task(
+        "declared", train, validation, text_fields=["sentence"], label_names=["neg", "pos"]
+    )
     assert task.label_names == ["neg", "pos"]
 
 

@@ -56,8 +56,9 @@ def saved_dataset(folder: Path, labels: list[str] | None = None) -> Path:
     from datasets import Dataset
 
     labels = labels or ["neg", "pos"]
-    Dataset.from_dict({"text": ["good", "bad", "great", "awful"],
-                       "label": [labels[1], labels[0], labels[1], labels[0]]}).save_to_disk(folder)
+    Dataset.from_dict(
+        {"text": ["good", "bad", "great", "awful"], "label": [labels[1], labels[0], labels[1], labels[0]]}
+    ).save_to_disk(folder)
     return folder
 
 
@@ -83,7 +84,9 @@ def test_a_datasets_folder_whose_state_names_an_arrow_file_elsewhere_is_refused(
     victim = saved_dataset(tmp_path / "victim", SECRET_LABELS)
     victim_file = next(victim.glob("*.arrow"))
     ds = saved_dataset(tmp_path / "ds")
-    point_data_file_at(ds, str(victim_file) if how == "absolute" else "../" * 30 + str(victim_file).lstrip("/"))
+    point_data_file_at(
+        ds, str(victim_file) if how == "absolute" else "../" * 30 + str(victim_file).lstrip("/")
+    )
 
     response = upload(api, {"dataset": ("ds.tar.gz", tar_gz(ds))})
 
@@ -170,9 +173,9 @@ def patched(archive: bytes, offset_in_header: int, value: bytes) -> bytes:
     """The zip with `value` written at an offset of its local header and of its central directory entry."""
     data = bytearray(archive)
     local, central = data.index(b"PK\x03\x04"), data.index(b"PK\x01\x02")
-    data[local + offset_in_header:local + offset_in_header + len(value)] = value
+    data[local + offset_in_header : local + offset_in_header + len(value)] = value
     central_offset = offset_in_header + 2  # the central entry has "version made by" before the shared fields
-    data[central + central_offset:central + central_offset + len(value)] = value
+    data[central + central_offset : central + central_offset + len(value)] = value
     return bytes(data)
 
 
@@ -183,7 +186,7 @@ def broken_zips() -> dict[str, bytes]:
     noise = random.Random(0).randbytes(4000)  # incompressible: the LZMA stream is long enough to corrupt
     lzma_data = bytearray(zip_of({"ds/state.json": noise}, zipfile.ZIP_LZMA))
     start = lzma_data.index(b"PK\x03\x04") + 30 + len("ds/state.json")
-    lzma_data[start + 9:start + 40] = b"\xff" * 31  # the LZMA stream after its properties header
+    lzma_data[start + 9 : start + 40] = b"\xff" * 31  # the LZMA stream after its properties header
     return {"encrypted": encrypted, "unknown-method": unknown_method, "corrupt-lzma": bytes(lzma_data)}
 
 
@@ -236,8 +239,10 @@ BOMB_BYTES = 600 << 20
 
 
 def zip_bomb(path: Path) -> Path:
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive, \
-            archive.open("ds/data-00000-of-00001.arrow", "w", force_zip64=True) as member:
+    with (
+        zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive,
+        archive.open("ds/data-00000-of-00001.arrow", "w", force_zip64=True) as member,
+    ):
         source = Zeros(BOMB_BYTES)
         while chunk := source.read(1 << 20):
             member.write(chunk)
@@ -290,20 +295,42 @@ print("RESPONSE " + json.dumps(answer))
 """
 
 
-def upload_bounded(settings: Settings, files: dict[str, tuple[str, Path]], definition: str = DEFINITION,
-                   headroom: int = 384 << 20, file_size: int = 200 << 20) -> dict[str, Any]:
+def upload_bounded(
+    settings: Settings,
+    files: dict[str, tuple[str, Path]],
+    definition: str = DEFINITION,
+    headroom: int = 384 << 20,
+    file_size: int = 200 << 20,
+) -> dict[str, Any]:
     """Register a task from uploaded files (the service layer under POST /v1/tasks) in a fresh process
     with the production bounds, whose address space may grow by `headroom` bytes at most and whose files
     stay under `file_size` bytes; the answer as the API would give it."""
-    arguments = {"data_dir": str(settings.data_dir), "definition": definition, "headroom": headroom,
-                 "file_size": file_size,
-                 "files": {field: (name, str(path)) for field, (name, path) in files.items()}}
-    environment = {**os.environ, "MALLOC_ARENA_MAX": "2", "ARROW_DEFAULT_MEMORY_POOL": "system",
-                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", BOUNDED_UPLOAD, json.dumps(arguments)], capture_output=True,
-                          text=True, cwd=Path(__file__).resolve().parents[2], env=environment, timeout=300)
+    arguments = {
+        "data_dir": str(settings.data_dir),
+        "definition": definition,
+        "headroom": headroom,
+        "file_size": file_size,
+        "files": {field: (name, str(path)) for field, (name, path) in files.items()},
+    }
+    environment = {
+        **os.environ,
+        "MALLOC_ARENA_MAX": "2",
+        "ARROW_DEFAULT_MEMORY_POOL": "system",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", BOUNDED_UPLOAD, json.dumps(arguments)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        env=environment,
+        timeout=300,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESPONSE ")]
-    assert lines, f"the service process ended without an answer (exit {done.returncode}): {done.stderr[-3000:]}"
+    assert lines, (
+        f"the service process ended without an answer (exit {done.returncode}): {done.stderr[-3000:]}"
+    )
     return json.loads(lines[-1].removeprefix("RESPONSE "))
 
 
@@ -313,8 +340,11 @@ def nothing_kept(settings: Settings) -> None:
         assert registry.list_tasks() == []
     finally:
         registry.close()
-    assert [p for p in settings.data_dir.rglob("*") if p.is_file() and not p.name.startswith(
-        ("registry.db", "mlflow.db"))] == []
+    assert [
+        p
+        for p in settings.data_dir.rglob("*")
+        if p.is_file() and not p.name.startswith(("registry.db", "mlflow.db"))
+    ] == []
 
 
 @pytest.mark.parametrize("kind", ["zip", "tar.gz"])
@@ -353,8 +383,14 @@ def api_of_100_rows(settings: Settings, tiny_bert_dir: Path) -> Any:
     registry = Registry(settings=bounded)
     _, token = registry.create_api_token("tests")
     try:
-        yield Api(create_app(PeltService(registry, None, settings=bounded), bounded), None, registry, None, token,
-                  bounded)
+        yield Api(
+            create_app(PeltService(registry, None, settings=bounded), bounded),
+            None,
+            registry,
+            None,
+            token,
+            bounded,
+        )
     finally:
         registry.close()
 
@@ -366,8 +402,12 @@ def test_the_row_bound_is_an_operator_knob_and_holds_for_every_format(api_of_100
     csv = ("text,label\n" + "t,1\n" * 101).encode()
     refused(upload(api, {"train": ("train.csv", csv)}), 413, "source.train", "PELT_MAX_DATASET_ROWS")
     ok = "".join(json.dumps({"text": "t", "label": i % 2}) + "\n" for i in range(100)).encode()
-    refused(upload(api, {"train": ("train.jsonl", ok), "validation": ("v.jsonl", rows)}), 413,
-            "source.validation", "PELT_MAX_DATASET_ROWS")
+    refused(
+        upload(api, {"train": ("train.jsonl", ok), "validation": ("v.jsonl", rows)}),
+        413,
+        "source.validation",
+        "PELT_MAX_DATASET_ROWS",
+    )
     nothing_written(api)
 
 
@@ -383,8 +423,11 @@ def test_an_unknown_multipart_field_is_refused_naming_it(api, toy_files):
 
 def test_a_field_sent_twice_is_refused(api, toy_files):
     train = ("train.jsonl", Path(toy_files["train"]).read_bytes())
-    response = api.client().http.post("/v1/tasks", data={"name": "attack", "definition": '{"text_fields": ["sentence"]}'},
-                                      files=[("train", train), ("train", train)])
+    response = api.client().http.post(
+        "/v1/tasks",
+        data={"name": "attack", "definition": '{"text_fields": ["sentence"]}'},
+        files=[("train", train), ("train", train)],
+    )
     refused(response, 422, "train", "twice")
     nothing_written(api)
 
@@ -398,8 +441,12 @@ def test_a_deeply_nested_definition_is_a_422_naming_it(api, toy_files):
 
 @pytest.mark.parametrize("depth", [200, 20_000])
 def test_a_deeply_nested_json_body_is_a_422_naming_the_body(api, toy_task, depth):
-    body = ('{"task": "toy", "method": "lora", "backbone": "tiny-bert", "hyperparameters": {"q.layers": '
-            + "[" * depth + "]" * depth + "}}")
+    body = (
+        '{"task": "toy", "method": "lora", "backbone": "tiny-bert", "hyperparameters": {"q.layers": '
+        + "[" * depth
+        + "]" * depth
+        + "}}"
+    )
     response = api.client().http.post("/v1/jobs", content=body, headers={"Content-Type": "application/json"})
     refused(response, 422, "body", "nested")
     assert api.registry.list_jobs() == []
@@ -410,11 +457,24 @@ def test_a_deeply_nested_json_body_is_a_422_naming_the_body(api, toy_task, depth
 
 def run_python(code: str, *arguments: str, memory_bytes: int = 2 << 30) -> subprocess.CompletedProcess[str]:
     """`code` in a fresh interpreter under an address-space limit (a crash there fails only its test)."""
-    bounded = f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({memory_bytes}, {memory_bytes}))\n" + code
-    environment = {**os.environ, "MALLOC_ARENA_MAX": "2", "ARROW_DEFAULT_MEMORY_POOL": "system",
-                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", bounded, *arguments], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[2], env=environment, timeout=300)
+    bounded = (
+        f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({memory_bytes}, {memory_bytes}))\n" + code
+    )
+    environment = {
+        **os.environ,
+        "MALLOC_ARENA_MAX": "2",
+        "ARROW_DEFAULT_MEMORY_POOL": "system",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-c", bounded, *arguments],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        env=environment,
+        timeout=300,
+    )
 
 
 def dataset_dict_with_a_root_state_pointing_at(root: Path, victim: Path) -> Path:
@@ -452,7 +512,13 @@ def test_the_trainer_refuses_a_dataset_dict_with_a_root_state_json(tmp_path):
 
 
 def nested_row(depth: int) -> bytes:
-    return json.dumps({"text": "deep", "label": 1})[:-1].encode() + b', "x": ' + b"[" * depth + b"]" * depth + b"}\n"
+    return (
+        json.dumps({"text": "deep", "label": 1})[:-1].encode()
+        + b', "x": '
+        + b"[" * depth
+        + b"]" * depth
+        + b"}\n"
+    )
 
 
 def test_a_json_lines_row_nested_20000_deep_is_a_422_and_the_service_survives(settings, tmp_path):
@@ -464,17 +530,24 @@ def test_a_json_lines_row_nested_20000_deep_is_a_422_and_the_service_survives(se
 
     assert answer["status"] == 422, answer
     error = answer["body"]["error"]
-    assert error["field"] == "source.train" and "nested" in error["message"] and "line 2" in error["message"], error
+    assert (
+        error["field"] == "source.train" and "nested" in error["message"] and "line 2" in error["message"]
+    ), error
     nothing_kept(settings)
 
 
 def test_the_trainer_refuses_a_json_lines_row_nested_too_deep(tmp_path):
     deep = tmp_path / "train.jsonl"
     deep.write_bytes(nested_row(20_000))
-    done = run_python("import sys\nfrom pelt_core.data import DataError, load_table\ntry:\n    load_table(sys.argv[1])\n"
-                      "except DataError as exc:\n    print('REFUSED', exc)\n", str(deep))
-    assert done.returncode == 0 and "REFUSED" in done.stdout and "nested" in done.stdout, (done.returncode,
-                                                                                             done.stderr[-2000:])
+    done = run_python(
+        "import sys\nfrom pelt_core.data import DataError, load_table\ntry:\n    load_table(sys.argv[1])\n"
+        "except DataError as exc:\n    print('REFUSED', exc)\n",
+        str(deep),
+    )
+    assert done.returncode == 0 and "REFUSED" in done.stdout and "nested" in done.stdout, (
+        done.returncode,
+        done.stderr[-2000:],
+    )
 
 
 def test_data_that_decode_past_the_probe_memory_limit_are_a_422_naming_the_split(settings, tmp_path):
@@ -490,8 +563,9 @@ def test_data_that_decode_past_the_probe_memory_limit_are_a_422_naming_the_split
     pq.write_table(table, tmp_path / "train.parquet", store_schema=False)  # read back as plain strings
     assert (tmp_path / "train.parquet").stat().st_size < 2 << 20
 
-    answer = upload_bounded(settings, {"train": ("train.parquet", tmp_path / "train.parquet")},
-                            headroom=1 << 30)
+    answer = upload_bounded(
+        settings, {"train": ("train.parquet", tmp_path / "train.parquet")}, headroom=1 << 30
+    )
 
     assert answer["status"] in (413, 422), answer
     error = answer["body"]["error"]
@@ -502,7 +576,9 @@ def test_data_that_decode_past_the_probe_memory_limit_are_a_422_naming_the_split
 def test_a_probe_past_its_memory_limit_is_a_422_and_the_api_stays_up(api, toy_files):
     api.settings.dataset_probe_memory_bytes = 32 << 20  # too little to start the probe's interpreter
     train = ("train.jsonl", Path(toy_files["train"]).read_bytes())
-    refused(upload(api, {"train": train}), 422, "source", "could not be read", "PELT_DATASET_PROBE_MEMORY_BYTES")
+    refused(
+        upload(api, {"train": train}), 422, "source", "could not be read", "PELT_DATASET_PROBE_MEMORY_BYTES"
+    )
     nothing_written(api)
     api.settings.dataset_probe_memory_bytes = 4 << 30
     assert upload(api, {"train": train}, definition='{"text_fields": ["sentence"]}').status_code == 201
@@ -520,8 +596,12 @@ def sparse_tar(path: Path, real_size: int) -> Path:
     sparse_map = b"1\n0\n1\n".ljust(512, b"\0")  # one data region: offset 0, 1 byte
     info = tarfile.TarInfo("ds/GNUSparseFile.0/data-00000-of-00001.arrow")
     info.size = len(sparse_map) + 1
-    info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
-                        "GNU.sparse.name": "ds/data-00000-of-00001.arrow", "GNU.sparse.realsize": str(real_size)}
+    info.pax_headers = {
+        "GNU.sparse.major": "1",
+        "GNU.sparse.minor": "0",
+        "GNU.sparse.name": "ds/data-00000-of-00001.arrow",
+        "GNU.sparse.realsize": str(real_size),
+    }
     with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as archive:
         archive.addfile(info, io.BytesIO(sparse_map + b"x"))
     return path
@@ -549,7 +629,9 @@ def test_a_dictionary_encoded_label_is_summarized_without_decoding_it(settings, 
     label = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int8()), pa.array(["y" * 100_000]))
     pq.write_table(pa.table({"text": pa.array(["t"] * rows), "label": label}), tmp_path / "train.parquet")
 
-    answer = upload_bounded(settings, {"train": ("train.parquet", tmp_path / "train.parquet")}, headroom=384 << 20)
+    answer = upload_bounded(
+        settings, {"train": ("train.parquet", tmp_path / "train.parquet")}, headroom=384 << 20
+    )
 
     assert answer["status"] == 422, answer
     error = answer["body"]["error"]
@@ -585,8 +667,10 @@ def image_dataset(folder: Path) -> Path:
     """A save_to_disk folder whose `text` column is an Image feature (in its Arrow schema's metadata)."""
     from datasets import Dataset, Features, Image, Value
 
-    Dataset.from_dict({"text": [{"bytes": None, "path": "/etc/hostname"}] * 2, "label": ["a", "b"]},
-                      features=Features({"text": Image(), "label": Value("string")})).save_to_disk(folder)
+    Dataset.from_dict(
+        {"text": [{"bytes": None, "path": "/etc/hostname"}] * 2, "label": ["a", "b"]},
+        features=Features({"text": Image(), "label": Value("string")}),
+    ).save_to_disk(folder)
     return folder
 
 
@@ -623,15 +707,21 @@ def test_a_slow_upload_does_not_hold_up_another(api, toy_files, tmp_path, monkey
     monkeypatch.setattr(api.registry, "register_task", slow_for_the_first)
     slow_file = tmp_path / "slow.jsonl"
     slow_file.write_bytes(Path(toy_files["train"]).read_bytes() + b'{"sentence": "one more", "label": 1}\n')
-    slow = threading.Thread(target=lambda: (api.service.register_task(
-        "slow", {"train": Upload("slow.jsonl", slow_file.open("rb"))}, {"text_fields": ["sentence"]}),
-        finished.set()))
+    slow = threading.Thread(
+        target=lambda: (
+            api.service.register_task(
+                "slow", {"train": Upload("slow.jsonl", slow_file.open("rb"))}, {"text_fields": ["sentence"]}
+            ),
+            finished.set(),
+        )
+    )
     slow.start()
     try:
         assert entered.wait(60)
         with Path(toy_files["train"]).open("rb") as train:
-            fast = api.service.register_task("fast", {"train": Upload("train.jsonl", train)},
-                                             {"text_fields": ["sentence"]})
+            fast = api.service.register_task(
+                "fast", {"train": Upload("train.jsonl", train)}, {"text_fields": ["sentence"]}
+            )
         assert fast.name == "fast" and not finished.is_set()
     finally:
         release.set()
@@ -654,8 +744,10 @@ def crafted_zip64(entries: int) -> bytes:
 
     central = struct.Struct("<4s4B4HL2L5H2L")  # a central directory entry (APPNOTE 4.3.12), 46 bytes
     names = [f"ds/{index}.json".encode() for index in range(entries)]
-    directory = b"".join(central.pack(b"PK\x01\x02", 20, 0, 20, 0, 0, 0, 0, 0, 0, 0, 0, len(name), 0, 0, 0, 0,
-                                      0, 0) + name for name in names)
+    directory = b"".join(
+        central.pack(b"PK\x01\x02", 20, 0, 20, 0, 0, 0, 0, 0, 0, 0, 0, len(name), 0, 0, 0, 0, 0, 0) + name
+        for name in names
+    )
     zip64_end = struct.Struct("<4sQ2H2L4Q")
     decoy = zip64_end.pack(b"PK\x06\x06", 44, 45, 45, 0, 0, 1, 1, 46, zip64_end.size)
     real = zip64_end.pack(b"PK\x06\x06", 44, 45, 45, 0, 0, entries, entries, len(directory), zip64_end.size)
@@ -723,7 +815,11 @@ def test_a_tar_of_many_small_files_with_pax_headers_still_unpacks(tmp_path):
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
         for index in range(999):  # GNU tar --format=posix: a pax header of times for each member
             info = tarfile.TarInfo(f"ds/{index}.json")
-            info.pax_headers = {"mtime": "1700000000.123456789", "atime": "1700000000.1", "ctime": "1700000000.2"}
+            info.pax_headers = {
+                "mtime": "1700000000.123456789",
+                "atime": "1700000000.1",
+                "ctime": "1700000000.2",
+            }
             info.size = 3
             archive.addfile(info, io.BytesIO(b"{}\n"))
     target = tmp_path / "out" / "dataset"
@@ -769,8 +865,11 @@ def test_a_string_view_label_longer_than_a_class_name_is_refused(api, tmp_path):
     with pa.ipc.new_stream(str(data_file), table.schema) as writer:
         writer.write_table(table)
 
-    response = upload(api, {"dataset": ("ds.tar.gz", tar_gz(folder))}, definition=json.dumps(
-        {"text_fields": ["text"], "label_field": "label"}))
+    response = upload(
+        api,
+        {"dataset": ("ds.tar.gz", tar_gz(folder))},
+        definition=json.dumps({"text_fields": ["text"], "label_field": "label"}),
+    )
 
     refused(response, 422, "label_field", "2000 characters")
     nothing_written(api)

@@ -31,9 +31,16 @@ def save_tiny_bert(folder: Path, seed: int = 0) -> None:
     from pelt_core.testing import tiny_tokenizer
 
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     BertModel(config).eval().save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
 
@@ -77,8 +84,9 @@ def migrated_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def registry_url(tmp_path: Path, migrated_template: Path, tiny_backbone: tuple[str, str],
-                 toy_data: dict[str, Path]) -> str:
+def registry_url(
+    tmp_path: Path, migrated_template: Path, tiny_backbone: tuple[str, str], toy_data: dict[str, Path]
+) -> str:
     """A fresh SQLite registry with the toy task and the tiny backbone registered."""
     path = tmp_path / "registry.db"
     shutil.copyfile(migrated_template, path)
@@ -92,11 +100,15 @@ def registry_url(tmp_path: Path, migrated_template: Path, tiny_backbone: tuple[s
 @pytest.fixture
 def registry(registry_url: str) -> Iterator[Registry]:
     """The registry as the dispatcher sees it: short leases and backoffs so retries happen in seconds."""
-    with Registry(registry_url, lease_seconds=8, retry_backoff_seconds=0.2, retry_backoff_max_seconds=1) as reg:
+    with Registry(
+        registry_url, lease_seconds=8, retry_backoff_seconds=0.2, retry_backoff_max_seconds=1
+    ) as reg:
         yield reg
 
 
-def submit(registry: Registry, count: int, *, steps: int = 400, seed0: int = 0, **hyperparameters: Any) -> list[int]:
+def submit(
+    registry: Registry, count: int, *, steps: int = 400, seed0: int = 0, **hyperparameters: Any
+) -> list[int]:
     """Queue `count` LoRA jobs of `steps` optimisation steps each (batch 2: slow enough to act mid-job)."""
     values = {"max_steps": steps, "batch_size": 2, "eval_batch_size": 64, **hyperparameters}
     return [registry.submit_job(TASK, "lora", BACKBONE, values, seed=seed0 + i).id for i in range(count)]

@@ -40,8 +40,12 @@ def test_worker_actors_on_one_node_map_one_published_copy(local_ray, tiny_backbo
     from workers.worker import WorkerConfig, worker_actor_class
 
     namespace = "shared-backbone-test"
-    workers = [worker_actor_class().options(name=f"w{i}", namespace=namespace, num_cpus=1, max_concurrency=4)
-               .remote(f"w{i}", WorkerConfig(namespace=namespace)) for i in range(4)]
+    workers = [
+        worker_actor_class()
+        .options(name=f"w{i}", namespace=namespace, num_cpus=1, max_concurrency=4)
+        .remote(f"w{i}", WorkerConfig(namespace=namespace))
+        for i in range(4)
+    ]
     try:
         ray.get([w.warm.remote(tiny_backbone[0]) for w in workers])  # imports and code paths, a tiny model
         before = ray.get([w.memory.remote() for w in workers])
@@ -57,8 +61,10 @@ def test_worker_actors_on_one_node_map_one_published_copy(local_ray, tiny_backbo
     assert shared > 80e6 and all(w["shared_bytes"] == shared for w in warmed)
     assert sorted(p["name"] for p in published) == sorted(["all-minilm-l6-v2", tiny_backbone[0]])  # once each
     growth = sorted(a["uss"] - b["uss"] for a, b in zip(after, before, strict=True))
-    print(f"USS growth per worker for {shared / 1e6:.0f} MB of shared weights: "
-          f"{[round(g / 1e6, 1) for g in growth]} MB")
+    print(
+        f"USS growth per worker for {shared / 1e6:.0f} MB of shared weights: "
+        f"{[round(g / 1e6, 1) for g in growth]} MB"
+    )
     assert all(extra < 0.25 * shared for extra in growth[:3]), (growth, shared)  # all but the first to finish
 
 

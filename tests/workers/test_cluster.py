@@ -42,10 +42,19 @@ def cluster() -> Iterator[object]:
 
     loopback_only()
     require_token_auth()
-    fast_failure_detection = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                              "health_check_failure_threshold": 3}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": SLOTS, "include_dashboard": False, "_system_config": fast_failure_detection})
+    fast_failure_detection = {
+        "health_check_initial_delay_ms": 0,
+        "health_check_period_ms": 500,
+        "health_check_failure_threshold": 3,
+    }
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": SLOTS,
+            "include_dashboard": False,
+            "_system_config": fast_failure_detection,
+        },
+    )
     try:
         cluster.add_node(num_cpus=SLOTS)
         cluster.wait_for_nodes()
@@ -57,14 +66,32 @@ def cluster() -> Iterator[object]:
 def start_dispatcher(address: str, registry_url: str, tmp_path: Path, name: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PELT_")}
     env.pop("RAY_AUTH_MODE", None)  # `pelt dispatcher` turns token auth on by itself when joining by address
-    env.update({"PELT_RAY_ADDRESS": address, "PELT_DATABASE_URL": registry_url,
-                "PELT_DATA_DIR": str(tmp_path / "data"), "PELT_LEASE_SECONDS": "10",
-                "PELT_HEARTBEAT_SECONDS": "1", "PELT_RETRY_BACKOFF_SECONDS": "0.2",
-                "PELT_RETRY_BACKOFF_MAX_SECONDS": "1"})
+    env.update(
+        {
+            "PELT_RAY_ADDRESS": address,
+            "PELT_DATABASE_URL": registry_url,
+            "PELT_DATA_DIR": str(tmp_path / "data"),
+            "PELT_LEASE_SECONDS": "10",
+            "PELT_HEARTBEAT_SECONDS": "1",
+            "PELT_RETRY_BACKOFF_SECONDS": "0.2",
+            "PELT_RETRY_BACKOFF_MAX_SECONDS": "1",
+        }
+    )
     log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - the process writes it until it ends
     return subprocess.Popen(
-        [sys.executable, "-c", "from services.cli import main; main()", "dispatcher", "--namespace", "cluster-test"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-c",
+            "from services.cli import main; main()",
+            "dispatcher",
+            "--namespace",
+            "cluster-test",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def node_of(worker_id: str | None, nodes: dict[str, str]) -> str | None:
@@ -81,20 +108,28 @@ def test_jobs_survive_a_dispatcher_restart_and_the_loss_of_a_node(cluster, regis
     head, other = cluster.head_node, cluster.list_all_nodes()[1]
     nodes = {"head": head.node_id, "other": other.node_id}
     ray_processes = {p.pid for p in psutil.Process().children(recursive=True)}
-    assert {c.laddr.ip for c in psutil.net_connections("inet")
-            if c.status == psutil.CONN_LISTEN and c.pid in ray_processes} <= {"127.0.0.1", "::ffff:127.0.0.1"}
+    assert {
+        c.laddr.ip
+        for c in psutil.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in ray_processes
+    } <= {"127.0.0.1", "::ffff:127.0.0.1"}
 
     registry = Registry(registry_url)
     job_ids = submit(registry, 4, steps=STEPS)
     dispatchers = [start_dispatcher(cluster.address, registry_url, tmp_path, "dispatcher-1")]
     try:
+
         def placed() -> dict[str, dict[int, str]] | None:
             """Jobs by node (job -> worker), once 2 train on the non-head node and 2 run on the head."""
             where: dict[str, dict[int, str]] = {"head": {}, "other": {}}
             for job_id in job_ids:
                 job = registry.get_job(job_id)
                 node = node_of(job.lease_owner, nodes)
-                if job.status == JobStatus.RUNNING and node and (node == "head" or step_of(registry, job_id) >= 5):
+                if (
+                    job.status == JobStatus.RUNNING
+                    and node
+                    and (node == "head" or step_of(registry, job_id) >= 5)
+                ):
                     where[node][job_id] = job.lease_owner
             return where if len(where["head"]) == len(where["other"]) == 2 else None
 
@@ -108,8 +143,10 @@ def test_jobs_survive_a_dispatcher_restart_and_the_loss_of_a_node(cluster, regis
             """The lost node's jobs, claimed again (attempt 2) and held by their new worker (its first
             heartbeat came after the claim: run() has the job), by worker."""
             jobs = {j: registry.get_job(j) for j in on_other}
-            if all(job.status == JobStatus.RUNNING and job.attempts == 2 and job.heartbeat_at > job.started_at
-                   for job in jobs.values()):
+            if all(
+                job.status == JobStatus.RUNNING and job.attempts == 2 and job.heartbeat_at > job.started_at
+                for job in jobs.values()
+            ):
                 return {j: job.lease_owner for j, job in jobs.items()}
             return None
 
@@ -119,8 +156,11 @@ def test_jobs_survive_a_dispatcher_restart_and_the_loss_of_a_node(cluster, regis
         dispatchers[0].send_signal(signal.SIGKILL)  # the dispatcher dies mid-job; its detached workers go on
         dispatchers[0].wait(10)
         dispatchers.append(start_dispatcher(cluster.address, registry_url, tmp_path, "dispatcher-2"))
-        wait_for(lambda: "dispatcher running" in (tmp_path / "dispatcher-2.log").read_text(), 90,
-                 "the second dispatcher to start")
+        wait_for(
+            lambda: "dispatcher running" in (tmp_path / "dispatcher-2.log").read_text(),
+            90,
+            "the second dispatcher to start",
+        )
         wait_for(lambda: ended(registry, job_ids), 150, "every job to finish")
     finally:
         for process in dispatchers:
@@ -129,25 +169,34 @@ def test_jobs_survive_a_dispatcher_restart_and_the_loss_of_a_node(cluster, regis
                 process.wait(60)
 
     jobs = {job_id: registry.get_job(job_id) for job_id in job_ids}
-    assert all(job.status == JobStatus.SUCCEEDED for job in jobs.values()), {j: (v.status, v.last_error)
-                                                                              for j, v in jobs.items()}
+    assert all(job.status == JobStatus.SUCCEEDED for job in jobs.values()), {
+        j: (v.status, v.last_error) for j, v in jobs.items()
+    }
     results = {job_id: registry.get_result(job_id) for job_id in job_ids}
     events = {job_id: registry.job_events(job_id) for job_id in job_ids}
     for job_id, worker in on_head.items():  # neither the lost node nor the restart touched them
         assert (jobs[job_id].attempts, results[job_id].worker_id) == (1, worker)
         assert [(e.from_status, e.to_status) for e in events[job_id]] == [
-            (None, "queued"), ("queued", "running"), ("running", "succeeded")]
+            (None, "queued"),
+            ("queued", "running"),
+            ("running", "succeeded"),
+        ]
     for job_id, worker in retried.items():  # retried once for the lost node, finished where it was retried
         assert (jobs[job_id].attempts, results[job_id].attempt, results[job_id].worker_id) == (2, 2, worker)
         assert [(e.from_status, e.to_status) for e in events[job_id]] == [
-            (None, "queued"), ("queued", "running"), ("running", "queued"), ("queued", "running"),
-            ("running", "succeeded")]
+            (None, "queued"),
+            ("queued", "running"),
+            ("running", "queued"),
+            ("queued", "running"),
+            ("running", "succeeded"),
+        ]
         lost = events[job_id][2]  # the dispatcher saw the worker die with its node
         assert lost.worker_id == on_other[job_id] and "died" in lost.reason, lost
     ran_on = {node_of(e.worker_id, nodes) for j in job_ids for e in events[j] if e.to_status == "running"}
     assert ran_on == {"head", "other"}
     assert sorted(p.name for p in (tmp_path / "data" / "deltas" / "toy").iterdir()) == sorted(
-        f"job-{job_id}" for job_id in job_ids)  # one stored delta per job: the one its result names
+        f"job-{job_id}" for job_id in job_ids
+    )  # one stored delta per job: the one its result names
     for job_id, result in results.items():
         delta = Path(result.delta_uri.removeprefix("file://")) / "delta.safetensors"
         assert delta.parent.name == f"job-{job_id}"

@@ -42,13 +42,17 @@ def namespace(request: pytest.FixtureRequest) -> str:
 def dispatcher_for(registry: Registry, tmp_path: Path, namespace: str, **config) -> Dispatcher:
     settings = Settings(data_dir=tmp_path / "data", ray_address=None)
     values = {"namespace": namespace, "heartbeat_seconds": 1.0, "poll_seconds": 0.2, **config}
-    return Dispatcher(registry, LocalDeltaSink(tmp_path / "deltas"), config=DispatcherConfig(**values),
-                      settings=settings)
+    return Dispatcher(
+        registry, LocalDeltaSink(tmp_path / "deltas"), config=DispatcherConfig(**values), settings=settings
+    )
 
 
 def worker_names(namespace: str) -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == namespace and a["name"].startswith(WORKER_PREFIX)]
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == namespace and a["name"].startswith(WORKER_PREFIX)
+    ]
 
 
 def worker_pid(dispatcher: Dispatcher, job_id: int) -> int:
@@ -65,8 +69,11 @@ def test_embedded_ray_listens_on_loopback_only_and_keeps_token_auth(local_ray):
 
     assert get_authentication_mode() == AuthenticationMode.TOKEN
     ours = {p.pid for p in psutil.Process().children(recursive=True)}
-    listening = {(c.laddr.ip, c.pid) for c in psutil.net_connections("inet")
-                 if c.status == psutil.CONN_LISTEN and c.pid in ours}
+    listening = {
+        (c.laddr.ip, c.pid)
+        for c in psutil.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in ours
+    }
     assert listening, "found no listening Ray process"
     assert {ip for ip, _ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
 
@@ -97,11 +104,15 @@ def test_jobs_run_on_warm_workers_that_report_progress_and_store_one_delta_each(
         assert hashlib.sha256((folder / "delta.safetensors").read_bytes()).hexdigest() == result.delta_sha256
     assert len(delta_folders(tmp_path)) == 4
     assert reports, "no progress reached the registry"
-    assert all({"step", "total", "loss", "tokens_per_second"} <= set(r) and r["total"] == 600 for r in reports)
+    assert all(
+        {"step", "total", "loss", "tokens_per_second"} <= set(r) and r["total"] == 600 for r in reports
+    )
     assert not worker_names(namespace), "shutdown left workers behind"
 
 
-def test_a_worker_killed_mid_job_the_job_is_retried_and_completes_once(local_ray, registry, tmp_path, namespace):
+def test_a_worker_killed_mid_job_the_job_is_retried_and_completes_once(
+    local_ray, registry, tmp_path, namespace
+):
     (job_id,) = submit(registry, 1, steps=1200)
     dispatcher = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=1).start()
     try:
@@ -120,16 +131,20 @@ def test_a_worker_killed_mid_job_the_job_is_retried_and_completes_once(local_ray
     assert delta_folders(tmp_path) == [tmp_path / "deltas" / "toy" / f"job-{job_id}"]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     statuses = [(e.from_status, e.to_status) for e in registry.job_events(job_id)]
-    assert statuses == [(None, "queued"), ("queued", "running"), ("running", "queued"), ("queued", "running"),
-                        ("running", "succeeded")]
+    assert statuses == [
+        (None, "queued"),
+        ("queued", "running"),
+        ("running", "queued"),
+        ("queued", "running"),
+        ("running", "succeeded"),
+    ]
 
 
-def test_cancelling_a_running_job_stops_it_and_it_is_never_retried(
-    local_ray, registry, tmp_path, namespace
-):
+def test_cancelling_a_running_job_stops_it_and_it_is_never_retried(local_ray, registry, tmp_path, namespace):
     cancelled, follower = submit(registry, 2, steps=100_000)
-    dispatcher = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=1,
-                                heartbeat_seconds=5.0).start()  # the dispatcher's push, not the heartbeat
+    dispatcher = dispatcher_for(
+        registry, tmp_path, namespace, max_workers_per_node=1, heartbeat_seconds=5.0
+    ).start()  # the dispatcher's push, not the heartbeat
     try:
         wait_for(lambda: step_of(registry, cancelled) >= 10, 60, "the job to be training")
         registry.cancel_job(cancelled)
@@ -154,8 +169,15 @@ def test_a_graceful_shutdown_returns_unstarted_and_running_jobs_to_the_queue(
 ):
     job_ids = submit(registry, 4, steps=100_000)
     dispatcher = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=2).start()
-    running = wait_for(lambda: [j for j in job_ids if step_of(registry, j) > 0] if len(
-        [j for j in job_ids if step_of(registry, j) > 0]) == 2 else None, 60, "two jobs to be training")
+    running = wait_for(
+        lambda: (
+            [j for j in job_ids if step_of(registry, j) > 0]
+            if len([j for j in job_ids if step_of(registry, j) > 0]) == 2
+            else None
+        ),
+        60,
+        "two jobs to be training",
+    )
     summary = dispatcher.shutdown(timeout=20)
 
     assert summary["stats"]["released"] == 2 and summary["released_by_dispatcher"] == []
@@ -167,7 +189,9 @@ def test_a_graceful_shutdown_returns_unstarted_and_running_jobs_to_the_queue(
     assert not worker_names(namespace)
 
 
-def test_a_restarted_dispatcher_adopts_running_workers_and_loses_nothing(local_ray, registry, tmp_path, namespace):
+def test_a_restarted_dispatcher_adopts_running_workers_and_loses_nothing(
+    local_ray, registry, tmp_path, namespace
+):
     # long enough that neither running job can end (and free a worker the first dispatcher would give the third
     # job to) between the check below and detach(); 700 steps once did on a lightly loaded machine
     kept, killed, unstarted = submit(registry, 3, steps=4000)
@@ -204,12 +228,23 @@ def test_with_the_mlflow_store_a_job_becomes_one_model_version_and_the_aliases_f
 ):
     from services.delta_store import MlflowDeltaStore
 
-    store = MlflowDeltaStore(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "mlartifacts", registry=registry,
-                             namespace="workers-test", ensure=True)
+    store = MlflowDeltaStore(
+        f"sqlite:///{tmp_path / 'mlflow.db'}",
+        tmp_path / "mlartifacts",
+        registry=registry,
+        namespace="workers-test",
+        ensure=True,
+    )
     (job_id,) = submit(registry, 1, steps=40)
     settings = Settings(data_dir=tmp_path / "data", ray_address=None)
-    dispatcher = Dispatcher(registry, store, settings=settings, config=DispatcherConfig(
-        namespace=namespace, heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=1)).start()
+    dispatcher = Dispatcher(
+        registry,
+        store,
+        settings=settings,
+        config=DispatcherConfig(
+            namespace=namespace, heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=1
+        ),
+    ).start()
     try:
         wait_for(lambda: ended(registry, [job_id]), 90, "the job to finish")
         wait_for(lambda: dispatcher.stats["succeeded"] == 1, 60, "the dispatcher to see the outcome")
@@ -218,9 +253,16 @@ def test_with_the_mlflow_store_a_job_becomes_one_model_version_and_the_aliases_f
 
     result = registry.get_result(job_id)
     (version,) = store.list_versions("toy")
-    assert (version.job_id, version.run_id, version.sha256) == (job_id, result.mlflow_run_id, result.delta_sha256)
+    assert (version.job_id, version.run_id, version.sha256) == (
+        job_id,
+        result.mlflow_run_id,
+        result.delta_sha256,
+    )
     assert result.mlflow_model_version == version.version and result.delta_uri == version.uri
-    assert set(version.aliases) == {"best", "best-lora"}  # moved by the dispatcher once the result was recorded
+    assert set(version.aliases) == {
+        "best",
+        "best-lora",
+    }  # moved by the dispatcher once the result was recorded
     assert store.pull("toy").delta is not None
 
 
@@ -241,7 +283,9 @@ def test_two_slots_train_two_jobs_at_once_in_one_process_each_with_its_own_lease
     local_ray, registry, tmp_path, namespace
 ):
     job_ids = submit(registry, 2, steps=300)
-    dispatcher = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1).start()
+    dispatcher = dispatcher_for(
+        registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1
+    ).start()
     try:
         wait_for(lambda: training(registry, job_ids), 60, "both jobs to be training")
         owners = [registry.get_job(j).lease_owner for j in job_ids]
@@ -253,7 +297,9 @@ def test_two_slots_train_two_jobs_at_once_in_one_process_each_with_its_own_lease
 
     assert sorted(owners) == [f"{name}#0", f"{name}#1"]  # one process, two leases
     assert info["pid"] == pid and info["slots"] == 2  # that process runs both jobs
-    assert sorted((j["job_id"], j["owner"]) for j in info["jobs"]) == sorted(zip(job_ids, owners, strict=True))
+    assert sorted((j["job_id"], j["owner"]) for j in info["jobs"]) == sorted(
+        zip(job_ids, owners, strict=True)
+    )
     for job_id, owner in zip(job_ids, owners, strict=True):
         job, result = registry.get_job(job_id), registry.get_result(job_id)
         assert (job.status, job.attempts, result.worker_id) == (JobStatus.SUCCEEDED, 1, owner)
@@ -269,8 +315,9 @@ def test_cancelling_one_of_two_jobs_in_a_process_leaves_the_other_running_to_suc
 ):
     (cancelled,) = submit(registry, 1, steps=100_000)
     (kept,) = submit(registry, 1, steps=3000, seed0=1)  # long enough to be mid-training when the other stops
-    dispatcher = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1,
-                                heartbeat_seconds=5.0).start()  # the dispatcher's push, not the heartbeat
+    dispatcher = dispatcher_for(
+        registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1, heartbeat_seconds=5.0
+    ).start()  # the dispatcher's push, not the heartbeat
     try:
         wait_for(lambda: training(registry, [cancelled, kept]), 60, "both jobs to be training")
         name, _ = one_worker(dispatcher)
@@ -279,8 +326,11 @@ def test_cancelling_one_of_two_jobs_in_a_process_leaves_the_other_running_to_suc
         still = registry.get_job(kept)
         assert still.status == JobStatus.RUNNING and step_of(registry, kept) < 3000
         actor = dispatcher.workers[name].actor
-        wait_for(lambda: [j["job_id"] for j in ray.get(actor.info.remote())["jobs"]] == [kept], 60,
-                 "the worker to free the cancelled job's slot")
+        wait_for(
+            lambda: [j["job_id"] for j in ray.get(actor.info.remote())["jobs"]] == [kept],
+            60,
+            "the worker to free the cancelled job's slot",
+        )
         wait_for(lambda: ended(registry, [kept]), 120, "the other job to finish")
     finally:
         dispatcher.shutdown()
@@ -288,8 +338,11 @@ def test_cancelling_one_of_two_jobs_in_a_process_leaves_the_other_running_to_suc
     job = registry.get_job(cancelled)
     assert (job.status, job.attempts, registry.get_result(cancelled)) == (JobStatus.CANCELLED, 1, None)
     job = registry.get_job(kept)
-    assert (job.status, job.attempts, registry.get_result(kept).worker_id) == (JobStatus.SUCCEEDED, 1,
-                                                                                  still.lease_owner)
+    assert (job.status, job.attempts, registry.get_result(kept).worker_id) == (
+        JobStatus.SUCCEEDED,
+        1,
+        still.lease_owner,
+    )
     assert delta_folders(tmp_path) == [tmp_path / "deltas" / "toy" / f"job-{kept}"]
 
 
@@ -297,7 +350,9 @@ def test_a_process_with_two_jobs_killed_both_go_back_to_the_queue_and_complete_o
     local_ray, registry, tmp_path, namespace
 ):
     job_ids = submit(registry, 2, steps=700)
-    dispatcher = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1).start()
+    dispatcher = dispatcher_for(
+        registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1
+    ).start()
     try:
         wait_for(lambda: training(registry, job_ids, 20), 60, "both jobs to be training")
         owners = {j: registry.get_job(j).lease_owner for j in job_ids}
@@ -316,8 +371,12 @@ def test_a_process_with_two_jobs_killed_both_go_back_to_the_queue_and_complete_o
         assert "died" in (job.last_error or "") and result.worker_id != owners[job_id]
         events = registry.job_events(job_id)
         assert [(e.from_status, e.to_status) for e in events] == [
-            (None, "queued"), ("queued", "running"), ("running", "queued"), ("queued", "running"),
-            ("running", "succeeded")]
+            (None, "queued"),
+            ("queued", "running"),
+            ("running", "queued"),
+            ("queued", "running"),
+            ("running", "succeeded"),
+        ]
         assert events[2].worker_id == owners[job_id]  # failed for the slot that ran it
     assert delta_folders(tmp_path) == sorted(tmp_path / "deltas" / "toy" / f"job-{j}" for j in job_ids)
 
@@ -337,7 +396,9 @@ def test_a_restarted_dispatcher_adopts_both_running_jobs_of_a_two_slot_worker(
     assert settled == {"adopted": sorted(job_ids), "released": [], "left_to_lease_expiry": []}
     (described,) = second.describe()
     assert (described["worker_id"], described["slots"]) == (name, 2)
-    assert described["jobs"] == {owner: job_id for job_id, owner in sorted(owners.items(), key=lambda i: i[1])}
+    assert described["jobs"] == {
+        owner: job_id for job_id, owner in sorted(owners.items(), key=lambda i: i[1])
+    }
     second.start()
     try:
         wait_for(lambda: ended(registry, job_ids), 120, "both jobs to finish")

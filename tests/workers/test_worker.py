@@ -63,17 +63,33 @@ class CountingBackbones(LocalBackbones):
         return super().__call__(name, dtype)
 
 
-def job_spec(tiny_backbone: tuple[str, str], toy_data: dict[str, Path], job_id: int = 1, steps: int = 30,
-             **overrides: Any) -> JobSpec:
+def job_spec(
+    tiny_backbone: tuple[str, str],
+    toy_data: dict[str, Path],
+    job_id: int = 1,
+    steps: int = 30,
+    **overrides: Any,
+) -> JobSpec:
     from pelt_core import get_method
 
-    task = TaskSpec(name="toy", train_path=str(toy_data["train"]), validation_path=str(toy_data["validation"]),
-                    text_fields=("sentence",), label_field="label", problem_type="single_label_classification",
-                    label_names=("0", "1"), metric="accuracy")
+    task = TaskSpec(
+        name="toy",
+        train_path=str(toy_data["train"]),
+        validation_path=str(toy_data["validation"]),
+        text_fields=("sentence",),
+        label_field="label",
+        problem_type="single_label_classification",
+        label_names=("0", "1"),
+        metric="accuracy",
+    )
     values: dict[str, Any] = {
-        "job_id": job_id, "task": task, "method": "lora", "method_spec": get_method("lora").to_dict(),
+        "job_id": job_id,
+        "task": task,
+        "method": "lora",
+        "method_spec": get_method("lora").to_dict(),
         "train_config": {"max_steps": steps, "batch_size": 2, "seed": job_id, "bf16": "false"},
-        "backbone": tiny_backbone[0], "backbone_hash": tiny_backbone[1],
+        "backbone": tiny_backbone[0],
+        "backbone_hash": tiny_backbone[1],
     }
     values.update(overrides)
     return JobSpec(**values)
@@ -81,11 +97,16 @@ def job_spec(tiny_backbone: tuple[str, str], toy_data: dict[str, Path], job_id: 
 
 @pytest.fixture
 def worker() -> PeltWorker:
-    return PeltWorker("w1", WorkerConfig(threads=None, heartbeat_seconds=0.02, lease_seconds=5),
-                      backbones=CountingBackbones())
+    return PeltWorker(
+        "w1",
+        WorkerConfig(threads=None, heartbeat_seconds=0.02, lease_seconds=5),
+        backbones=CountingBackbones(),
+    )
 
 
-def test_a_job_reports_progress_stores_its_delta_and_records_the_result(worker, tiny_backbone, toy_data, tmp_path):
+def test_a_job_reports_progress_stores_its_delta_and_records_the_result(
+    worker, tiny_backbone, toy_data, tmp_path
+):
     lease = RecordingLease(1)
     sink = LocalDeltaSink(tmp_path / "deltas")
     outcome = worker.run(job_spec(tiny_backbone, toy_data, steps=60), lease, sink)
@@ -109,13 +130,19 @@ def test_a_job_reports_progress_stores_its_delta_and_records_the_result(worker, 
 def test_a_warm_worker_loads_a_backbone_once_for_many_jobs(worker, tiny_backbone, toy_data, tmp_path):
     sink = LocalDeltaSink(tmp_path)
     for job_id in (1, 2):
-        assert worker.run(job_spec(tiny_backbone, toy_data, job_id, steps=5), RecordingLease(job_id),
-                          sink).status == "succeeded"
+        assert (
+            worker.run(
+                job_spec(tiny_backbone, toy_data, job_id, steps=5), RecordingLease(job_id), sink
+            ).status
+            == "succeeded"
+        )
     assert worker._source.loads == [tiny_backbone[0]]
     assert worker.info()["jobs_done"] == 2 and worker.info()["job_id"] is None
 
 
-def test_a_cancel_seen_at_heartbeat_stops_the_job_and_nothing_is_stored(worker, tiny_backbone, toy_data, tmp_path):
+def test_a_cancel_seen_at_heartbeat_stops_the_job_and_nothing_is_stored(
+    worker, tiny_backbone, toy_data, tmp_path
+):
     lease = RecordingLease(1, cancel_after=2)
     outcome = worker.run(job_spec(tiny_backbone, toy_data, steps=100_000), lease, LocalDeltaSink(tmp_path))
     assert outcome.status == "cancelled"
@@ -136,8 +163,13 @@ def test_stop_release_gives_the_job_back_and_stop_cancel_ends_it(worker, tiny_ba
     for reason, end in (("release", "release"), ("cancel", "cancelled")):
         lease = RecordingLease(7)
         outcome: list[Any] = []
-        thread = threading.Thread(target=lambda lease=lease, outcome=outcome: outcome.append(worker.run(
-            job_spec(tiny_backbone, toy_data, 7, steps=100_000), lease, LocalDeltaSink(tmp_path))))
+        thread = threading.Thread(
+            target=lambda lease=lease, outcome=outcome: outcome.append(
+                worker.run(
+                    job_spec(tiny_backbone, toy_data, 7, steps=100_000), lease, LocalDeltaSink(tmp_path)
+                )
+            )
+        )
         thread.start()
         wait_for(lambda lease=lease: lease.reports, 60, "training to start")
         assert worker.stop(8, reason) is False  # not the job it runs
@@ -154,11 +186,13 @@ def test_bad_data_fails_the_job_without_a_retry(worker, tiny_backbone, toy_data,
     lease = RecordingLease(1)
     outcome = worker.run(bad, lease, LocalDeltaSink(tmp_path))
     assert (outcome.status, outcome.retryable) == ("failed", False)
-    (error, retryable), = [args for name, args in lease.calls if name == "fail"]
+    ((error, retryable),) = [args for name, args in lease.calls if name == "fail"]
     assert "review" in error and retryable is False
 
 
-def test_a_different_backbone_than_the_registered_one_fails_the_job(worker, tiny_backbone, toy_data, tmp_path):
+def test_a_different_backbone_than_the_registered_one_fails_the_job(
+    worker, tiny_backbone, toy_data, tmp_path
+):
     lease = RecordingLease(1)
     spec = job_spec(tiny_backbone, toy_data, backbone_hash="sha256:" + "0" * 64)
     outcome = worker.run(spec, lease, LocalDeltaSink(tmp_path))
@@ -183,8 +217,11 @@ def test_a_worker_runs_one_job_at_a_time(worker, tiny_backbone, toy_data, tmp_pa
 
     lease, second = RecordingLease(1), RecordingLease(2)
     outcome: list[Any] = []
-    thread = threading.Thread(target=lambda: outcome.append(worker.run(
-        job_spec(tiny_backbone, toy_data, steps=100_000), lease, LocalDeltaSink(tmp_path))))
+    thread = threading.Thread(
+        target=lambda: outcome.append(
+            worker.run(job_spec(tiny_backbone, toy_data, steps=100_000), lease, LocalDeltaSink(tmp_path))
+        )
+    )
     thread.start()
     wait_for(lambda: lease.reports, 60, "training to start")
     with pytest.raises(WorkerBusyError):
@@ -197,12 +234,15 @@ def test_a_worker_runs_one_job_at_a_time(worker, tiny_backbone, toy_data, tmp_pa
     assert worker.info()["job_id"] is None  # the one slot is free again
 
 
-def test_a_worker_with_two_slots_trains_two_jobs_at_once_and_stops_one_only(tiny_backbone, toy_data, tmp_path):
+def test_a_worker_with_two_slots_trains_two_jobs_at_once_and_stops_one_only(
+    tiny_backbone, toy_data, tmp_path
+):
     from workers.worker import WorkerBusyError
 
     source = CountingBackbones()
-    worker = PeltWorker("w2", WorkerConfig(threads=None, slots=2, heartbeat_seconds=0.02, lease_seconds=5),
-                        backbones=source)
+    worker = PeltWorker(
+        "w2", WorkerConfig(threads=None, slots=2, heartbeat_seconds=0.02, lease_seconds=5), backbones=source
+    )
     sink = LocalDeltaSink(tmp_path / "deltas")
     finish = threading.Event()
 
@@ -216,8 +256,14 @@ def test_a_worker_with_two_slots_trains_two_jobs_at_once_and_stops_one_only(tiny
     leases[1].worker_id, leases[2].worker_id = "w2#0", "w2#1"
     outcomes: dict[int, Any] = {}
     steps = {1: 100_000, 2: 40}
-    threads = [threading.Thread(target=lambda j=j: outcomes.__setitem__(j, worker.run(
-        job_spec(tiny_backbone, toy_data, j, steps=steps[j]), leases[j], sinks[j]))) for j in (1, 2)]
+    threads = [
+        threading.Thread(
+            target=lambda j=j: outcomes.__setitem__(
+                j, worker.run(job_spec(tiny_backbone, toy_data, j, steps=steps[j]), leases[j], sinks[j])
+            )
+        )
+        for j in (1, 2)
+    ]
     for thread in threads:
         thread.start()
     wait_for(lambda: leases[1].reports and leases[2].reports, 60, "both jobs to be training")
