@@ -11,6 +11,7 @@ import click
 from pelt_core.config import ConfigError, TrainConfig, parse_assignments, parse_settings, split_overrides
 from pelt_core.limits import LimitError, check_against_backbone
 from pelt_core.spec import SpecError
+from pelt_core.vocabulary import PROBLEM_TYPES
 
 
 def _fail(message: str) -> None:
@@ -103,7 +104,7 @@ def methods_command(backbone: str, as_json: bool) -> None:
 @click.option("--label-field", help="Label column; detected if omitted.")
 @click.option(
     "--problem-type",
-    type=click.Choice(["single_label_classification", "multi_label_classification", "regression"]),
+    type=click.Choice(PROBLEM_TYPES),
     help="Detected from the labels if omitted.",
 )
 @click.option(

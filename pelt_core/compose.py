@@ -74,6 +74,7 @@ from pelt_core.layers import Bottleneck
 from pelt_core.limits import COMPOSE_RANGES, LimitError
 from pelt_core.model import JobDelta, PeltModel
 from pelt_core.spec import MethodSpec, ModuleSpec
+from pelt_core.vocabulary import COMPOSE_OPTIONS
 
 MERGE_METHODS = ("linear", "ties", "dare")
 DARE_COMBINES = ("linear", "ties")
@@ -91,12 +92,7 @@ class CompositionError(ValueError):
         self.field = field
 
 
-OPTIONS = {  # the keyword options each operation takes (besides its deltas and backbone)
-    "merge": ("weights", "how", "density", "seed", "scale", "combine", "lora_rank"),
-    "average": ("lora_rank",),
-    "merge_lora_svd": ("weights", "rank"),
-    "multi_task": (),
-}
+OPTIONS = COMPOSE_OPTIONS  # the keyword options each operation takes (pelt_core.vocabulary)
 
 
 def check_options(op: str, options: Mapping[str, Any], sources: int) -> None:

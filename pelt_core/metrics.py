@@ -4,31 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-# name -> "max" (higher is better) or "min"
-METRIC_DIRECTIONS = {
-    "accuracy": "max",
-    "f1": "max",
-    "macro_f1": "max",
-    "micro_f1": "max",
-    "matthews": "max",
-    "pearson": "max",
-    "spearman": "max",
-    "mse": "min",
-    "mae": "min",
-    "loss": "min",
-}
+from pelt_core.vocabulary import DEFAULT_METRIC, METRIC_DIRECTIONS, metric_direction
 
-DEFAULT_METRIC = {
-    "single_label_classification": "accuracy",
-    "multi_label_classification": "micro_f1",
-    "regression": "pearson",
-}
-
-
-def metric_direction(name: str) -> str:
-    if name not in METRIC_DIRECTIONS:
-        raise ValueError(f"unknown metric {name!r}; known: {', '.join(METRIC_DIRECTIONS)}")
-    return METRIC_DIRECTIONS[name]
+__all__ = ["DEFAULT_METRIC", "METRIC_DIRECTIONS", "compute_metrics", "metric_direction"]
 
 
 def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:

@@ -26,8 +26,7 @@ from pelt_core.dropout import attention_with_dropout, use_backbone_dropout
 from pelt_core.layers import Bottleneck, Gate, NormDelta, PrefixEncoder, PrefixParams
 from pelt_core.limits import LimitError, check_against_backbone
 from pelt_core.spec import WEIGHT_REPRESENTATIONS, MethodSpec, SpecError
-
-PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+from pelt_core.vocabulary import PROBLEM_TYPES
 
 
 # --------------------------------------------------------------------------------------------------
