@@ -11,7 +11,7 @@ Parameters per adapted d×d matrix: 2·d·r. Merging adds s·BA to a copy of W; 
 
 from pelt_core.spec import MethodSpec, ModuleSpec
 
-_LORA = dict(
+LOW_RANK = dict(  # the shape of a LoRA module; representation, size and alpha vary
     form="bottleneck",
     insertion="parallel",
     composition="scaled",
@@ -23,8 +23,8 @@ _LORA = dict(
 LORA = MethodSpec(
     name="lora",
     modules={
-        "q": ModuleSpec(representation="attn.q", size=8, alpha=8.0, **_LORA),
-        "v": ModuleSpec(representation="attn.v", size=8, alpha=8.0, **_LORA),
+        "q": ModuleSpec(representation="attn.q", size=8, alpha=8.0, **LOW_RANK),
+        "v": ModuleSpec(representation="attn.v", size=8, alpha=8.0, **LOW_RANK),
     },
     description="low-rank updates of W_q and W_v",
     reference="Hu et al. LoRA. ICLR 2022",
@@ -34,8 +34,8 @@ LORA = MethodSpec(
 LORA_FFN = MethodSpec(
     name="lora_ffn",
     modules={
-        "ffn_in": ModuleSpec(representation="ffn.in", size=16, alpha=64.0, **_LORA),
-        "ffn_out": ModuleSpec(representation="ffn.out", size=16, alpha=64.0, **_LORA),
+        "ffn_in": ModuleSpec(representation="ffn.in", size=16, alpha=64.0, **LOW_RANK),
+        "ffn_out": ModuleSpec(representation="ffn.out", size=16, alpha=64.0, **LOW_RANK),
     },
     description="low-rank updates of the FFN matrices, scale 4",
     reference="He et al. Towards a Unified View of Parameter-Efficient Transfer Learning. ICLR 2022",

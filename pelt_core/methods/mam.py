@@ -5,20 +5,15 @@ adapter (r = 512, s = 4) at the FFN. The paper's finding: modify the FFN with th
 attention with the smaller one.
 """
 
+from dataclasses import replace
+
+from pelt_core.methods.prefix import KV_PREFIX
 from pelt_core.spec import MethodSpec, ModuleSpec
 
 MAM = MethodSpec(
     name="mam",
     modules={
-        "prefix": ModuleSpec(
-            form="prefix",
-            representation="attn.heads",
-            insertion="parallel",
-            composition="gated",
-            size=30,
-            reparam_hidden=512,
-            init_std=1.0,
-        ),
+        "prefix": replace(KV_PREFIX, size=30),
         "adapter": ModuleSpec(
             form="bottleneck",
             representation="ffn",

@@ -6,20 +6,20 @@ Paper defaults: one sequential bottleneck adapter after the FFN sub-layer only, 
 
 from pelt_core.spec import MethodSpec, ModuleSpec
 
+FFN_ADAPTER = ModuleSpec(
+    form="bottleneck",
+    representation="ffn",
+    insertion="sequential",
+    composition="add",
+    size=48,
+    nonlinearity="relu",
+    init="near_identity",
+    init_std=1e-2,
+)
+
 PFEIFFER = MethodSpec(
     name="pfeiffer",
-    modules={
-        "adapter": ModuleSpec(
-            form="bottleneck",
-            representation="ffn",
-            insertion="sequential",
-            composition="add",
-            size=48,
-            nonlinearity="relu",
-            init="near_identity",
-            init_std=1e-2,
-        ),
-    },
+    modules={"adapter": FFN_ADAPTER},
     description="sequential bottleneck adapter after the FFN only",
     reference="Pfeiffer et al. AdapterFusion. EACL 2021",
     defaults={"learning_rate": 1e-3},

@@ -10,19 +10,19 @@ h ← (1 - λ(x)) h + λ(x) Δh.
 
 from pelt_core.spec import MethodSpec, ModuleSpec
 
+KV_PREFIX = ModuleSpec(
+    form="prefix",
+    representation="attn.heads",
+    insertion="parallel",
+    composition="gated",
+    size=10,
+    reparam_hidden=512,
+    init_std=1.0,
+)
+
 PREFIX = MethodSpec(
     name="prefix",
-    modules={
-        "prefix": ModuleSpec(
-            form="prefix",
-            representation="attn.heads",
-            insertion="parallel",
-            composition="gated",
-            size=10,
-            reparam_hidden=512,
-            init_std=1.0,
-        ),
-    },
+    modules={"prefix": KV_PREFIX},
     description="trainable key/value prefixes in every attention layer",
     reference="Li & Liang. Prefix-Tuning. ACL 2021",
     defaults={"learning_rate": 5e-3},

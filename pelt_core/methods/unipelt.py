@@ -8,40 +8,17 @@ P_k and P_v. `unipelt` is the full APL mixture; `unipelt_ap` drops LoRA; any of 
 `bias=true` to add BitFit's bias deltas.
 """
 
+from dataclasses import replace
+
+from pelt_core.methods.lora import LOW_RANK
+from pelt_core.methods.pfeiffer import FFN_ADAPTER
+from pelt_core.methods.prefix import KV_PREFIX
 from pelt_core.spec import MethodSpec, ModuleSpec
 
-_ADAPTER = ModuleSpec(
-    form="bottleneck",
-    representation="ffn",
-    insertion="sequential",
-    composition="add",
-    size=48,
-    nonlinearity="relu",
-    init="near_identity",
-    init_std=1e-2,
-    gate=True,
-)
-_PREFIX = ModuleSpec(
-    form="prefix",
-    representation="attn.heads",
-    insertion="parallel",
-    composition="gated",
-    size=10,
-    reparam_hidden=512,
-    init_std=1.0,
-    gate=True,
-)
-_LORA = dict(
-    form="bottleneck",
-    insertion="parallel",
-    composition="scaled",
-    nonlinearity="identity",
-    proj_bias=False,
-    init="lora",
-    size=8,
-    alpha=16.0,
-    gate=True,
-)
+# The Pfeiffer adapter and the prefix as their own presets have them, each with a gate; LoRA at α = 16.
+_ADAPTER = replace(FFN_ADAPTER, gate=True)
+_PREFIX = replace(KV_PREFIX, gate=True)
+_LORA = dict(LOW_RANK, size=8, alpha=16.0, gate=True)
 
 _REFERENCE = "Mao et al. UniPELT: A Unified Framework for Parameter-Efficient Language Model Tuning. ACL 2022"
 
