@@ -41,7 +41,7 @@ from services.registry.records import (
     SweepRecord,
     TaskRecord,
 )
-from services.registry.service import Registry
+from services.registry.registry import Registry
 
 __all__ = [
     "AlreadyExistsError",

@@ -3,7 +3,7 @@
 SQLite (the default) runs in WAL mode with a busy timeout and foreign keys on; SQLAlchemy, not the
 sqlite3 module, emits BEGIN, so a write transaction can start with `BEGIN IMMEDIATE` (it takes the
 write lock up front and never fails half-way with "database is locked" on a read-to-write upgrade).
-PostgreSQL connections are pre-pinged; claims use `FOR UPDATE SKIP LOCKED` (see service.py).
+PostgreSQL connections are pre-pinged; claims use `FOR UPDATE SKIP LOCKED` (see queue.py).
 """
 
 from __future__ import annotations

@@ -24,11 +24,16 @@ class Run:
     train_seconds: float
     delta_uri: str | None = None
     delta_sha256: str | None = None
+    method_fingerprint: str | None = None  # the version of the method's preset the job ran
 
 
 @dataclass(frozen=True)
 class LeaderboardRow:
-    """A method's standing on a task: best and mean ± std (sample std; 0 for one run) of the metric."""
+    """A method's standing on a task: best and mean ± std (sample std; 0 for one run) of the metric.
+
+    A method's runs may come from several versions of its preset (a built-in edited in pelt_core, a user
+    preset replaced): `method_fingerprints` lists them, oldest job first; compare with the method's
+    current `MethodRecord.fingerprint`."""
 
     rank: int
     method: str
@@ -44,6 +49,8 @@ class LeaderboardRow:
     best_delta_uri: str | None
     best_delta_sha256: str | None
     k_values: list[int | None]  # the K values the runs used (None: the full training set)
+    best_method_fingerprint: str | None  # the preset version of the best run
+    method_fingerprints: list[str]  # the preset versions among the runs, oldest job first
 
 
 def rank_methods(runs: Iterable[Run], direction: str, order_by: OrderBy = "best") -> list[LeaderboardRow]:
@@ -82,6 +89,8 @@ def rank_methods(runs: Iterable[Run], direction: str, order_by: OrderBy = "best"
                 best_delta_uri=best.delta_uri,
                 best_delta_sha256=best.delta_sha256,
                 k_values=sorted({r.k_shot for r in method_runs}, key=lambda k: (k is None, k or 0)),
+                best_method_fingerprint=best.method_fingerprint,
+                method_fingerprints=_fingerprints(method_runs),
             )
         )
 
@@ -91,6 +100,12 @@ def rank_methods(runs: Iterable[Run], direction: str, order_by: OrderBy = "best"
 
     rows.sort(key=key)
     return [replace(row, rank=position) for position, row in enumerate(rows, start=1)]
+
+
+def _fingerprints(runs: list[Run]) -> list[str]:
+    """The distinct preset versions of the runs, oldest job first."""
+    ordered = sorted(runs, key=lambda run: run.job_id)
+    return list(dict.fromkeys(run.method_fingerprint for run in ordered if run.method_fingerprint))
 
 
 __all__ = ["LeaderboardRow", "OrderBy", "Run", "rank_methods"]

@@ -28,6 +28,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from pelt_core.vocabulary import DIRECTIONS, PROBLEM_TYPES
+
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -48,8 +50,6 @@ class JobStatus(enum.StrEnum):
 
 
 TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
-PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
-DIRECTIONS = ("max", "min")
 SOURCE_KINDS = ("files", "datasets")
 TOKEN_SCOPES = ("read", "write", "admin")  # each scope includes the ones before it
 
@@ -122,13 +122,19 @@ class Task(Base):
 
 
 class Method(Base):
-    """A PELT method preset: its spec JSON (built-ins are seeded by a migration)."""
+    """A PELT method preset. A user preset's row holds its spec; a built-in's holds its name only (the
+    spec is read from pelt_core.methods at run time; the row exists for jobs to point at)."""
 
     __tablename__ = "methods"
+    __table_args__ = (
+        CheckConstraint(
+            "(builtin AND spec IS NULL) OR (NOT builtin AND spec IS NOT NULL)", name="builtin_spec"
+        ),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)
-    spec: Mapped[dict[str, Any]]
+    spec: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # None for built-ins
     builtin: Mapped[bool] = mapped_column(Boolean, default=False)
     description: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime]
@@ -193,6 +199,7 @@ class Job(Base):
     hyperparameters: Mapped[dict[str, Any]]  # as submitted (training names canonical)
     train_config: Mapped[dict[str, Any]]  # the resolved pelt_core.TrainConfig
     method_spec: Mapped[dict[str, Any]]  # the resolved method spec, overrides applied
+    method_fingerprint: Mapped[str] = mapped_column(String(16))  # the base preset's version (presets.py)
     seed: Mapped[int] = mapped_column(Integer)
     k_shot: Mapped[int | None] = mapped_column(Integer)
     priority: Mapped[int] = mapped_column(Integer, default=0)
@@ -297,8 +304,6 @@ class AuditEvent(Base):
 
 
 __all__ = [
-    "DIRECTIONS",
-    "PROBLEM_TYPES",
     "SOURCE_KINDS",
     "TERMINAL_STATUSES",
     "TOKEN_SCOPES",

@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from services.registry import models
+from services.registry.presets import fingerprint
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,9 @@ class TaskRecord:
 
 @dataclass(frozen=True)
 class MethodRecord:
-    """A method preset; `spec` is its pelt_core spec dict (`pelt_core.get_method(record.spec)`)."""
+    """A method preset; `spec` is its pelt_core spec dict (`pelt_core.get_method(record.spec)`), a
+    built-in's as pelt_core has it now. `fingerprint` names this version of the spec (see
+    `presets.fingerprint`); a job records the fingerprint of the version it ran."""
 
     id: int
     name: str
@@ -62,10 +65,14 @@ class MethodRecord:
     builtin: bool
     description: str
     created_at: datetime
+    fingerprint: str
 
     @classmethod
-    def of(cls, row: models.Method) -> MethodRecord:
-        return cls(row.id, row.name, dict(row.spec), row.builtin, row.description, row.created_at)
+    def of(cls, row: models.Method, spec: dict[str, Any] | None = None) -> MethodRecord:
+        """The record of a method row; a built-in's row holds no spec: pass pelt_core's."""
+        spec = dict(row.spec if spec is None else spec)
+        description = spec.get("description", "")
+        return cls(row.id, row.name, spec, row.builtin, description, row.created_at, fingerprint(spec))
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,8 @@ class BackboneRecord:
 @dataclass(frozen=True)
 class JobRecord:
     """One job. `attempts` counts the times it was started (claimed); the worker runs
-    `method_spec` (overrides applied) with `train_config` (a resolved pelt_core.TrainConfig dict)."""
+    `method_spec` (overrides applied) with `train_config` (a resolved pelt_core.TrainConfig dict).
+    `method_fingerprint`: the version of the method's preset it came from (before overrides)."""
 
     id: int
     task: str
@@ -109,6 +117,7 @@ class JobRecord:
     hyperparameters: dict[str, Any]
     train_config: dict[str, Any]
     method_spec: dict[str, Any]
+    method_fingerprint: str
     seed: int
     k_shot: int | None
     priority: int
@@ -143,6 +152,7 @@ class JobRecord:
             hyperparameters=dict(row.hyperparameters),
             train_config=dict(row.train_config),
             method_spec=dict(row.method_spec),
+            method_fingerprint=row.method_fingerprint,
             seed=row.seed,
             k_shot=row.k_shot,
             priority=row.priority,

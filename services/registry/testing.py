@@ -122,7 +122,7 @@ def claim_until_empty(
 ) -> None:
     """Process target: wait at `start` (a Barrier), claim (and complete) jobs until none is left, then
     put (worker_id, claimed job ids, start time, end time) on `out`."""
-    from services.registry.service import Registry
+    from services.registry.registry import Registry
 
     registry = Registry(url, lease_seconds=lease_seconds)
     try:
@@ -147,7 +147,7 @@ def claim_and_hold(
 ) -> None:
     """Process target: claim one job, report (worker_id, job id, pid) on `out`, then keep the lease
     alive by heartbeat until killed (it never returns on its own)."""
-    from services.registry.service import Registry
+    from services.registry.registry import Registry
 
     registry = Registry(url, lease_seconds=lease_seconds)
     job = registry.claim_job(worker_id)

@@ -3,6 +3,7 @@ ties broken by fewer trainable parameters."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pelt_core
 from services.registry import Registry
 from services.registry.leaderboard import Run, rank_methods
 from services.registry.testing import write_jsonl
@@ -128,6 +130,19 @@ def test_only_succeeded_jobs_count(ready: Registry) -> None:
     ready.fail_job(failed.id, "worker", "boom", retryable=False)
     ready.submit_job("sst2", "houlsby", "tiny-bert")  # still queued
     assert [row.method for row in ready.leaderboard("sst2")] == ["lora"]
+
+
+def test_the_leaderboard_tells_runs_of_an_older_preset_from_the_current_one(
+    ready: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = run_job(ready, "sst2", "lora", 0.9, seed=0)
+    edited = dataclasses.replace(pelt_core.get_method("lora"), defaults={"learning_rate": 4e-3})
+    monkeypatch.setitem(pelt_core.methods.BUILTIN_METHODS, "lora", edited)  # a preset edited in pelt_core
+    run_job(ready, "sst2", "lora", 0.8, seed=1)
+    old_version, current = ready.get_job(old).method_fingerprint, ready.get_method("lora").fingerprint
+    (row,) = ready.leaderboard("sst2")
+    assert (row.best_job_id, row.best_method_fingerprint) == (old, old_version)
+    assert row.method_fingerprints == [old_version, current] and old_version != current
 
 
 # --- the ranking rule itself, for any runs -------------------------------------------------------

@@ -3,6 +3,8 @@ and a database behind the code is refused at start-up with the command that fixe
 
 from __future__ import annotations
 
+import dataclasses
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -10,10 +12,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from click.testing import CliRunner
-from sqlalchemy import Column, Integer, MetaData, inspect, text
+from sqlalchemy import Column, Connection, Integer, MetaData, Table, inspect, select, text
 
 import pelt_core
-from services.registry import Registry, SchemaOutOfDateError, db
+from services.registry import Registry, SchemaOutOfDateError, db, presets
 from services.registry.cli import db as db_command
 from services.registry.models import Base
 from services.settings import get_settings
@@ -35,21 +37,33 @@ def _revisions_oldest_first() -> list[str]:
     return [script.revision for script in reversed(list(scripts.walk_revisions()))]
 
 
+def _method_rows(url: str) -> list[tuple]:
+    """The `methods` table's rows (name, builtin, spec, description), or [] before it exists."""
+    if "methods" not in _tables(url):
+        return []
+    with db.connect(url) as engine, engine.connect() as connection:
+        table = Table("methods", MetaData(), autoload_with=connection)
+        query = select(table.c.name, table.c.builtin, table.c.spec, table.c.description).order_by(table.c.id)
+        return [tuple(row) for row in connection.execute(query)]
+
+
 def test_every_migration_upgrades_downgrades_and_upgrades_again(db_url: str) -> None:
     revisions = _revisions_oldest_first()
     assert revisions[-1] == db.head_revision()
     previous_tables: set[str] = set()
+    previous_methods: list[tuple] = []
     previous = "base"
     for revision in revisions:
         assert db.upgrade(db_url, revision) == revision
-        tables = _tables(db_url)
+        tables, methods = _tables(db_url), _method_rows(db_url)
         assert db.downgrade(db_url, previous) == (None if previous == "base" else previous)
         assert _tables(db_url) == previous_tables, (
             f"downgrade of {revision} left {_tables(db_url) - previous_tables}"
         )
+        assert _method_rows(db_url) == previous_methods, f"downgrade of {revision} changed the method rows"
         assert db.upgrade(db_url, revision) == revision
-        assert _tables(db_url) == tables
-        previous_tables, previous = tables, revision
+        assert (_tables(db_url), _method_rows(db_url)) == (tables, methods)
+        previous_tables, previous_methods, previous = tables, methods, revision
     assert _schema_differences(db_url, Base.metadata) == []
 
 
@@ -66,21 +80,12 @@ def test_the_schema_comparison_does_see_a_column_the_migrations_lack(migrated_ur
     assert [(d[0], d[3].name) for d in differences] == [("add_column", "not_migrated")]
 
 
-def test_the_built_in_presets_are_seeded_as_builtin_rows(registry: Registry) -> None:
+def test_the_built_in_presets_are_pelt_cores_presets(registry: Registry) -> None:
     builtins = registry.list_methods(builtin=True)
-    assert [m.name for m in builtins] == list(pelt_core.builtin_specs())
-    assert all(m.builtin for m in builtins)
+    assert {m.name: m.spec for m in builtins} == pelt_core.builtin_specs()
+    assert [m.name for m in builtins] == list(pelt_core.builtin_specs())  # in pelt_core's order
+    assert all(m.builtin and m.fingerprint == presets.fingerprint(m.spec) for m in builtins)
     assert registry.list_methods(builtin=False) == []
-
-
-def test_the_seeded_presets_still_equal_pelt_core_presets(registry: Registry) -> None:
-    """Fails when a preset in pelt_core changes: ship the change as a new migration updating its row."""
-    seeded = {m.name: pelt_core.get_method(m.spec).to_dict() for m in registry.list_methods(builtin=True)}
-    current = pelt_core.builtin_specs()
-    changed = sorted(name for name in seeded.keys() | current.keys() if seeded.get(name) != current.get(name))
-    assert not changed, (
-        f"pelt_core presets {changed} differ from the migrated rows: add a migration that updates them"
-    )
 
 
 def test_an_empty_database_is_refused_with_the_upgrade_command(db_url: str) -> None:
@@ -150,3 +155,109 @@ def test_pelt_db_upgrade_defaults_to_an_sqlite_file_in_the_data_dir(
             assert len(registry.list_methods()) == len(pelt_core.builtin_specs())
     finally:
         get_settings.cache_clear()
+
+
+# --- 0008: built-in presets come from pelt_core --------------------------------------------------
+
+OLD = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _insert(connection: Connection, table_name: str, **values: object) -> int:
+    table = Table(table_name, MetaData(), autoload_with=connection)
+    return connection.execute(table.insert().values(**values)).inserted_primary_key[0]
+
+
+def _succeeded_jobs_written_at_0007(url: str) -> dict[str, int]:
+    """A database at 0007 holding task `sst2`, a user preset `tiny_lora`, and one succeeded job (with its
+    result) of `lora` and one of `tiny_lora`; returns the job ids by method."""
+    db.upgrade(url, "0007")
+    with db.connect(url) as engine, engine.begin() as connection:
+        at = OLD.replace(tzinfo=None) if engine.dialect.name == "sqlite" else OLD
+        methods = Table("methods", MetaData(), autoload_with=connection)
+        lora = connection.execute(select(methods.c.id).where(methods.c.name == "lora")).scalar_one()
+        spec = {**pelt_core.get_method("lora", {"r": 2}).to_dict(), "name": "tiny_lora"}
+        user = _insert(
+            connection, "methods", name="tiny_lora", spec=spec, builtin=False, description="", created_at=at
+        )
+        task = _insert(
+            connection,
+            "tasks",
+            **dict(
+                name="sst2", source_kind="files", source={"train": "train.jsonl"}, split_sizes={"train": 40}
+            ),
+            **dict(train_size=40, text_fields=["sentence"], label_field="label", label_names=["neg", "pos"]),
+            **dict(problem_type="single_label_classification", metric="accuracy", metric_direction="max"),
+            **dict(max_length=128, description="", created_at=at),
+        )
+        backbone = _insert(
+            connection, "backbones", name="tiny-bert", source="x", content_hash="h", created_at=at
+        )
+        job_ids = {}
+        for name, method_id, value in (("lora", lora, 0.8), ("tiny_lora", user, 0.7)):
+            job_ids[name] = _insert(
+                connection,
+                "jobs",
+                **dict(task_id=task, method_id=method_id, backbone_id=backbone, seed=0, priority=0),
+                **dict(hyperparameters={}, train_config={}, method_spec={}, status="succeeded", attempts=1),
+                **dict(max_attempts=3, cancel_requested=False, created_at=at, updated_at=at, finished_at=at),
+            )
+            _insert(
+                connection,
+                "results",
+                **dict(job_id=job_ids[name], metrics={"accuracy": value}, primary_metric=value, attempt=1),
+                **dict(trainable_params=10, trainable_percent=1.0, train_seconds=1.0, created_at=at),
+            )
+    return job_ids
+
+
+def test_0008_keeps_old_jobs_on_the_leaderboard_with_the_fingerprint_of_the_preset_they_ran(
+    db_url: str,
+) -> None:
+    job_ids = _succeeded_jobs_written_at_0007(db_url)
+    before = _method_rows(db_url)
+    specs = {name: spec for name, _, spec, _ in before}
+
+    db.upgrade(db_url, "head")
+    assert all(
+        spec is None and description == ""
+        for _, builtin, spec, description in _method_rows(db_url)
+        if builtin
+    )
+    with Registry(db_url) as registry:
+        jobs = {name: registry.get_job(job_id) for name, job_id in job_ids.items()}
+        assert {name: job.method_fingerprint for name, job in jobs.items()} == {
+            name: presets.fingerprint(specs[name]) for name in job_ids
+        }
+        rows = {row.method: row for row in registry.leaderboard("sst2")}
+        for name, job in jobs.items():
+            assert (rows[name].best_job_id, rows[name].best_method_fingerprint) == (
+                job.id,
+                job.method_fingerprint,
+            )
+            assert rows[name].method_fingerprints == [job.method_fingerprint]
+        assert registry.get_method("tiny_lora").spec == specs["tiny_lora"]
+
+    db.downgrade(db_url, "0007")
+    assert _method_rows(db_url) == before
+
+
+def test_0008_downgrade_gives_a_later_built_in_the_spec_its_jobs_ran_or_drops_an_unused_one(
+    db_url: str, sst2_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db.upgrade(db_url, "0007")
+    before = _method_rows(db_url)
+    db.upgrade(db_url, "head")
+    for name, rank in (("lora_r2", 2), ("lora_r4", 4)):  # presets a later pelt_core adds
+        added = dataclasses.replace(pelt_core.get_method("lora", {"r": rank}), name=name)
+        monkeypatch.setitem(pelt_core.methods.BUILTIN_METHODS, name, added)
+    with Registry(db_url) as registry:
+        registry.register_task("sst2", sst2_file, text_fields=["sentence"])
+        registry.register_backbone("tiny-bert", "hf:prajjwal1/bert-tiny", "sha256:" + "ab" * 32)
+        job = registry.submit_job("sst2", "lora_r2", "tiny-bert")
+        assert [m.name for m in registry.list_methods()][-2:] == ["lora_r2", "lora_r4"]
+
+    db.downgrade(db_url, "0007")
+    assert _method_rows(db_url) == [
+        *before,
+        ("lora_r2", True, job.method_spec, job.method_spec["description"]),
+    ]

@@ -1,0 +1,153 @@
+"""The Registry's reading side: jobs (filtered, counted), their events and results, and leaderboards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from services.registry import presets
+from services.registry.core import RegistryCore
+from services.registry.errors import RegistryValidationError
+from services.registry.leaderboard import LeaderboardRow, OrderBy, Run, rank_methods
+from services.registry.models import Job, JobEvent, JobStatus, Method, Result
+from services.registry.records import JobEventRecord, JobRecord, ResultRecord
+from services.registry.rows import find_backbone, find_job, find_task
+from services.registry.validation import check_int
+
+
+class JobResults(RegistryCore):
+    """Jobs, events, results and leaderboards: one part of `Registry`."""
+
+    def get_job(self, job_id: int) -> JobRecord:
+        """The job (UnknownJobError when there is none)."""
+        with self._reading() as session:
+            return self._job_records(session, [find_job(session, job_id)])[0]
+
+    def list_jobs(
+        self,
+        *,
+        task: str | None = None,
+        status: str | Iterable[str] | None = None,
+        method: str | None = None,
+        backbone: str | None = None,
+        sweep_id: int | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[JobRecord]:
+        """Jobs matching every filter given, oldest first."""
+        check_int(limit, "limit", minimum=1, maximum=100_000)
+        check_int(offset, "offset", minimum=0)
+        with self._reading() as session:
+            query = self._job_filter(session, select(Job), task, status, method, backbone, sweep_id)
+            query = query.order_by(Job.id).limit(limit).offset(offset)
+            return self._job_records(session, session.scalars(query))
+
+    def job_counts(
+        self, *, task: str | None = None, sweep_id: int | None = None, backbone: str | None = None
+    ) -> dict[str, int]:
+        """How many jobs are in each status (every status present, zeros included)."""
+        with self._reading() as session:
+            query = self._job_filter(
+                session,
+                select(Job.status, func.count()).group_by(Job.status),
+                task,
+                None,
+                None,
+                backbone,
+                sweep_id,
+            )
+            counts = {status.value: 0 for status in JobStatus}
+            counts.update({status: count for status, count in session.execute(query)})
+            return counts
+
+    def _job_filter(
+        self,
+        session: Session,
+        query: Any,
+        task: str | None,
+        status: str | Iterable[str] | None,
+        method: str | None,
+        backbone: str | None,
+        sweep_id: int | None,
+    ) -> Any:
+        if task is not None:
+            query = query.where(Job.task_id == find_task(session, task).id)
+        if method is not None:
+            presets.check_known(session, method)
+            query = query.where(Job.method_id.in_(select(Method.id).where(Method.name == method)))
+        if backbone is not None:
+            query = query.where(Job.backbone_id == find_backbone(session, backbone).id)
+        if sweep_id is not None:
+            query = query.where(Job.sweep_id == sweep_id)
+        if status is not None:
+            statuses = [status] if isinstance(status, str) else list(status)
+            for value in statuses:
+                if value not in JobStatus.__members__.values():
+                    raise RegistryValidationError("status", f"{value!r} is not one of {', '.join(JobStatus)}")
+            query = query.where(Job.status.in_([str(value) for value in statuses]))
+        return query
+
+    def job_events(self, job_id: int) -> list[JobEventRecord]:
+        """The job's history: every status change (and cancel request), oldest first."""
+        with self._reading() as session:
+            find_job(session, job_id)
+            rows = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
+            return [JobEventRecord.of(row) for row in rows]
+
+    def get_result(self, job_id: int) -> ResultRecord | None:
+        """The job's result, or None while it has none."""
+        with self._reading() as session:
+            find_job(session, job_id)
+            row = session.scalar(select(Result).where(Result.job_id == job_id))
+            return None if row is None else ResultRecord.of(row)
+
+    # --- leaderboard -----------------------------------------------------------------------------
+
+    def leaderboard(
+        self,
+        task: str,
+        k_shot: int | None = None,
+        *,
+        backbone: str | None = None,
+        order_by: OrderBy = "best",
+    ) -> list[LeaderboardRow]:
+        """One row per method over the task's succeeded jobs (only K = `k_shot` when given; all runs,
+        whatever their K, when None): best and mean ± std of the primary metric, run count, trainable
+        percentage, median train time and the job and delta behind the best. Best first by the
+        metric's direction; ties go to fewer trainable parameters."""
+        if k_shot is not None:
+            check_int(k_shot, "k_shot", minimum=1)
+        with self._reading() as session:
+            task_row = find_task(session, task)
+            query = (
+                select(
+                    Method.name,
+                    Job.id,
+                    Job.seed,
+                    Job.k_shot,
+                    Result.primary_metric,
+                    Result.trainable_params,
+                    Result.trainable_percent,
+                    Result.train_seconds,
+                    Result.delta_uri,
+                    Result.delta_sha256,
+                    Job.method_fingerprint,
+                )
+                .select_from(Result)
+                .join(Job, Result.job_id == Job.id)
+                .join(Method, Job.method_id == Method.id)
+                .where(Job.task_id == task_row.id, Job.status == JobStatus.SUCCEEDED.value)
+            )
+            if k_shot is not None:
+                query = query.where(Job.k_shot == k_shot)
+            if backbone is not None:
+                query = query.where(Job.backbone_id == find_backbone(session, backbone).id)
+            runs = [Run(*row) for row in session.execute(query)]
+            direction = task_row.metric_direction
+        return rank_methods(runs, direction, order_by)
+
+
+__all__ = ["JobResults"]

@@ -1,0 +1,401 @@
+"""The Registry's submits: one job or a sweep (methods × seeds × K values), validated before anything is
+written, idempotent by key, capped per actor."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from pelt_core.limits import SEED, TRAIN_RANGES, fitted_max_length
+from services.registry import presets
+from services.registry.actor import current_actor
+from services.registry.core import RegistryCore
+from services.registry.errors import (
+    IdempotencyConflictError,
+    QuotaExceededError,
+    RegistryValidationError,
+    UnknownSweepError,
+)
+from services.registry.models import ApiToken, Backbone, Job, JobStatus, Sweep, Task
+from services.registry.records import JobRecord, SweepRecord
+from services.registry.rows import (
+    PlannedJob,
+    audit,
+    distinct_list,
+    find_backbone,
+    find_task,
+    jsonable,
+    queue_jobs,
+    retry_once_on_conflict,
+    sweep_job_ids,
+)
+from services.registry.task_data import held_out_rows
+from services.registry.validation import (
+    canonical_hyperparameters,
+    check_against_backbone,
+    check_int,
+    check_key,
+    check_name,
+    check_range,
+    resolve_method_spec,
+    resolve_train_config,
+    split_hyperparameters,
+)
+
+log = logging.getLogger("pelt.registry")
+
+MAX_ATTEMPTS_LIMIT = 100
+
+Hyperparameters = tuple[dict[str, Any], dict[str, Any], dict[str, str]]
+"""split_hyperparameters' answer: (training values, method-spec overrides, given names)."""
+
+
+@dataclass(frozen=True)
+class _SweepRequest:
+    """A sweep's arguments, checked: what is stored on the sweep, and each method's hyperparameters."""
+
+    methods: list[str]
+    seeds: list[int]
+    k_values: list[int | None]
+    hyperparameters: dict[str, Any]
+    method_hyperparameters: dict[str, dict[str, Any]]
+    split: dict[str, Hyperparameters]
+
+    def stored(self) -> dict[str, Any]:
+        """The columns of the sweep row that describe the request (compared on an idempotent retry)."""
+        return {
+            "methods": self.methods,
+            "seeds": self.seeds,
+            "k_values": self.k_values,
+            "hyperparameters": self.hyperparameters,
+            "method_hyperparameters": self.method_hyperparameters,
+        }
+
+
+class Submissions(RegistryCore):
+    """submit_job, submit_sweep and the sweeps they make: one part of `Registry`."""
+
+    def submit_job(
+        self,
+        task: str,
+        method: str,
+        backbone: str,
+        hyperparameters: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        k_shot: int | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> JobRecord:
+        """Validate, then queue one job. Hyperparameters are flat `key: value` pairs: training ones
+        (learning_rate/lr, epochs, batch_size, …) and method-spec overrides (r, bottleneck, q.size, …).
+        The same idempotency key returns the job it made (a different request under it is an error)."""
+        seed, k_shot, priority, max_attempts, key = self._check_job_args(
+            seed, k_shot, priority, max_attempts, idempotency_key
+        )
+        split = split_hyperparameters(hyperparameters)
+
+        def write() -> JobRecord:
+            with self._writing() as session:
+                now = self._now()
+                task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
+                (plan,) = self._plan_method(
+                    session, method, split, task_row, backbone_row, [seed], [k_shot], now
+                )
+                if key is not None:
+                    existing = session.scalar(select(Job).where(Job.idempotency_key == key))
+                    if existing is not None:
+                        _check_same_job(existing, plan, task_row, backbone_row, key)
+                        return self._job_records(session, [existing])[0]
+                self._check_queue_quota(session, 1)
+                (job,) = queue_jobs(
+                    session,
+                    [plan],
+                    task_id=task_row.id,
+                    backbone_id=backbone_row.id,
+                    priority=priority,
+                    max_attempts=max_attempts,
+                    now=now,
+                    reason="submitted",
+                    idempotency_key=key,
+                )
+                names = {"task": task_row.name, "method": plan.method.name, "backbone": backbone_row.name}
+                audit(session, now, "job.submit", f"job {job.id}", names)
+                return self._job_records(session, [job])[0]
+
+        return retry_once_on_conflict(write)
+
+    def submit_sweep(
+        self,
+        task: str,
+        methods: Sequence[str],
+        seeds: Sequence[int],
+        k_values: Sequence[int | None],
+        backbone: str,
+        hyperparameters: Mapping[str, Any] | None = None,
+        *,
+        method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> SweepRecord:
+        """Queue methods × seeds × K values for one task in one transaction (all jobs or none).
+
+        `k_values` entries of None mean the full training set. `hyperparameters` apply to every
+        method; `method_hyperparameters[method]` add to or override them for one method (e.g. a rank
+        that only LoRA has). The same idempotency key returns the sweep it made."""
+        request = self._check_sweep_request(methods, seeds, k_values, hyperparameters, method_hyperparameters)
+        _, _, priority, max_attempts, key = self._check_job_args(
+            0, None, priority, max_attempts, idempotency_key
+        )
+
+        def write() -> SweepRecord:
+            with self._writing() as session:
+                now = self._now()
+                task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
+                planned = [
+                    plan
+                    for name in request.methods
+                    for plan in self._plan_method(
+                        session,
+                        name,
+                        request.split[name],
+                        task_row,
+                        backbone_row,
+                        request.seeds,
+                        request.k_values,
+                        now,
+                    )
+                ]
+                if key is not None:
+                    existing = session.scalar(select(Sweep).where(Sweep.idempotency_key == key))
+                    if existing is not None:
+                        _check_same_sweep(existing, task_row, backbone_row, request, key)
+                        return SweepRecord.of(existing, sweep_job_ids(session, existing.id))
+                self._check_queue_quota(session, len(planned))
+                return self._queue_sweep(
+                    session, request, planned, task_row, backbone_row, priority, max_attempts, key, now
+                )
+
+        return retry_once_on_conflict(write)
+
+    def get_sweep(self, sweep_id: int) -> SweepRecord:
+        """The sweep and the ids of its jobs."""
+        with self._reading() as session:
+            sweep = session.get(Sweep, sweep_id)
+            if sweep is None:
+                raise UnknownSweepError(sweep_id)
+            return SweepRecord.of(sweep, sweep_job_ids(session, sweep_id))
+
+    # --- the steps of a submit -------------------------------------------------------------------
+
+    def _check_job_args(
+        self, seed: Any, k_shot: Any, priority: Any, max_attempts: Any, idempotency_key: Any
+    ) -> tuple[int, int | None, int, int, str | None]:
+        seed = check_range(SEED, seed, "seed")
+        k_shot = None if k_shot is None else check_range(TRAIN_RANGES["k_shot"], k_shot, "k_shot")
+        priority = check_int(priority, "priority", minimum=-1_000_000, maximum=1_000_000)
+        attempts = self.max_attempts if max_attempts is None else max_attempts
+        attempts = check_int(attempts, "max_attempts", minimum=1, maximum=MAX_ATTEMPTS_LIMIT)
+        return seed, k_shot, priority, attempts, check_key(idempotency_key)
+
+    def _check_sweep_request(
+        self,
+        methods: Sequence[str],
+        seeds: Sequence[int],
+        k_values: Sequence[int | None],
+        hyperparameters: Mapping[str, Any] | None,
+        method_hyperparameters: Mapping[str, Mapping[str, Any]] | None,
+    ) -> _SweepRequest:
+        """The sweep's lists (distinct, in range), its size under PELT_MAX_SWEEP_JOBS, and each method's
+        hyperparameters (the common ones, then the method's own)."""
+        method_names = distinct_list(methods, "methods", lambda m, f: check_name(m, f))
+        seed_list = distinct_list(seeds, "seeds", lambda s, f: check_range(SEED, s, f))
+        k_list = distinct_list(
+            k_values,
+            "k_values",
+            lambda k, f: None if k is None else check_range(TRAIN_RANGES["k_shot"], k, f),
+        )
+        total = len(method_names) * len(seed_list) * len(k_list)
+        if total > self.max_sweep_jobs:
+            raise RegistryValidationError(
+                "methods",
+                f"the sweep would make {total} jobs; at most {self.max_sweep_jobs} (PELT_MAX_SWEEP_JOBS)",
+            )
+        per_method = dict(method_hyperparameters or {})
+        for name, values in per_method.items():
+            if name not in method_names:
+                raise RegistryValidationError(
+                    f"method_hyperparameters.{name}",
+                    f"{name!r} is not one of the sweep's methods ({', '.join(method_names)})",
+                )
+            if not isinstance(values, Mapping):
+                raise RegistryValidationError(f"method_hyperparameters.{name}", "expected a mapping")
+        common = dict(hyperparameters or {})
+        return _SweepRequest(
+            methods=method_names,
+            seeds=seed_list,
+            k_values=k_list,
+            hyperparameters=jsonable(common),
+            method_hyperparameters=jsonable({name: dict(values) for name, values in per_method.items()}),
+            split={
+                name: split_hyperparameters({**common, **per_method.get(name, {})}) for name in method_names
+            },
+        )
+
+    def _plan_method(
+        self,
+        session: Session,
+        method: str,
+        hyperparameters: Hyperparameters,
+        task: Task,
+        backbone: Backbone,
+        seeds: list[int],
+        k_values: list[int | None],
+        now: datetime,
+    ) -> list[PlannedJob]:
+        """The jobs of one method for every seed and K (seed first), validated: its spec with the
+        overrides, each K's training config, and the ranges that depend on the backbone."""
+        train, overrides, given = hyperparameters
+        base = presets.job_method(session, method, now)
+        spec = resolve_method_spec(method, base.spec, overrides)
+        facts = backbone.facts
+        # validate once per K: the seed changes nothing else in the config
+        by_k = {
+            k: resolve_train_config(
+                train,
+                given,
+                seed=seeds[0],
+                k_shot=k,
+                task_max_length=fitted_max_length(task.max_length, facts),
+                task_train_size=task.train_size,
+                held_out=held_out_rows(task.split_sizes, task.train_size),
+            )
+            for k in k_values
+        }
+        check_against_backbone(
+            method,
+            base.spec,
+            overrides,
+            spec,
+            by_k[k_values[0]],
+            given,
+            facts,
+            memory_budget=self.worker_memory_bytes,
+        )
+        stored = {k: canonical_hyperparameters(train, config, overrides) for k, config in by_k.items()}
+        return [
+            PlannedJob(base.row, base.fingerprint, seed, k, {**by_k[k], "seed": seed}, spec, stored[k])
+            for seed in seeds
+            for k in k_values
+        ]
+
+    def _queue_sweep(
+        self,
+        session: Session,
+        request: _SweepRequest,
+        planned: list[PlannedJob],
+        task: Task,
+        backbone: Backbone,
+        priority: int,
+        max_attempts: int,
+        key: str | None,
+        now: datetime,
+    ) -> SweepRecord:
+        """Write the sweep row, its queued jobs and the audit event."""
+        sweep = Sweep(
+            task_id=task.id,
+            backbone_id=backbone.id,
+            priority=priority,
+            idempotency_key=key,
+            created_at=now,
+            **request.stored(),
+        )
+        session.add(sweep)
+        session.flush()
+        jobs = queue_jobs(
+            session,
+            planned,
+            task_id=task.id,
+            backbone_id=backbone.id,
+            priority=priority,
+            max_attempts=max_attempts,
+            now=now,
+            reason=f"submitted by sweep {sweep.id}",
+            sweep_id=sweep.id,
+        )
+        job_ids = [job.id for job in jobs]
+        detail = {"task": task.name, "methods": request.methods, "jobs": len(job_ids)}
+        audit(session, now, "sweep.submit", f"sweep {sweep.id}", detail)
+        log.info("sweep %s: queued %d jobs for task %s", sweep.id, len(job_ids), task.name)
+        return SweepRecord.of(sweep, job_ids)
+
+    def _check_queue_quota(self, session: Session, adding: int) -> None:
+        """QuotaExceededError when the current actor would have more than max_queued_jobs_per_token queued
+        jobs after adding `adding` (jobs submitted without an actor are not capped).
+
+        Counting and then inserting is atomic only if one submit of an actor runs at a time: SQLite's write
+        gate serializes every write; on PostgreSQL (READ COMMITTED) the submit first locks its token's row
+        (`SELECT … FOR UPDATE`; an actor without one, e.g. `cli:<user>`, a transaction-scoped advisory lock
+        on its name), so a second submit of the same token waits and then counts the first one's jobs."""
+        actor = current_actor()
+        if actor is None:
+            return
+        if session.get_bind().dialect.name == "postgresql":
+            token_row = session.scalar(select(ApiToken.id).where(ApiToken.name == actor).with_for_update())
+            if token_row is None:
+                session.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"pelt-queue:{actor}"))))
+        queued = (
+            session.scalar(
+                select(func.count())
+                .select_from(Job)
+                .where(Job.submitted_by == actor, Job.status == JobStatus.QUEUED.value)
+            )
+            or 0
+        )
+        cap = self.max_queued_jobs_per_token
+        if queued + adding > cap:
+            raise QuotaExceededError(
+                "jobs",
+                f"token {actor!r} has {queued} queued jobs and this request adds {adding}; at most {cap} "
+                "may wait at once (PELT_MAX_QUEUED_JOBS_PER_TOKEN): wait for some to start, or cancel some",
+            )
+
+
+def _check_same_job(existing: Job, plan: PlannedJob, task: Task, backbone: Backbone, key: str) -> None:
+    """IdempotencyConflictError unless the job made under `key` was this same request."""
+    request = (task.id, plan.method.id, backbone.id, plan.seed, plan.k_shot, jsonable(plan.hyperparameters))
+    found = (
+        existing.task_id,
+        existing.method_id,
+        existing.backbone_id,
+        existing.seed,
+        existing.k_shot,
+        jsonable(existing.hyperparameters),
+    )
+    if request != found:
+        raise IdempotencyConflictError(key, "job")
+
+
+def _check_same_sweep(
+    existing: Sweep, task: Task, backbone: Backbone, request: _SweepRequest, key: str
+) -> None:
+    """IdempotencyConflictError unless the sweep made under `key` was this same request."""
+    found = {
+        "methods": existing.methods,
+        "seeds": existing.seeds,
+        "k_values": existing.k_values,
+        "hyperparameters": jsonable(existing.hyperparameters),
+        "method_hyperparameters": jsonable(existing.method_hyperparameters),
+    }
+    if existing.task_id != task.id or existing.backbone_id != backbone.id or found != request.stored():
+        raise IdempotencyConflictError(key, "sweep")
+
+
+__all__ = ["MAX_ATTEMPTS_LIMIT", "Submissions"]
