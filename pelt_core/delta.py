@@ -2,14 +2,17 @@
 
 A delta folder holds `delta.safetensors` (never pickle) and `manifest.json`: the method spec, the
 backbone's name and content hash, head (problem type, labels, pooling), parameter counts and the pelt
-version. A delta loads only onto the backbone whose content hash it names.
+version. A delta loads only onto the backbone whose content hash it names. The format itself (file
+names, versions, manifest checks, the multi-task bundle's layout) is `pelt_core.delta_format`; this
+module writes and loads the tensors.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
-import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,32 +21,30 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pelt_core.backbones import Backbone
+from pelt_core.delta_format import (
+    BUNDLE_FILE,
+    DELTA_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    DeltaError,
+    bundle_entry,
+    bundle_task_path,
+    read_manifest,
+    sha256_file,
+    write_bundle_manifest,
+    write_manifest,
+)
 from pelt_core.model import JobDelta
 from pelt_core.spec import MethodSpec
-
-DELTA_FILE = "delta.safetensors"
-MANIFEST_FILE = "manifest.json"
-FORMAT = "pelt-delta"
-FORMAT_VERSION = 1
-
-
-class DeltaError(ValueError):
-    """A delta folder is incomplete, corrupted, or meant for another backbone."""
 
 
 @dataclass
 class SavedDelta:
+    """A delta (or multi-task bundle) folder as written: its sha256 identifies it."""
+
     path: Path
-    sha256: str  # of delta.safetensors
+    sha256: str  # of delta.safetensors (a bundle: of bundle.json)
     manifest: dict[str, Any]
-
-
-def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def build_manifest(
@@ -95,24 +96,30 @@ def save_delta(
     # one metadata key: safetensors writes several keys in random order, which would change the file's sha256
     header = json.dumps({"format": FORMAT, "backbone_hash": backbone.content_hash}, sort_keys=True)
     save_file(tensors, str(out / DELTA_FILE), metadata={"pelt": header})
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    write_manifest(out, manifest)
     return SavedDelta(out, sha256_file(out / DELTA_FILE), manifest)
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    folder = Path(path)
-    manifest_path = folder / MANIFEST_FILE
-    if not manifest_path.exists() or not (folder / DELTA_FILE).exists():
-        raise DeltaError(f"{folder} is not a pelt delta: it needs {DELTA_FILE} and {MANIFEST_FILE}")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise DeltaError(f"{manifest_path}: format {manifest.get('format')!r} is not {FORMAT!r}")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise DeltaError(
-            f"{manifest_path}: format version {manifest['format_version']} is newer than this pelt "
-            f"understands ({FORMAT_VERSION}); upgrade pelt"
-        )
-    return manifest
+def save_bundle(
+    deltas: Mapping[str, JobDelta],
+    backbone: Backbone,
+    out_dir: str | Path,
+    *,
+    extras: Mapping[str, dict[str, Any] | None] | None = None,
+    sources: Mapping[str, Mapping[str, Any]] | None = None,
+) -> SavedDelta:
+    """A multi-task bundle (layout: `pelt_core.delta_format`): each delta saved under tasks/<name>/ (a
+    copy: the inputs are not changed) with `extras[name]` in its manifest, then bundle.json naming each
+    part's sha256 and `sources[name]` (where it came from). Its sha256 is that of bundle.json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = {}
+    for name, delta in deltas.items():
+        folder = out / bundle_task_path(name)
+        saved = save_delta(copy.deepcopy(delta), backbone, folder, extra=(extras or {}).get(name))
+        entries[name] = bundle_entry(name, saved.sha256, **(sources or {}).get(name, {}))
+    bundle = write_bundle_manifest(out, backbone.name, backbone.content_hash, entries)
+    return SavedDelta(out, sha256_file(out / BUNDLE_FILE), bundle)
 
 
 def load_delta(path: str | Path, backbone: Backbone, expected_sha256: str | None = None) -> JobDelta:

@@ -15,7 +15,6 @@ the HTTP status, the offending field and the service's message.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import tarfile
@@ -29,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from pelt_core.delta_format import sha256_mismatch
+from pelt_core.pulled import MULTI_TASK, PulledModel, load_pulled
 from services.api.schemas import (
     DEFAULT_BACKBONE,
     AuditEventOut,
@@ -147,14 +148,15 @@ class PeltClient:
         text_fields: Sequence[str] | str,
         label_field: str = "label",
         problem_type: str = "single_label_classification",
-        metric: str = "accuracy",
+        metric: str | None = None,
         metric_direction: str | None = None,
         label_names: Sequence[str] | None = None,
         max_length: int = 128,
         description: str = "",
     ) -> TaskOut:
         """Upload a task's data and register it: split files (JSON Lines, CSV/TSV, Parquet) or `dataset`,
-        a folder written by `datasets`' save_to_disk (sent as a tar.gz)."""
+        a folder written by `datasets`' save_to_disk (sent as a tar.gz). `metric`: the primary metric
+        (its name or an alias, see README's metric table); None: the problem type's default."""
         definition = {
             "text_fields": [text_fields] if isinstance(text_fields, str) else list(text_fields),
             "label_field": label_field,
@@ -405,32 +407,15 @@ class PeltClient:
         method: str | None = None,
         backbone: Any = None,
         fold: bool = False,
-    ) -> Any:
+    ) -> PulledModel:
         """Download a delta (the task's best by default) and load it onto its backbone, here: a
-        PulledModel ready for `predict(texts)`. backbone: a loaded pelt_core Backbone to reuse, else the
-        manifest's backbone is loaded by name (a packaged alias, or a folder that exists here too)."""
-        from services.delta_store.store import VersionInfo, load_pulled
-
+        PulledModel ready for `predict(texts)`, its `info` the version's VersionOut. backbone: a loaded
+        pelt_core Backbone to reuse, else the manifest's backbone is loaded by name (a packaged alias, or
+        a folder that exists here too)."""
         with tempfile.TemporaryDirectory(prefix="pelt-pull-") as scratch:
             info = self.download(task, scratch, version=version, alias=alias, method=method)
-            version_info = VersionInfo(
-                task=info.task,
-                model_name=info.model_name,
-                version=info.version,
-                kind=info.kind,
-                sha256=info.sha256,
-                run_id=info.run_id,
-                source=info.uri,
-                job_id=info.job_id,
-                method=info.method,
-                metric=info.metric,
-                metric_value=info.metric_value,
-                aliases=tuple(info.aliases),
-                tags=dict(info.tags),
-                created_at=info.created_at,
-            )
             return load_pulled(
-                version_info, Path(scratch), lambda manifest: self._backbone(manifest, backbone), fold=fold
+                info, Path(scratch), lambda manifest: self._backbone(manifest, backbone), fold=fold
             )
 
     def _backbone(self, manifest: Mapping[str, Any], given: Any) -> Any:
@@ -550,14 +535,12 @@ def _tar_folder(folder: Path) -> io.BytesIO:
 
 
 def _check_sha256(folder: Path, info: VersionOut) -> None:
-    from services.delta_store.store import BUNDLE_FILE, DELTA_FILE
-
-    target = folder / (BUNDLE_FILE if info.kind == "multi_task" else DELTA_FILE)
-    digest = hashlib.sha256(target.read_bytes()).hexdigest()
-    if info.sha256 and digest != info.sha256:
-        raise PeltAPIError(
-            0, f"{info.task}/{info.version}: downloaded sha256 {digest} != recorded {info.sha256}"
-        )
+    """The downloaded files against the version's recorded sha256 (a bundle: every part, too)."""
+    if not info.sha256:
+        return
+    problem = sha256_mismatch(folder, info.sha256, bundle=info.kind == MULTI_TASK)
+    if problem is not None:
+        raise PeltAPIError(0, f"{info.task}/{info.version}: downloaded {problem}")
 
 
 __all__ = ["JobsFailed", "PeltAPIError", "PeltClient"]

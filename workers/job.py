@@ -14,12 +14,13 @@ the slot is free again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from pelt_core.delta_format import DELTA_FILE, sha256_file
 
 
 @dataclass(frozen=True)
@@ -137,5 +138,4 @@ class LocalDeltaSink:
             shutil.rmtree(target)  # a retried job replaces its own folder, never adds a second one
         shutil.copytree(delta_dir, target)
         (target / "history.json").write_text(json.dumps(history, indent=2))
-        digest = hashlib.sha256((target / "delta.safetensors").read_bytes()).hexdigest()
-        return StoredDelta(uri=target.resolve().as_uri(), sha256=digest)
+        return StoredDelta(uri=target.resolve().as_uri(), sha256=sha256_file(target / DELTA_FILE))

@@ -7,10 +7,12 @@
     model.predict(["a great film"])
     store.compose("merge", ["sst2@best-lora", "sst2/7"], into="sst2-soup", how="ties", density=0.5)
 
-Importing this package is light (no mlflow, torch or pelt_core import); it sets mlflow's quiet
-defaults (no telemetry) in the environment before anything imports mlflow.
+Importing this package is light (no mlflow or torch import; pelt_core's pure-Python tables only); it
+sets mlflow's quiet defaults (no telemetry) in the environment before anything imports mlflow.
+The parts of the store: `services/delta_store/store.py`'s docstring.
 """
 
+from pelt_core.pulled import PulledModel
 from services.delta_store.bootstrap import (
     check_store,
     ensure_store,
@@ -18,29 +20,20 @@ from services.delta_store.bootstrap import (
     quiet_mlflow,
     schema_revisions,
 )
+from services.delta_store.composing import check_compose_request
 from services.delta_store.errors import (
     DeltaIntegrityError,
     DeltaNotFoundError,
     DeltaStoreError,
     StoreNotReadyError,
 )
-from services.delta_store.store import (
-    BEST,
-    COMPOSE_OPS,
-    Composed,
-    DeltaRef,
-    MlflowDeltaStore,
-    PulledModel,
-    VersionInfo,
-    check_compose_request,
-    method_alias,
-)
+from services.delta_store.store import MlflowDeltaStore
+from services.delta_store.values import BEST, Composed, DeltaRef, VersionInfo, method_alias
 
 quiet_mlflow()
 
 __all__ = [
     "BEST",
-    "COMPOSE_OPS",
     "Composed",
     "DeltaIntegrityError",
     "DeltaNotFoundError",

@@ -1,34 +1,29 @@
-"""LoRA agrees with HF PEFT; deltas save as safetensors + manifest and load back only onto their backbone."""
+"""LoRA agrees with HF PEFT; deltas (and multi-task bundles) save as safetensors + manifest and load back only
+onto their backbone, checked against their sha256."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from pelt_core import BUILTIN_METHODS, get_method
-from pelt_core.delta import DeltaError, export_peft_lora, load_delta, save_delta
-from pelt_core.model import JobDelta, PeltModel
+from pelt_core.delta import export_peft_lora, load_delta, save_bundle, save_delta
+from pelt_core.delta_format import BUNDLE_FILE, DeltaError, read_bundle, sha256_file
+from pelt_core.model import JobDelta, PeltModel, predict
+from pelt_core.pulled import MULTI_TASK, load_pulled
 
-from .conftest import TINY, encode
-
-
-def trained_like(delta: JobDelta) -> JobDelta:
-    """Give every zero-initialised tensor random values, as training would."""
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for parameter in delta.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.1)
-    return delta
+from .conftest import TINY, encode, trained_like
 
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_lora_equals_peft_lora_given_the_same_weights(family, make_backbone, tmp_path, sentences):
     peft = pytest.importorskip("peft")
     backbone = make_backbone(family)
-    delta = trained_like(JobDelta(get_method("lora", {"r": 4}), backbone, num_labels=2))
+    delta = trained_like(JobDelta(get_method("lora", {"r": 4}), backbone, num_labels=2), seed=1)
     ours = PeltModel(backbone, delta).eval()
     input_ids, mask = encode(backbone, sentences)
 
@@ -47,7 +42,7 @@ def test_lora_equals_peft_lora_given_the_same_weights(family, make_backbone, tmp
 def test_peft_export_loads_in_peft_with_the_same_logits(make_backbone, tmp_path, sentences):
     peft = pytest.importorskip("peft")
     backbone = make_backbone("bert")
-    delta = trained_like(JobDelta(BUILTIN_METHODS["lora"], backbone, num_labels=3))
+    delta = trained_like(JobDelta(BUILTIN_METHODS["lora"], backbone, num_labels=3), seed=1)
     ours = PeltModel(backbone, delta).eval()
     input_ids, mask = encode(backbone, sentences)
     export = export_peft_lora(delta, backbone, tmp_path / "peft")
@@ -74,7 +69,7 @@ def test_only_plain_lora_exports_to_peft(make_backbone, tmp_path):
 def test_merged_lora_equals_unmerged_and_leaves_the_backbone_untouched(family, make_backbone, sentences):
     backbone = make_backbone(family)
     before = {k: v.clone() for k, v in backbone.model.state_dict().items()}
-    delta = trained_like(JobDelta(get_method("lora", {"bias": "true"}), backbone, num_labels=2))
+    delta = trained_like(JobDelta(get_method("lora", {"bias": "true"}), backbone, num_labels=2), seed=1)
     delta.norm_ops.clear()  # BitFit's norm shifts do not fold; the linear biases do
     model = PeltModel(backbone, delta).eval()
     input_ids, mask = encode(backbone, sentences)
@@ -94,7 +89,7 @@ def test_adapters_refuse_to_fold(make_backbone):
 def test_save_then_load_gives_identical_logits(name, family, make_backbone, tmp_path, sentences):
     backbone = make_backbone(family)
     spec = get_method(name, {"size": 4}) if BUILTIN_METHODS[name].modules else BUILTIN_METHODS[name]
-    delta = trained_like(JobDelta(spec, backbone, num_labels=3, label_names=["a", "b", "c"]))
+    delta = trained_like(JobDelta(spec, backbone, num_labels=3, label_names=["a", "b", "c"]), seed=1)
     delta.drop_reparameterization()
     input_ids, mask = encode(backbone, sentences)
     expected = PeltModel(backbone, delta).eval()(input_ids, mask)
@@ -138,3 +133,48 @@ def test_a_saved_model_folder_loads_with_a_stable_content_hash(make_backbone, tm
     backbone.tokenizer.save_pretrained(tmp_path / "m")
     first, second = Backbone.load(str(tmp_path / "m")), Backbone.load(str(tmp_path / "m"))
     assert first.content_hash == second.content_hash == backbone.content_hash
+
+
+@dataclass(frozen=True)
+class Version:
+    """What a pull knows about a version (pelt_core.pulled.PulledVersion)."""
+
+    kind: str
+    sha256: str
+    task: str = "demo"
+    version: str = "1"
+    uri: str = "models:/pelt.demo/1"
+
+
+def test_a_bundle_saves_each_delta_and_pulls_back_as_a_multi_task_model(make_backbone, tmp_path, sentences):
+    backbone = make_backbone("bert")
+    deltas = {
+        "lora": trained_like(
+            JobDelta(get_method("lora", {"r": 2}), backbone, 2, label_names=["n", "p"]), seed=1
+        ),
+        "bitfit": trained_like(JobDelta(BUILTIN_METHODS["bitfit"], backbone, 3), seed=1),
+    }
+    saved = save_bundle(deltas, backbone, tmp_path / "b", sources={"lora": {"task": "sst2", "version": "4"}})
+    bundle = read_bundle(saved.path)
+    assert saved.sha256 == sha256_file(saved.path / BUNDLE_FILE) and bundle == saved.manifest
+    assert bundle["tasks"]["lora"]["version"] == "4" and set(bundle["tasks"]) == {"lora", "bitfit"}
+
+    pulled = load_pulled(Version(MULTI_TASK, saved.sha256), saved.path, lambda manifest: backbone)
+    assert set(pulled.deltas) == {"lora", "bitfit"} and pulled.manifest["format"] == "pelt-multi-task"
+    for name, delta in deltas.items():
+        alone = predict(PeltModel(backbone, delta).eval(), sentences)
+        served = pulled.predict([(name, s) for s in sentences])
+        assert [(row["task"], row["label"]) for row in served] == [(name, row["label"]) for row in alone]
+        assert [row["score"] for row in served] == pytest.approx([row["score"] for row in alone], abs=1e-5)
+    with pytest.raises(DeltaError, match="multi-task bundle; fold its tasks one by one"):
+        load_pulled(Version(MULTI_TASK, saved.sha256), saved.path, lambda manifest: backbone, fold=True)
+
+
+def test_a_pulled_delta_is_checked_against_its_recorded_sha256(make_backbone, tmp_path, sentences):
+    backbone = make_backbone("bert")
+    delta = trained_like(JobDelta(get_method("lora", {"r": 2}), backbone, 2), seed=1)
+    saved = save_delta(delta, backbone, tmp_path / "d")
+    pulled = load_pulled(Version("job", saved.sha256), saved.path, lambda manifest: backbone)
+    assert pulled.predict(sentences) == predict(PeltModel(backbone, delta).eval(), sentences)
+    with pytest.raises(DeltaError, match="sha256"):
+        load_pulled(Version("job", "0" * 64), saved.path, lambda manifest: backbone)

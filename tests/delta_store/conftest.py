@@ -31,6 +31,7 @@ import pytest
 from pelt_core.backbones import Backbone
 from services.delta_store import MlflowDeltaStore, ensure_store
 from services.delta_store.testing import MlflowServer
+from services.dispatcher import task_spec
 from services.registry import Registry, upgrade
 from services.registry.testing import (
     create_postgres_database,
@@ -38,7 +39,7 @@ from services.registry.testing import (
     sqlite_url,
     write_jsonl,
 )
-from workers.job import JobSpec, TaskSpec
+from workers.job import JobSpec
 
 PG_ENV = "PELT_TEST_DATABASE_URL"
 BACKENDS = ["sqlite", pytest.param("server", marks=pytest.mark.postgres)]
@@ -288,18 +289,7 @@ def job_spec(registry: Registry, job_id: int) -> JobSpec:
     task = registry.get_task(record.task)
     return JobSpec(
         job_id=record.id,
-        task=TaskSpec(
-            name=task.name,
-            train_path=task.source["train"],
-            validation_path=task.source.get("validation"),
-            text_fields=tuple(task.text_fields),
-            label_field=task.label_field,
-            problem_type=task.problem_type,
-            label_names=None if task.label_names is None else tuple(task.label_names),
-            metric=task.metric,
-            metric_direction=task.metric_direction,
-            max_length=task.max_length,
-        ),
+        task=task_spec(task),
         method=record.method,
         method_spec=record.method_spec,
         train_config=record.train_config,

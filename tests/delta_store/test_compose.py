@@ -10,7 +10,7 @@ import torch
 from pelt_core import compose as pelt_compose
 from pelt_core.compose import FoldedModel, MultiTaskModel
 from services.delta_store import DeltaStoreError
-from services.delta_store.store import TAG_OP, TAG_SOURCES
+from services.delta_store.values import TAG_OP, TAG_SOURCES
 
 from .conftest import SST2_TEXTS, logits_of, run_job
 

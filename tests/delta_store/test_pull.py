@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pelt_core.delta import DeltaError
+from pelt_core.delta_format import DeltaError
 from pelt_core.model import PeltModel, predict
 from pelt_core.testing import tiny_bert
 from services.delta_store import DeltaIntegrityError, DeltaNotFoundError, MlflowDeltaStore
-from services.delta_store.store import TAG_SHA256
+from services.delta_store.values import TAG_SHA256
 
 from .conftest import SST2_TEXTS, logits_of, run_job
 

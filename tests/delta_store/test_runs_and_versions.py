@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from services.delta_store import DeltaStoreError, MlflowDeltaStore
-from services.delta_store.store import TAG_SHA256
+from services.delta_store.values import TAG_SHA256
 
 from .conftest import BACKBONE, WORKER, claim, job_spec, run_job, with_metric
 

@@ -1,8 +1,10 @@
 """Setting the store up: the schema upgrade runs once at start-up (locked), workers only check it;
-embedded by default under the data directory; quiet (no telemetry); light to import; picklable."""
+embedded by default under the data directory; quiet (no telemetry); light to import; picklable; the HTTP
+client does without it."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pickle
@@ -11,10 +13,12 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+import services.client
 from services.delta_store import (
     DeltaStoreError,
     MlflowDeltaStore,
@@ -123,3 +127,20 @@ def test_importing_the_store_is_light_and_turns_telemetry_off():
         "telemetry_off": "true",
         "do_not_track": "true",
     }
+
+
+def test_the_http_client_never_imports_the_store():
+    # the thin client reads deltas with pelt_core's format and pull code only: not at import ...
+    code = (
+        "import json, sys; import services.client; "
+        "print(json.dumps([m for m in sys.modules if m.startswith('services.delta_store') or m == 'mlflow']))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    # ... and not inside a function either (an import statement anywhere in the module)
+    tree = ast.parse(Path(services.client.__file__).read_text())
+    imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    imported += [
+        alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    ]
+    assert [name for name in imported if name.startswith("services.delta_store")] == []
