@@ -355,7 +355,7 @@ class Backbone:
             if tokenizer.pad_token is None:
                 tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
             tokenizer.padding_side = "right"  # pooling and the padding masks assume right padding
-        self.runtime = None  # set by pelt_core.model when PELT modules are first attached
+        self.runtime = None  # set by pelt_core.runtime.get_runtime when PELT modules are first attached
 
     # -- shape facts the PELT modules need ---------------------------------------------------------
     @property

@@ -5,13 +5,19 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from pelt_core.config import ConfigError, TrainConfig, parse_assignments, parse_settings, split_overrides
 from pelt_core.limits import LimitError, check_against_backbone
-from pelt_core.spec import SpecError
+from pelt_core.spec import MethodSpec, SpecError
 from pelt_core.vocabulary import PROBLEM_TYPES
+
+if TYPE_CHECKING:  # torch-heavy modules load inside the command that needs them
+    from pelt_core.backbones import Backbone
+    from pelt_core.data import TaskFields
+    from pelt_core.train import TrainResult
 
 
 def _fail(message: str) -> None:
@@ -128,7 +134,6 @@ def train_command(
 
     from pelt_core.backbones import Backbone, BackboneError
     from pelt_core.data import DataError, infer_task_fields, load_split
-    from pelt_core.delta import export_peft_lora, save_delta
     from pelt_core.train import TrainingError, train
 
     try:
@@ -173,9 +178,23 @@ def train_command(
         if bar is not None:
             bar.close()
 
+    click.echo(json.dumps(_save_delta_folder(result, spec, loaded, task, config, out_dir)))
+
+
+def _save_delta_folder(
+    result: TrainResult,
+    spec: MethodSpec,
+    backbone: Backbone,
+    task: TaskFields,
+    config: TrainConfig,
+    out_dir: str,
+) -> dict[str, Any]:
+    """Write the trained delta (and its PEFT form, for LoRA) to `out_dir`; the run's summary."""
+    from pelt_core.delta import export_peft_lora, save_delta
+
     summary = {
         "method": spec.name,
-        "backbone": loaded.name,
+        "backbone": backbone.name,
         "metrics": result.metrics,
         "steps": result.steps,
         "train_seconds": round(result.train_seconds, 2),
@@ -188,7 +207,7 @@ def train_command(
     }
     saved = save_delta(
         result.delta,
-        loaded,
+        backbone,
         out_dir,
         extra={
             "metrics": result.metrics,
@@ -198,11 +217,11 @@ def train_command(
     )
     summary["sha256"] = saved.sha256
     try:
-        export_peft_lora(result.delta, loaded, Path(out_dir) / "peft")
+        export_peft_lora(result.delta, backbone, Path(out_dir) / "peft")
         summary["peft_export"] = str(Path(out_dir) / "peft")
     except ValueError:
         pass  # only LoRA deltas have a PEFT form
-    click.echo(json.dumps(summary))
+    return summary
 
 
 LOCAL_COMMANDS = [methods_command, train_command]

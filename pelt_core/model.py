@@ -1,30 +1,28 @@
-"""A job's PELT modules on a shared frozen backbone, and the hooks that apply them to row slices of a batch.
+"""A job's PELT modules on a shared frozen backbone: what a job trains, what a user holds and serves.
 
 - `JobDelta` holds everything one job trains: the modules its method spec asks for, gates, BitFit bias
-  deltas, LayerNorm deltas and the task head. Nothing else is trainable.
-- `Runtime` is attached once per backbone. It puts one forward hook on each linear map and norm of every
-  layer and wraps the attention function; while a `PeltModel` forward runs, it knows which rows of the
-  batch belong to which job ("routes") and applies each job's modules to its own rows only. That is what
-  lets one backbone forward serve several jobs or tasks at once (multi-task inference now, fused
-  multi-job training later), and it never writes a backbone tensor.
+  deltas, LayerNorm deltas and the task head. Nothing else is trainable. It plans, per linear map, norm
+  and attention layer, what its modules do there; `pelt_core.runtime` applies that plan to its rows.
 - `PeltModel` = backbone + one or more named `JobDelta`s: `model(input_ids, attention_mask)` for one job,
-  `routes=[("sst2", 8), ("rte", 8)]` for a mixed batch.
+  `routes=[("sst2", 8), ("rte", 8)]` for a mixed batch (one backbone forward, each row through its own
+  job's modules: the hooks and attention glue live in `pelt_core.runtime`).
+- `predict` classifies or scores texts with one job (decoded by `pelt_core.predictions`).
 """
 
 from __future__ import annotations
 
 import copy
-import sys
-import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pelt_core.backbones import Backbone
-from pelt_core.dropout import attention_with_dropout, use_backbone_dropout
 from pelt_core.layers import Bottleneck, Gate, NormDelta, PrefixEncoder, PrefixParams
 from pelt_core.limits import LimitError, check_against_backbone
+from pelt_core.predictions import Text, decode_predictions, evaluating, tokenize_texts
+from pelt_core.runtime import Route, get_runtime
 from pelt_core.spec import WEIGHT_REPRESENTATIONS, MethodSpec, SpecError
 from pelt_core.vocabulary import PROBLEM_TYPES
 
@@ -68,7 +66,8 @@ class BiasDelta(nn.Module):
 
 
 class PrefixLayer(nn.Module):
-    """One attention layer's prefix: stored key/values (None while a reparameterisation produces them) and gate."""
+    """One attention layer's prefix: stored key/values (None while a reparameterisation produces them) and
+    its gate."""
 
     def __init__(self, length: int, kv_dim: int, hidden_size: int, gate: bool, params: bool, init_std: float):
         super().__init__()
@@ -111,7 +110,8 @@ class JobDelta(nn.Module):
         if problem_type not in PROBLEM_TYPES:
             raise ValueError(f"problem_type must be one of {', '.join(PROBLEM_TYPES)}, got {problem_type!r}")
         method.validate()
-        try:  # before anything is allocated: ranks, prefix lengths and layers within the backbone (as the service)
+        # before anything is allocated: ranks, prefix lengths and layers within the backbone (as the service)
+        try:
             check_against_backbone({}, method.to_dict(), backbone.facts)
         except LimitError as exc:
             raise SpecError(str(exc)) from None
@@ -284,8 +284,8 @@ class JobDelta(nn.Module):
         self._prefix_layer_order = {}
 
     def parameter_counts(self) -> dict[str, int]:
-        """Parameter counts: `pelt` = what a saved delta keeps (modules, gates, prefixes, bias and norm deltas),
-        `head`, `reparam` = training-only prefix MLP, `trainable` = what the optimizer sees now."""
+        """Parameter counts: `pelt` = what a saved delta keeps (modules, gates, prefixes, bias and norm
+        deltas), `head`, `reparam` = training-only prefix MLP, `trainable` = what the optimizer sees now."""
         reparam = sum(p.numel() for p in self.prefix_encoders.parameters())
         head = sum(p.numel() for p in self.head.parameters())
         pelt = sum(p.numel() for p in self.layers.parameters())
@@ -308,234 +308,6 @@ class JobDelta(nn.Module):
                     if isinstance(gate, Gate) and gate.last_mean is not None:
                         values.setdefault(role, []).append(float(gate.last_mean))
         return {role: sum(v) / len(v) for role, v in values.items()}
-
-
-# --------------------------------------------------------------------------------------------------
-# Hooks on the shared backbone
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class Route:
-    delta: JobDelta
-    rows: slice
-    full: bool
-
-
-class Runtime:
-    """Installed once per backbone: forward hooks on every linear map and norm, and a prefix-aware attention."""
-
-    def __init__(self, backbone: Backbone):
-        self.backbone = backbone
-        self.routes: list[Route] | None = None
-        self.padding_mask: torch.Tensor | None = None
-        self.stash: dict[tuple[int, str], torch.Tensor] = {}
-        arch = backbone.arch
-        sub_inputs = {arch.sublayer_input("attn"): "attn", arch.sublayer_input("ffn"): "ffn"}
-        self.handles = []
-        for i in range(backbone.num_layers):
-            for concrete in arch.linear_paths:
-                hook = self._linear_hook(i, concrete, sub_inputs.get(concrete))
-                self.handles.append(backbone.linear(i, concrete).register_forward_hook(hook))
-            for sublayer in arch.layer_norm_paths:
-                norm = backbone.layer_norm(i, sublayer)
-                self.handles.append(norm.register_forward_hook(self._norm_hook(i, sublayer)))
-            _ATTENTION_OWNERS[backbone.attention(i)] = (self, i)
-        _install_attention(backbone.model)
-        use_backbone_dropout(backbone.model)  # same p, cheaper random numbers (pelt_core.dropout)
-
-    def _map_routes(self, output: torch.Tensor, fn) -> torch.Tensor | None:
-        """Apply fn(route, rows_of_output) per route; None when no route changed anything."""
-        routes = self.routes
-        if len(routes) == 1 and routes[0].full:
-            return fn(routes[0], output, slice(None))
-        pieces, changed = [], False
-        for route in routes:
-            piece = fn(route, output[route.rows], route.rows)
-            if piece is None:
-                piece = output[route.rows]
-            else:
-                changed = True
-            pieces.append(piece)
-        return torch.cat(pieces, dim=0) if changed else None
-
-    def _linear_hook(self, layer: int, concrete: str, stash_as: str | None):
-        key = (layer, concrete)
-        sublayer = "attn" if concrete in ("attn.o",) else ("ffn" if concrete == "ffn.out" else None)
-
-        def hook(module, args, output):
-            if self.routes is None:
-                return None
-            x = args[0]
-            if stash_as is not None:
-                self.stash[(layer, stash_as)] = x
-            sub_x = self.stash.get((layer, sublayer)) if sublayer else None
-
-            def apply(route: Route, h: torch.Tensor, rows: slice):
-                ops = route.delta.linear_ops.get(key)
-                if ops is None:
-                    return None
-                return route.delta.apply_linear(ops, x[rows], h, None if sub_x is None else sub_x[rows])
-
-            return self._map_routes(output, apply)
-
-        return hook
-
-    def _norm_hook(self, layer: int, sublayer: str):
-        key = (layer, sublayer)
-
-        def hook(module, args, output):
-            if self.routes is None:
-                return None
-            x = args[0]
-
-            def apply(route: Route, y: torch.Tensor, rows: slice):
-                delta = route.delta.norm_ops.get(key)
-                return None if delta is None else delta(module, x[rows], y)
-
-            return self._map_routes(output, apply)
-
-        return hook
-
-    def extend_with_prefix(self, module, query, key, value, attention_mask, is_eager: bool):
-        """Prepend each row's job prefix to keys/values and extend the mask; rows without one see none."""
-        layer = _ATTENTION_OWNERS[module][1]
-        entries = []
-        for route in self.routes:
-            found = route.delta.prefix_kv(layer)
-            entries.append(found)
-        if all(e is None for e in entries):
-            return key, value, attention_mask
-        batch, kv_heads, q_len, head_dim = query.shape[0], key.shape[1], query.shape[2], key.shape[3]
-        length = max(e[0].shape[0] for e in entries if e is not None)
-        prefix_k = key.new_zeros(batch, kv_heads, length, head_dim)
-        prefix_v = value.new_zeros(batch, kv_heads, length, head_dim)
-        valid = torch.zeros(batch, length, dtype=torch.bool, device=key.device)
-        x = self.stash.get((layer, "attn"))
-        for route, entry in zip(self.routes, entries, strict=True):
-            if entry is None:
-                continue
-            pk, pv, prefix = entry
-            n = pk.shape[0]
-            rows = route.rows if not route.full else slice(0, batch)
-            count = rows.stop - rows.start if rows.stop is not None else batch
-            k = pk.view(n, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)  # (1, kvh, n, hd)
-            v = pv.view(n, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
-            if prefix.gate is not None:
-                gate = prefix.gate(x[rows]).squeeze(-1)  # (rows, T)
-                mask = self.padding_mask[rows].to(gate.dtype) if self.padding_mask is not None else None
-                g = (gate * mask).sum(1) / mask.sum(1).clamp(min=1) if mask is not None else gate.mean(1)
-                prefix.gate.last_mean = g.detach().mean()
-                g = g.view(-1, 1, 1, 1)
-                k, v = k * g, v * g
-            prefix_k[rows, :, :n] = k.expand(count, -1, -1, -1).to(key.dtype)
-            prefix_v[rows, :, :n] = v.expand(count, -1, -1, -1).to(value.dtype)
-            valid[rows, :n] = True
-        key = torch.cat([prefix_k, key], dim=2)
-        value = torch.cat([prefix_v, value], dim=2)
-        prefix_mask = valid[:, None, None, :].expand(batch, 1, q_len, length)
-        if attention_mask is None:
-            seq_len = key.shape[2] - length
-            if getattr(module, "is_causal", False) and q_len > 1:
-                seq_mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=key.device).tril(
-                    seq_len - q_len
-                )
-            else:
-                seq_mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=key.device)
-            seq_mask = seq_mask[None, None].expand(batch, 1, q_len, seq_len)
-            full = torch.cat([prefix_mask, seq_mask], dim=-1)
-            if is_eager:
-                full = torch.zeros(full.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~full, torch.finfo(query.dtype).min
-                )
-            return key, value, full
-        attention_mask = attention_mask.expand(batch, -1, q_len, -1)
-        if attention_mask.dtype == torch.bool:
-            return key, value, torch.cat([prefix_mask, attention_mask], dim=-1)
-        additive = torch.zeros(prefix_mask.shape, dtype=attention_mask.dtype, device=attention_mask.device)
-        additive = additive.masked_fill(~prefix_mask, torch.finfo(attention_mask.dtype).min)
-        return key, value, torch.cat([additive, attention_mask], dim=-1)
-
-
-def get_runtime(backbone: Backbone) -> Runtime:
-    if backbone.runtime is None:
-        backbone.runtime = Runtime(backbone)
-    return backbone.runtime
-
-
-_REGISTERED = False
-_ATTENTION_OWNERS: weakref.WeakKeyDictionary = (
-    weakref.WeakKeyDictionary()
-)  # attention module -> (runtime, layer)
-
-
-def _runtime_of(module: nn.Module) -> Runtime | None:
-    owner = _ATTENTION_OWNERS.get(module)
-    return owner[0] if owner is not None else None
-
-
-def _install_attention(model: nn.Module) -> None:
-    """Route the model's attention through a prefix-aware wrapper of its sdpa or eager implementation."""
-    global _REGISTERED
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if not _REGISTERED:
-        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-
-        def pelt_sdpa(module, query, key, value, attention_mask, **kwargs):
-            runtime = _runtime_of(module)
-            if runtime is not None and runtime.routes is not None:
-                key, value, attention_mask = runtime.extend_with_prefix(
-                    module, query, key, value, attention_mask, is_eager=False
-                )
-                if _cheap_dropout_applies(query, kwargs):
-                    return _sdpa_with_cheap_dropout(module, query, key, value, attention_mask, **kwargs)
-            return sdpa(module, query, key, value, attention_mask, **kwargs)
-
-        def pelt_eager(module, query, key, value, attention_mask, **kwargs):
-            eager = sys.modules[type(module).__module__].eager_attention_forward
-            runtime = _runtime_of(module)
-            if runtime is not None and runtime.routes is not None:
-                key, value, attention_mask = runtime.extend_with_prefix(
-                    module, query, key, value, attention_mask, is_eager=True
-                )
-            return eager(module, query, key, value, attention_mask, **kwargs)
-
-        ALL_ATTENTION_FUNCTIONS.register("pelt_sdpa", pelt_sdpa)
-        ALL_ATTENTION_FUNCTIONS.register("pelt_eager", pelt_eager)
-        ALL_MASK_ATTENTION_FUNCTIONS.register("pelt_sdpa", sdpa_mask)
-        ALL_MASK_ATTENTION_FUNCTIONS.register("pelt_eager", eager_mask)
-        _REGISTERED = True
-    current = model.config._attn_implementation
-    if current in ("pelt_sdpa", "pelt_eager"):
-        return
-    if current not in ("sdpa", "eager"):
-        raise ValueError(f"attention implementation {current!r} is not supported; use sdpa or eager")
-    model.config._attn_implementation = f"pelt_{current}"
-
-
-def _cheap_dropout_applies(query: torch.Tensor, kwargs: dict) -> bool:
-    """Attention dropout on the CPU, with nothing sdpa-specific asked for (paged cache, position bias)."""
-    return (
-        (kwargs.get("dropout") or 0.0) > 0.0
-        and query.device.type == "cpu"
-        and not any(kwargs.get(name) is not None for name in ("cache", "position_bias", "softcap"))
-    )
-
-
-def _sdpa_with_cheap_dropout(
-    module, query, key, value, attention_mask, dropout: float, scaling=None, is_causal=None, **_
-):
-    """transformers' sdpa attention while training on the CPU: the same inputs and result, with
-    pelt_core.dropout's keep mask instead of sdpa's math fallback (which draws one number per weight)."""
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
-    output = attention_with_dropout(query, key, value, attention_mask, dropout, scaling, is_causal)
-    return output.transpose(1, 2).contiguous(), None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -576,45 +348,36 @@ class PeltModel(nn.Module):
 
         routes: (job name, number of rows) in batch order; omitted with a single delta = all rows.
         """
+        resolved = self._resolve_routes(routes, input_ids.shape[0])
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        with self.runtime.routing(resolved, attention_mask):
+            hidden = self.backbone.model(**kwargs).last_hidden_state
+        if return_hidden:
+            return hidden
+        outputs = [route.delta.head(hidden[route.rows], attention_mask[route.rows]) for route in resolved]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _resolve_routes(self, routes: list[tuple[str, int]] | None, batch: int) -> list[Route]:
+        """(name, rows) pairs as consecutive row slices of the batch, checked against the deltas held."""
         if routes is None:
             if len(self.deltas) != 1:
                 raise ValueError(
                     f"this model holds {len(self.deltas)} deltas; pass routes=[(name, rows), ...]"
                 )
-            name = next(iter(self.deltas))
-            routes = [(name, input_ids.shape[0])]
+            routes = [(next(iter(self.deltas)), batch)]
         resolved, start = [], 0
         for name, count in routes:
             if name not in self.deltas:
                 raise KeyError(f"no delta named {name!r}; this model holds {', '.join(self.deltas)}")
             resolved.append(Route(self.deltas[name], slice(start, start + count), full=False))
             start += count
-        if start != input_ids.shape[0]:
-            raise ValueError(f"routes cover {start} rows but the batch has {input_ids.shape[0]}")
+        if start != batch:
+            raise ValueError(f"routes cover {start} rows but the batch has {batch}")
         if len(resolved) == 1:
             resolved[0].full = True
-        runtime = self.runtime
-        if runtime.routes is not None:
-            raise RuntimeError(
-                "this backbone is already running a PELT forward (one forward at a time per backbone)"
-            )
-        runtime.routes, runtime.padding_mask = resolved, attention_mask
-        for route in resolved:
-            route.delta.begin_forward()
-        try:
-            kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-            if token_type_ids is not None:
-                kwargs["token_type_ids"] = token_type_ids
-            hidden = self.backbone.model(**kwargs).last_hidden_state
-        finally:
-            runtime.routes, runtime.padding_mask = None, None
-            runtime.stash.clear()
-            for route in resolved:
-                route.delta.end_forward()
-        if return_hidden:
-            return hidden
-        outputs = [route.delta.head(hidden[route.rows], attention_mask[route.rows]) for route in resolved]
-        return outputs[0] if len(outputs) == 1 else outputs
+        return resolved
 
     def merged_backbone(self, name: str | None = None) -> nn.Module:
         """A standalone copy of the backbone with this job's LoRA ΔW folded into its weights.
@@ -653,50 +416,21 @@ class PeltModel(nn.Module):
 @torch.no_grad()
 def predict(
     model: PeltModel,
-    texts: list[str] | list[tuple[str, str]],
+    texts: Sequence[Text],
     name: str | None = None,
     batch_size: int = 32,
     max_length: int = 128,
 ) -> list[dict]:
-    """Classify (or score) texts with one job of `model`: [{"label", "score"}] or [{"value"}] for regression."""
-    delta = model.deltas[name] if name else next(iter(model.deltas.values()))
+    """Classify (or score) texts or (text, text_pair) pairs with one job of `model`, in input order
+    (the result format of `pelt_core.predictions`: {"label", "score"}, {"labels", "scores"} or {"value"})."""
     routes_name = name or next(iter(model.deltas))
-    tokenizer = model.backbone.tokenizer
-    was_training = model.training
-    model.eval()
+    delta = model.deltas[routes_name]
+    device = next(delta.parameters()).device
     results: list[dict] = []
-    for start in range(0, len(texts), batch_size):
-        chunk = texts[start : start + batch_size]
-        columns = list(zip(*chunk, strict=True)) if isinstance(chunk[0], tuple) else [list(chunk)]
-        batch = tokenizer(
-            *[list(c) for c in columns],
-            padding=True,
-            truncation=True,
-            max_length=max_length,
-            return_tensors="pt",
-        )
-        device = next(delta.parameters()).device
-        kwargs = {
-            k: v.to(device)
-            for k, v in batch.items()
-            if k in ("input_ids", "attention_mask", "token_type_ids")
-        }
-        logits = model(**kwargs, routes=[(routes_name, len(chunk))]).float()
-        if delta.problem_type == "regression":
-            results.extend({"value": float(v)} for v in logits.squeeze(-1))
-        elif delta.problem_type == "multi_label_classification":
-            names = delta.label_names or [str(i) for i in range(logits.shape[-1])]
-            for row in torch.sigmoid(logits):
-                results.append(
-                    {
-                        "labels": [names[i] for i, p in enumerate(row) if p > 0.5],
-                        "scores": {names[i]: float(p) for i, p in enumerate(row)},
-                    }
-                )
-        else:
-            names = delta.label_names or [str(i) for i in range(logits.shape[-1])]
-            for row in torch.softmax(logits, -1):
-                best = int(row.argmax())
-                results.append({"label": names[best], "score": float(row[best])})
-    model.train(was_training)
+    with evaluating(model):
+        for start in range(0, len(texts), batch_size):
+            chunk = texts[start : start + batch_size]
+            batch = tokenize_texts(model.backbone.tokenizer, chunk, max_length, device)
+            logits = model(**batch, routes=[(routes_name, len(chunk))]).float()
+            results.extend(decode_predictions(delta.problem_type, delta.label_names, logits))
     return results

@@ -33,6 +33,7 @@ from pelt_core.data import (
 from pelt_core.limits import LimitError, check_train_steps, fitted_max_length
 from pelt_core.metrics import compute_metrics
 from pelt_core.model import JobDelta, PeltModel
+from pelt_core.predictions import evaluating
 from pelt_core.spec import MethodSpec
 
 
@@ -101,20 +102,20 @@ def evaluate(
     model: PeltModel, data: Encoded, task: TaskFields, batch_size: int, use_bf16: bool
 ) -> dict[str, float]:
     """Metrics (and mean loss) over a whole split, in sorted-length batches."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     pad_id = model.backbone.tokenizer.pad_token_id
     logits_all, labels_all, loss_sum = [], [], 0.0
-    for batch in iterate(data, length_grouped_batches(data.lengths, batch_size, 0, shuffle=False), pad_id):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        with autocast_context(device, use_bf16):
-            logits = model(**batch)
-        loss_sum += float(loss_fn(task.problem_type, logits, labels)) * len(labels)
-        logits_all.append(logits.float().cpu().numpy())
-        labels_all.append(labels.cpu().numpy())
-    model.train(was_training)
+    with evaluating(model):
+        for batch in iterate(
+            data, length_grouped_batches(data.lengths, batch_size, 0, shuffle=False), pad_id
+        ):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            with autocast_context(device, use_bf16):
+                logits = model(**batch)
+            loss_sum += float(loss_fn(task.problem_type, logits, labels)) * len(labels)
+            logits_all.append(logits.float().cpu().numpy())
+            labels_all.append(labels.cpu().numpy())
     metrics = compute_metrics(task.problem_type, np.concatenate(logits_all), np.concatenate(labels_all))
     metrics["loss"] = loss_sum / max(len(data), 1)
     return metrics
@@ -141,57 +142,27 @@ def train(
     train_data = sample_k_shot(train_data, config.k_shot, config.seed)
     device = next(backbone.model.parameters()).device
     use_bf16 = config.bf16 == "true" or (config.bf16 == "auto" and bf16_available(device))
-    pooling = config.pooling if config.pooling != "auto" else ("last" if backbone.arch.is_decoder else "mean")
 
-    # -- the job's own modules on the shared backbone --------------------------------------------------
-    torch.manual_seed(config.seed)
-    delta = JobDelta(
-        method, backbone, task.num_labels, task.problem_type, pooling, config.head_dropout, task.label_names
-    ).to(device)
+    # -- the job's own modules on the shared backbone, the data, the optimiser and its schedule -----------
+    delta = new_delta(backbone, method, task, config).to(device)
     model = PeltModel(backbone, delta)
     parameters = [p for p in delta.parameters() if p.requires_grad]
-
-    # -- data: tokenised once, padded per batch ----------------------------------------------------------
-    tokenizer = backbone.tokenizer
-    max_length = fitted_max_length(
-        config.max_length, backbone.facts
-    )  # cut to its positions, as the service does
-    train_set = encode(train_data, tokenizer, task, max_length, where="training data")
-    eval_set = (
-        encode(eval_data, tokenizer, task, max_length, where="evaluation data")
-        if eval_data is not None
-        else None
-    )
+    train_set, eval_set = encode_splits(backbone, task, config, train_data, eval_data)
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
-    try:
-        total_steps = check_train_steps(
-            {**config.to_dict(), "k_shot": None}, len(train_set)
-        )  # K already drawn
-    except LimitError as exc:
-        raise ConfigError(str(exc)) from None
-    warmup_steps = int(config.warmup_ratio * total_steps)
-
-    # -- optimiser and schedule ---------------------------------------------------------------------------
+    total_steps = total_train_steps(config, len(train_set))
     learning_rate = config.resolved_learning_rate(method.defaults)
     optimizer = torch.optim.AdamW(
         parameters, lr=learning_rate, weight_decay=config.weight_decay, fused=device.type in ("cpu", "cuda")
     )
-
-    def lr_at(step: int) -> float:
-        if step < warmup_steps:
-            return learning_rate * (step + 1) / warmup_steps
-        return learning_rate * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    lr_at = linear_schedule(learning_rate, int(config.warmup_ratio * total_steps), total_steps)
 
     # -- the loop -----------------------------------------------------------------------------------------
     history: list[dict[str, Any]] = []
-    step, tokens, eval_seconds, started = 0, 0, 0.0, time.perf_counter()
+    step, epoch, tokens, eval_seconds, started = 0, 0, 0, 0.0, time.perf_counter()
     model.train()
-    epoch = 0
     while step < total_steps:
-        batches = length_grouped_batches(
-            train_set.lengths, config.batch_size, seed=config.seed * 1000 + epoch
-        )
-        for batch in iterate(train_set, batches, tokenizer.pad_token_id):
+        batches = length_grouped_batches(train_set.lengths, config.batch_size, config.seed * 1000 + epoch)
+        for batch in iterate(train_set, batches, backbone.tokenizer.pad_token_id):
             if should_stop is not None and should_stop():
                 raise TrainingCancelled(f"stopped at step {step} of {total_steps}")
             batch = {k: v.to(device) for k, v in batch.items()}
@@ -213,27 +184,17 @@ def train(
             step += 1
             tokens += int(batch["attention_mask"].sum())
             if progress is not None:
-                elapsed = time.perf_counter() - started - eval_seconds
+                speed = tokens / max(time.perf_counter() - started - eval_seconds, 1e-9)
                 progress(
-                    Progress(
-                        step,
-                        total_steps,
-                        step / steps_per_epoch,
-                        loss.item(),
-                        tokens / max(elapsed, 1e-9),
-                        lr_at(step - 1),
-                    )
+                    Progress(step, total_steps, step / steps_per_epoch, loss.item(), speed, lr_at(step - 1))
                 )
             if step >= total_steps:
                 break
         epoch += 1
         if eval_set is not None and (config.eval_every_epoch or step >= total_steps):
             eval_started = time.perf_counter()
-            record = {
-                "epoch": epoch,
-                "step": step,
-                **evaluate(model, eval_set, task, config.eval_batch_size, use_bf16),
-            }
+            scores = evaluate(model, eval_set, task, config.eval_batch_size, use_bf16)
+            record = {"epoch": epoch, "step": step, **scores}
             eval_seconds += time.perf_counter() - eval_started
             history.append(record)
             if on_epoch_end is not None:
@@ -241,25 +202,88 @@ def train(
     train_seconds = time.perf_counter() - started - eval_seconds  # optimisation time only
 
     model.eval()
+    return finished_result(
+        delta, task, backbone, history, step, tokens, train_seconds, eval_seconds, use_bf16
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Set-up and accounting around the loop
+# --------------------------------------------------------------------------------------------------
+def new_delta(backbone: Backbone, method: MethodSpec, task: TaskFields, config: TrainConfig) -> JobDelta:
+    """The job's freshly initialised modules and head (seeded by `config.seed`), on the CPU."""
+    pooling = config.pooling if config.pooling != "auto" else ("last" if backbone.arch.is_decoder else "mean")
+    torch.manual_seed(config.seed)
+    return JobDelta(
+        method, backbone, task.num_labels, task.problem_type, pooling, config.head_dropout, task.label_names
+    )
+
+
+def encode_splits(
+    backbone: Backbone, task: TaskFields, config: TrainConfig, train_data, eval_data
+) -> tuple[Encoded, Encoded | None]:
+    """Training and evaluation data tokenised once (padded per batch later), cut to the backbone's positions
+    as the service does."""
+    max_length = fitted_max_length(config.max_length, backbone.facts)
+    train_set = encode(train_data, backbone.tokenizer, task, max_length, where="training data")
+    if eval_data is None:
+        return train_set, None
+    return train_set, encode(eval_data, backbone.tokenizer, task, max_length, where="evaluation data")
+
+
+def total_train_steps(config: TrainConfig, train_rows: int) -> int:
+    """Optimisation steps over the K-shot sample already drawn, within the limits (a ConfigError if not)."""
+    try:
+        return check_train_steps({**config.to_dict(), "k_shot": None}, train_rows)
+    except LimitError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def linear_schedule(learning_rate: float, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """The learning rate at each step: linear warmup over `warmup_steps`, then linear decay to 0."""
+
+    def lr_at(step: int) -> float:
+        if step < warmup_steps:
+            return learning_rate * (step + 1) / warmup_steps
+        return learning_rate * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return lr_at
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process on `device` (CUDA allocator peak; on the CPU the max RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def finished_result(
+    delta: JobDelta,
+    task: TaskFields,
+    backbone: Backbone,
+    history: list[dict[str, Any]],
+    steps: int,
+    tokens: int,
+    train_seconds: float,
+    eval_seconds: float,
+    bf16: bool,
+) -> TrainResult:
+    """A finished run's result: the last evaluation's metrics, the delta's sizes and gates, speed, memory."""
     metrics = {k: v for k, v in history[-1].items() if k not in ("epoch", "step")} if history else {}
     counts = delta.parameter_counts()
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return TrainResult(
         delta=delta,
         task=task,
         metrics=metrics,
         history=history,
-        steps=step,
+        steps=steps,
         train_seconds=train_seconds,
         eval_seconds=eval_seconds,
         train_tokens=tokens,
         tokens_per_second=tokens / max(train_seconds, 1e-9),
-        peak_memory_bytes=peak,
+        peak_memory_bytes=peak_memory_bytes(next(delta.parameters()).device),
         parameter_counts=counts,
         trainable_percent=100.0 * counts["pelt"] / backbone.num_parameters,
         gate_values=delta.gate_values(),
-        bf16=use_bf16,
+        bf16=bf16,
     )

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pelt_core.testing import tiny_bert, tiny_llama
 
@@ -30,3 +31,13 @@ def sentences():
 def encode(backbone, texts):
     batch = backbone.tokenizer(texts, padding=True, return_tensors="pt")
     return batch["input_ids"], batch["attention_mask"]
+
+
+def trained_like(delta, seed: int, std: float = 0.1):
+    """Give every tensor of a JobDelta (zero-initialised ones and the head included) random N(0, std²)
+    additions, as training would; returns the delta."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in delta.parameters():
+            parameter.add_(torch.randn_like(parameter) * std)
+    return delta

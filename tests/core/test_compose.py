@@ -26,21 +26,12 @@ from pelt_core.compose import (
 from pelt_core.delta import load_delta, save_delta
 from pelt_core.model import JobDelta, PeltModel, predict
 
-from .conftest import TINY, encode
+from .conftest import TINY, encode, trained_like
 
 # Three task vectors of six numbers (the TIES worked example below).
 T1 = [0.5, -1.0, 0.2, 0.0, 2.0, -0.3]
 T2 = [-0.4, 0.8, 0.1, 1.0, -1.5, -0.6]
 T3 = [0.3, -0.9, -0.7, 0.2, 1.0, 0.5]
-
-
-def trained_like(delta: JobDelta, seed: int) -> JobDelta:
-    """Give every tensor (zero-initialised ones included) random values, as training would."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for parameter in delta.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.1)
-    return delta
 
 
 def make(backbone, method, seed, num_labels=2, **kwargs) -> JobDelta:

@@ -139,6 +139,24 @@ def test_routes_must_cover_the_batch(make_backbone, sentences):
         model(input_ids, mask, routes=[("b", 4)])
 
 
+def test_a_failed_forward_start_releases_the_backbone(make_backbone, sentences):
+    """When a delta cannot start its forward (its prefix MLP fails), the backbone stays usable."""
+    backbone = make_backbone("bert")
+    delta = JobDelta(get_method("prefix", {"size": 2}), backbone, 2)
+    model = PeltModel(backbone, delta).eval()
+    input_ids, mask = encode(backbone, sentences)
+    expected = model(input_ids, mask)
+
+    def fail() -> None:
+        raise RuntimeError("the prefix MLP failed")
+
+    delta.begin_forward = fail
+    with pytest.raises(RuntimeError, match="prefix MLP failed"):
+        model(input_ids, mask)
+    del delta.begin_forward
+    torch.testing.assert_close(model(input_ids, mask), expected)
+
+
 def test_unsupported_architecture_lists_the_supported_ones():
     from pelt_core.backbones import BackboneError, architecture_for
 
