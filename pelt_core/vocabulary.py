@@ -31,7 +31,9 @@ _CLASSIFICATION = (SINGLE_LABEL, MULTI_LABEL)
 
 METRICS: tuple[Metric, ...] = (
     Metric("accuracy", "max", _CLASSIFICATION, ("acc",), doc="share of rows (multi-label: all labels) right"),
-    Metric("f1", "max", (SINGLE_LABEL,), ("binary_f1",), binary_only=True, doc="F1 of class 1, two classes"),
+    Metric(
+        "f1", "max", (SINGLE_LABEL,), ("binary_f1",), binary_only=True, doc="F1 of the second class (index 1)"
+    ),
     Metric("macro_f1", "max", _CLASSIFICATION, ("f1_macro",), doc="mean of the per-class F1"),
     Metric("micro_f1", "max", (MULTI_LABEL,), ("f1_micro",), doc="F1 over all label decisions"),
     Metric(
@@ -54,6 +56,7 @@ DEFAULT_METRIC = {SINGLE_LABEL: "accuracy", MULTI_LABEL: "micro_f1", REGRESSION:
 METRIC_HELP = ", ".join(
     metric.name + (f" ({', '.join(metric.aliases)})" if metric.aliases else "") for metric in METRICS
 )
+DEFAULT_METRIC_HELP = ", ".join(f"{metric} for {problem}" for problem, metric in DEFAULT_METRIC.items())
 
 # The keyword options each composition operation takes (besides its deltas and backbone).
 COMPOSE_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -77,7 +80,7 @@ def canonical_metric(name: str) -> str:
     """The metric `name` stands for (`matthews_correlation` -> `matthews`); ValueError listing the table."""
     canonical = name if name in METRICS_BY_NAME else METRIC_ALIASES.get(name)
     if canonical is None:
-        raise ValueError(f"{name!r} is not a known metric; known: {METRIC_HELP}")
+        raise ValueError(f"{name!r} is not a metric pelt reports; known (aliases in brackets): {METRIC_HELP}")
     return canonical
 
 
@@ -105,19 +108,22 @@ def check_task_metric(metric: str, problem_type: str, num_labels: int | None = N
     problem = canonical_problem_type(problem_type)
     allowed = reported_metrics(problem, num_labels)
     if canonical not in allowed:
-        what = f"a {num_labels}-class task" if canonical == "f1" and num_labels else problem
-        raise ValueError(f"{metric!r} is not reported for {what}; use one of {', '.join(allowed)}")
+        if METRICS_BY_NAME[canonical].binary_only and problem == SINGLE_LABEL:
+            why = f"{metric!r} is reported for two classes only, and this task has {num_labels}"
+        else:
+            why = f"{metric!r} is not reported for {problem}"
+        raise ValueError(f"{why}: use one of {', '.join(allowed)}")
     return canonical
 
 
 def metrics_table_markdown() -> str:
     """The metric table as README shows it (a test keeps README and this equal)."""
-    lines = ["| metric | also accepted | better | reported for |", "|---|---|---|---|"]
+    lines = ["| metric | what | also accepted | better | reported for |", "|---|---|---|---|---|"]
     for metric in METRICS:
         kinds = ", ".join(p.replace("_classification", "") for p in metric.problem_types)
         if metric.binary_only:
             kinds += " (two classes)"
         aliases = ", ".join(f"`{a}`" for a in metric.aliases)
         better = "higher" if metric.direction == "max" else "lower"
-        lines.append(f"| `{metric.name}` | {aliases} | {better} | {kinds} |")
+        lines.append(f"| `{metric.name}` | {metric.doc} | {aliases} | {better} | {kinds} |")
     return "\n".join(lines)

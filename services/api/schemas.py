@@ -16,6 +16,14 @@ from pelt_core.limits import (
     SWEEP_LIST_LENGTH,
     TRAIN_RANGES,
 )
+from pelt_core.vocabulary import (
+    COMPOSE_OPERATIONS,
+    DEFAULT_METRIC_HELP,
+    DIRECTIONS,
+    METRIC_HELP,
+    PROBLEM_TYPES,
+    SINGLE_LABEL,
+)
 
 ID = Field(ge=1, le=INT32_MAX)
 NAME = Field(min_length=1, max_length=100)
@@ -42,11 +50,15 @@ class TaskDefinition(Request):
 
     text_fields: list[str] | str = Field(description="column(s) holding the text; one or two")
     label_field: str = "label"
-    problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] = (
-        "single_label_classification"
+    problem_type: Literal[PROBLEM_TYPES] = SINGLE_LABEL  # a Literal of each name in the tuple
+    metric: str | None = Field(
+        default=None,
+        description=f"the primary metric, by name or alias (default: {DEFAULT_METRIC_HELP}; it must apply "
+        f"to the problem type): {METRIC_HELP}",
     )
-    metric: str = "accuracy"
-    metric_direction: Literal["max", "min"] | None = None
+    metric_direction: Literal[DIRECTIONS] | None = Field(
+        default=None, description="optional: checked against the metric's own direction"
+    )
     label_names: list[str] | None = None
     max_length: int = Field(
         default=128,
@@ -104,7 +116,7 @@ class SweepIn(Request):
 
 
 class ComposeIn(Request):
-    op: Literal["merge", "average", "merge_lora_svd", "multi_task"]
+    op: Literal[COMPOSE_OPERATIONS]
     sources: list[str] | dict[str, str] = Field(
         min_length=1,
         max_length=MAX_COMPOSE_SOURCES,
@@ -147,6 +159,10 @@ class MethodOut(Response):
     builtin: bool
     description: str
     created_at: datetime
+    fingerprint: str = Field(
+        description="names this version of the spec (a built-in: as this server's pelt_core has it); "
+        "a job records the fingerprint of the version it ran"
+    )
 
 
 class BackboneOut(Response):
@@ -169,6 +185,7 @@ class JobOut(Response):
     method: str
     backbone: str
     sweep_id: int | None
+    method_fingerprint: str = Field(description="the version of the method's preset the job ran")
     hyperparameters: dict[str, Any]
     train_config: dict[str, Any]
     seed: int
@@ -274,6 +291,8 @@ class LeaderboardRowOut(Response):
     best_delta_uri: str | None
     best_delta_sha256: str | None
     k_values: list[int | None]
+    best_method_fingerprint: str | None = Field(description="the preset version of the best run")
+    method_fingerprints: list[str] = Field(description="the preset versions among the runs, oldest job first")
 
 
 class LeaderboardOut(Response):

@@ -15,7 +15,7 @@ from pelt_core import limits
 from pelt_core.labels import class_names, label_index
 from services.registry.dataset_probe import DatasetProbe, LabelSummary
 from services.registry.errors import RegistryValidationError
-from services.registry.validation import TaskDefinition
+from services.registry.validation import TaskDefinition, check_metric_for_labels
 
 EVALUATION_SPLITS = ("validation", "dev", "test")  # a task's jobs evaluate on the first of these it has
 
@@ -80,6 +80,7 @@ def check_task_against_data(definition: TaskDefinition, probe: DatasetProbe, whe
         _check_evaluation_split(
             definition, probe, evaluation, names, positions=bool(definition.label_names or label.names)
         )
+    check_metric_for_labels(definition, names)  # `f1` needs two classes, known only now
     return None if definition.problem_type == "regression" else names
 
 

@@ -17,25 +17,16 @@ from pelt_core.config import ALIASES, ConfigError, TrainConfig, split_overrides
 from pelt_core.limits import LimitError, Range
 from pelt_core.methods import get_method
 from pelt_core.spec import SpecError, override_field
+from pelt_core.vocabulary import (
+    DEFAULT_METRIC,
+    DIRECTIONS,
+    METRIC_DIRECTIONS,
+    REGRESSION,
+    canonical_problem_type,
+    check_task_metric,
+)
 from services.registry.errors import RegistryValidationError
-from services.registry.models import DIRECTIONS, PROBLEM_TYPES
 
-METRIC_DIRECTIONS: dict[str, str] = {
-    "accuracy": "max",
-    "f1": "max",
-    "matthews": "max",
-    "pearson": "max",
-    "spearman": "max",
-    "loss": "min",
-    "mse": "min",
-    "mae": "min",
-}
-CLASSIFICATION_METRICS = frozenset({"accuracy", "f1", "matthews", "loss"})
-REGRESSION_METRICS = frozenset({"pearson", "spearman", "mse", "mae", "loss"})
-PROBLEM_TYPE_ALIASES = {
-    "classification": "single_label_classification",
-    "multi_label": "multi_label_classification",
-}
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
 MAX_KEY_LENGTH = 200
 SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
@@ -101,12 +92,13 @@ def check_task_definition(
     text_fields: Sequence[str] | str,
     label_field: str,
     problem_type: str,
-    metric: str,
+    metric: str | None,
     metric_direction: str | None,
     label_names: Sequence[str] | None,
     max_length: int,
 ) -> TaskDefinition:
-    """The checks that need no data: field names, problem type, metric and its direction, lengths."""
+    """The checks that need no data: field names, problem type, metric and its direction, lengths.
+    No metric (None) means the problem type's default (`pelt_core.vocabulary.DEFAULT_METRIC`)."""
     fields = (
         [text_fields]
         if isinstance(text_fields, str)
@@ -122,51 +114,70 @@ def check_task_definition(
         raise RegistryValidationError("label_field", f"must be a column name, got {label_field!r}")
     if label_field in fields:
         raise RegistryValidationError("label_field", f"{label_field!r} is also a text field")
-    problem = PROBLEM_TYPE_ALIASES.get(problem_type, problem_type)
-    if problem not in PROBLEM_TYPES:
-        raise RegistryValidationError(
-            "problem_type", f"{problem_type!r} is not one of {', '.join(PROBLEM_TYPES)}"
-        )
-    if not isinstance(metric, str) or not metric:
-        raise RegistryValidationError("metric", f"must be a metric name, got {metric!r}")
-    known = METRIC_DIRECTIONS.get(metric)
-    if metric_direction is not None and metric_direction not in DIRECTIONS:
-        raise RegistryValidationError("metric_direction", f"must be 'max' or 'min', got {metric_direction!r}")
-    if known is None and metric_direction is None:
-        raise RegistryValidationError(
-            "metric",
-            f"{metric!r} is not a known metric ({', '.join(METRIC_DIRECTIONS)}); "
-            "give metric_direction ('max' or 'min') for a custom one",
-        )
-    if known is not None and metric_direction is not None and metric_direction != known:
-        raise RegistryValidationError(
-            "metric_direction", f"{metric} is a {known}imized metric, not {metric_direction}"
-        )
-    if known is not None:
-        allowed = REGRESSION_METRICS if problem == "regression" else CLASSIFICATION_METRICS
-        if metric not in allowed:
-            raise RegistryValidationError(
-                "metric", f"{metric!r} does not apply to {problem}; use one of {', '.join(sorted(allowed))}"
-            )
-    names: list[str] | None = None
-    if label_names is not None:
-        if problem == "regression":
-            raise RegistryValidationError("label_names", "a regression task has no label names")
-        names = list(label_names)
-        if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
-            raise RegistryValidationError(
-                "label_names", f"must be distinct non-empty strings, got {label_names!r}"
-            )
+    try:
+        problem = canonical_problem_type(problem_type)
+    except ValueError as exc:
+        raise RegistryValidationError("problem_type", str(exc)) from None
+    names = _check_label_names(label_names, problem)
+    canonical, direction = _check_metric(
+        DEFAULT_METRIC[problem] if metric is None else metric,
+        metric_direction,
+        problem,
+        None if names is None else len(names),
+    )
     check_range(limits.TRAIN_RANGES["max_length"], max_length, "max_length")
     return TaskDefinition(
         text_fields=fields,
         label_field=label_field,
         problem_type=problem,
-        metric=metric,
-        metric_direction=metric_direction or known or "max",
+        metric=canonical,
+        metric_direction=direction,
         label_names=names,
         max_length=max_length,
     )
+
+
+def _check_label_names(label_names: Sequence[str] | None, problem: str) -> list[str] | None:
+    """Declared class names: distinct non-empty strings, none for a regression task."""
+    if label_names is None:
+        return None
+    if problem == REGRESSION:
+        raise RegistryValidationError("label_names", "a regression task has no label names")
+    names = list(label_names)
+    if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise RegistryValidationError(
+            "label_names", f"must be distinct non-empty strings, got {label_names!r}"
+        )
+    return names
+
+
+def _check_metric(
+    metric: object, metric_direction: str | None, problem: str, num_labels: int | None
+) -> tuple[str, str]:
+    """(canonical metric name, its direction): a metric pelt_core reports for this problem type (and
+    number of classes, when known), by its name or an alias (pelt_core.vocabulary's table). A custom
+    metric is refused: no worker could report it, so every job of the task would fail at completion."""
+    if not isinstance(metric, str) or not metric:
+        raise RegistryValidationError("metric", f"must be a metric name, got {metric!r}")
+    if metric_direction is not None and metric_direction not in DIRECTIONS:
+        raise RegistryValidationError("metric_direction", f"must be 'max' or 'min', got {metric_direction!r}")
+    try:
+        canonical = check_task_metric(metric, problem, num_labels)
+    except ValueError as exc:
+        raise RegistryValidationError("metric", str(exc)) from None
+    direction = METRIC_DIRECTIONS[canonical]
+    if metric_direction is not None and metric_direction != direction:
+        raise RegistryValidationError(
+            "metric_direction", f"{canonical} is a {direction}imized metric, not {metric_direction}"
+        )
+    return canonical, direction
+
+
+def check_metric_for_labels(definition: TaskDefinition, label_names: Sequence[str] | None) -> None:
+    """Once the data have given the task's classes: its metric is reported for that many (pelt_core
+    reports `f1` for two classes only)."""
+    if label_names is not None:
+        _check_metric(definition.metric, None, definition.problem_type, len(label_names))
 
 
 # --- jobs ----------------------------------------------------------------------------------------
@@ -515,9 +526,6 @@ def _count(value: Any, field: str, *, required: bool = False) -> int | None:
 
 
 __all__ = [
-    "CLASSIFICATION_METRICS",
-    "METRIC_DIRECTIONS",
-    "REGRESSION_METRICS",
     "TaskDefinition",
     "canonical_hyperparameters",
     "check_against_backbone",
@@ -525,6 +533,7 @@ __all__ = [
     "check_json_numbers",
     "check_key",
     "check_method_spec",
+    "check_metric_for_labels",
     "check_name",
     "check_progress",
     "check_range",

@@ -26,6 +26,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     response_schema_conformance,
 )
 
+from pelt_core.vocabulary import COMPOSE_OPERATIONS  # noqa: E402
 from tests.api.conftest import BACKBONE, Api  # noqa: E402
 
 EXAMPLES_PER_OPERATION = 30
@@ -184,7 +185,7 @@ WELL_FORMED_COMPOSITIONS = st.one_of(
 )
 ODD_COMPOSITIONS = st.fixed_dictionaries(
     {
-        "op": st.sampled_from(["merge", "average", "merge_lora_svd", "multi_task", "explode"]),
+        "op": st.sampled_from([*COMPOSE_OPERATIONS, "explode"]),
         "sources": st.one_of(
             st.lists(REFERENCES, max_size=4),
             st.dictionaries(st.sampled_from(["a", "b", "", "a b", "x" * 80]), REFERENCES, max_size=3),

@@ -42,7 +42,7 @@ def test_a_csv_pair_task_with_a_validation_split_and_integer_labels(
         "nli",
         {"train": tmp_path / "train.csv", "validation": tmp_path / "dev.csv"},
         text_fields=["premise", "hypothesis"],
-        metric="f1",
+        metric="macro_f1",
         max_length=256,
     )
     assert task.split_sizes == {"train": 3, "validation": 2}
@@ -127,7 +127,7 @@ def test_a_multi_label_task_collects_every_label_in_its_lists(registry: Registry
         text_fields="text",
         label_field="tags",
         problem_type="multi_label_classification",
-        metric="f1",
+        metric="micro_f1",
     )
     assert task.label_names == ["art", "news", "sports"]
 
@@ -163,11 +163,17 @@ def test_a_bad_task_definition_is_refused_naming_the_field(
     assert str(refused.value).startswith(f"{field}:")
 
 
-def test_a_custom_metric_needs_its_direction(registry: Registry, sst2_file: Path) -> None:
-    task = registry.register_task(
-        "sst2", sst2_file, text_fields="sentence", metric="macro_recall", metric_direction="max"
-    )
-    assert (task.metric, task.metric_direction) == ("macro_recall", "max")
+def test_a_custom_metric_is_refused_even_with_its_direction_since_no_job_could_report_it(
+    registry: Registry, sst2_file: Path
+) -> None:
+    with pytest.raises(
+        RegistryValidationError, match="'macro_recall' is not a metric pelt reports"
+    ) as refused:
+        registry.register_task(
+            "sst2", sst2_file, text_fields="sentence", metric="macro_recall", metric_direction="max"
+        )
+    assert refused.value.field == "metric" and "matthews (matthews_correlation, mcc)" in str(refused.value)
+    assert registry.list_tasks() == []
 
 
 @pytest.mark.parametrize("source", ["missing.jsonl", "notes.txt"])
