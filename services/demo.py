@@ -17,6 +17,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -52,6 +53,17 @@ def write_rotten_tomatoes(out_dir: Path, seed: int = 0, validation_size: int = 5
     return train_path, validation_path
 
 
+def echo_leaderboard(board: Any, title: str) -> None:
+    """Print a leaderboard (`services.api.schemas.LeaderboardOut`) as a table."""
+    click.echo(f"\nleaderboard: {title}, dev {board.metric}")
+    click.echo(f"{'rank':<6}{'method':<12}{board.metric:>10}{'% params':>10}{'train s':>9}")
+    for row in board.rows:
+        click.echo(
+            f"{row.rank:<6}{row.method:<12}{row.best:>10.4f}{row.trainable_percent:>10.3f}"
+            f"{row.median_train_seconds:>9.1f}"
+        )
+
+
 @click.command("demo")
 @click.option("--methods", default=",".join(DEMO_METHODS), show_default=True, help="Comma-separated methods.")
 @click.option(
@@ -71,7 +83,7 @@ def demo_command(
 ) -> None:
     """Start the embedded service, sweep PELT methods on a real sentiment task, print the leaderboard, pull
     the best delta by task name and classify a few sentences."""
-    from services.api.server import Service
+    from services.api.server import ApiServer
     from services.client import PeltClient
     from services.filemodes import private_files
     from services.settings import get_settings
@@ -85,12 +97,12 @@ def demo_command(
     data = settings.data_dir / "demo-data" / f"dev{validation_size}"
     train_path, validation_path = write_rotten_tomatoes(data, validation_size=validation_size)
     click.echo(f"starting the embedded service (data in {settings.data_dir}) ...")
-    with Service(settings, port=0, num_cpus=os.cpu_count()) as service:
+    with ApiServer(settings, port=0, num_cpus=os.cpu_count()) as server:
         click.echo(
-            f"service up at {service.url} ({time.perf_counter() - started:.0f} s): HTTP API, dispatcher, "
+            f"service up at {server.url} ({time.perf_counter() - started:.0f} s): HTTP API, dispatcher, "
             f"local Ray, SQLite registry, MLflow store"
         )
-        client = PeltClient(service.url, token=service.token, settings=settings)
+        client = PeltClient(server.url, token=server.token, settings=settings)
         name = (
             DEMO_TASK if validation_size == DEFAULT_VALIDATION_SIZE else f"{DEMO_TASK}-dev{validation_size}"
         )
@@ -124,13 +136,7 @@ def demo_command(
         for job in failed:
             click.echo(f"job {job.id} ({job.method}) {job.status}: {job.last_error}", err=True)
         board = client.leaderboard_raw(task.name, k_shot=k_shot)
-        click.echo(f"\nleaderboard: {task.name}, K={k_shot}, {epochs:g} epochs, dev {board.metric}")
-        click.echo(f"{'rank':<6}{'method':<12}{board.metric:>10}{'% params':>10}{'train s':>9}")
-        for row in board.rows:
-            click.echo(
-                f"{row.rank:<6}{row.method:<12}{row.best:>10.4f}{row.trainable_percent:>10.3f}"
-                f"{row.median_train_seconds:>9.1f}"
-            )
+        echo_leaderboard(board, f"{task.name}, K={k_shot}, {epochs:g} epochs")
         if not board.rows:
             raise click.ClickException("no job succeeded; see the errors above")
         model = client.pull(task.name)

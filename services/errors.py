@@ -49,7 +49,7 @@ def expected_errors() -> tuple[type[Exception], ...]:
     from pelt_core.compose import CompositionError
     from pelt_core.config import ConfigError
     from pelt_core.data import DataError
-    from pelt_core.delta import DeltaError
+    from pelt_core.delta_format import DeltaError
     from pelt_core.spec import SpecError
     from services.delta_store.errors import DeltaStoreError
     from services.registry.errors import RegistryError

@@ -90,7 +90,7 @@ class Upload:
 
 
 class TaskUploads:
-    """Registers tasks from uploaded data for `PeltService`. Uploads of the same data share their
+    """Registers tasks from uploaded data for `PeltOperations`. Uploads of the same data share their
     content-addressed folder: it is removed after a refusal only when no task uses it and no other
     upload is registering from it (counted under the lock)."""
 

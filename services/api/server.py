@@ -65,8 +65,9 @@ def is_embedded_registry(settings: Settings) -> bool:
     return settings.database_url == f"sqlite:///{settings.data_dir / 'registry.db'}"
 
 
-class Service:
-    """The whole service in this process; `start()` returns once the API answers, `stop()` undoes it.
+class ApiServer:
+    """`pelt serve`'s process: the HTTP API (uvicorn, in a thread) over the registry and the MLflow store,
+    and, embedded, the dispatcher and Ray; `start()` returns once the API answers, `stop()` undoes it.
 
     dispatcher: run the dispatcher (and Ray) here. upgrade: create/upgrade the registry's schema first
     (default: only for the embedded SQLite registry; a deployment runs `pelt db upgrade`). port 0 picks
@@ -107,14 +108,14 @@ class Service:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> Service:
+    def start(self) -> ApiServer:
         import uvicorn
 
         from services.api.app import create_app
         from services.api.connections import uvicorn_connection_options
         from services.delta_store import MlflowDeltaStore
+        from services.operations import PeltOperations
         from services.registry import Registry, upgrade
-        from services.service import PeltService
 
         secure_data_dir(self.settings.data_dir)
         if self.upgrade:
@@ -125,8 +126,8 @@ class Service:
             self.token = ensure_local_token(self.registry, self.settings)
             if self.run_dispatcher:
                 self._start_dispatcher(store)
-            service = PeltService(self.registry, store, settings=self.settings)
-            self.app = create_app(service, self.settings, dispatcher=self.dispatcher)
+            operations = PeltOperations(self.registry, store, settings=self.settings)
+            self.app = create_app(operations, self.settings, dispatcher=self.dispatcher)
             config = uvicorn.Config(
                 self.app,
                 host=self.host,
@@ -185,7 +186,7 @@ class Service:
             self.registry = None
         return summary
 
-    def __enter__(self) -> Service:
+    def __enter__(self) -> ApiServer:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -209,4 +210,4 @@ def _listen(host: str, port: int) -> socket.socket:
     return listening
 
 
-__all__ = ["Service", "ensure_local_token", "is_embedded_registry", "token_path"]
+__all__ = ["ApiServer", "ensure_local_token", "is_embedded_registry", "token_path"]

@@ -18,9 +18,9 @@ from fastapi.testclient import TestClient
 from services.api.app import create_app
 from services.client import PeltClient
 from services.delta_store import MlflowDeltaStore, ensure_store
+from services.operations import PeltOperations
 from services.registry import Registry, upgrade
 from services.registry.testing import sqlite_url, write_jsonl
-from services.service import PeltService
 from services.settings import Settings
 from tests.workers.conftest import save_tiny_bert, toy_rows
 
@@ -82,7 +82,7 @@ class Api:
     """The app under test and what it stands on."""
 
     app: Any
-    service: PeltService
+    operations: PeltOperations
     registry: Registry
     store: MlflowDeltaStore
     token: str
@@ -108,11 +108,11 @@ def api(settings: Settings, tiny_bert_dir: Path) -> Iterator[Api]:
 
     registry = Registry(settings=settings, lease_seconds=30, retry_backoff_seconds=0)
     store = MlflowDeltaStore.from_settings(settings, registry=registry)
-    service = PeltService(registry, store, settings=settings)
+    operations = PeltOperations(registry, store, settings=settings)
     registry.register_backbone(BACKBONE, str(tiny_bert_dir), Backbone.load(str(tiny_bert_dir)).content_hash)
     _, token = registry.create_api_token("tests", scope="admin")  # like the local token `pelt serve` makes
     try:
-        yield Api(create_app(service, settings), service, registry, store, token, settings)
+        yield Api(create_app(operations, settings), operations, registry, store, token, settings)
     finally:
         registry.close()
 

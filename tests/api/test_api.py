@@ -295,6 +295,12 @@ def test_the_leaderboard_has_one_row_per_method_best_first(client, toy_task, api
     frame = client.leaderboard(toy_task)
     assert list(frame["method"]) == ["lora", "bitfit"]
     assert list(frame["best"]) == [0.9, 0.75] and list(frame["runs"]) == [2, 2]
+    current = {m.name: m.fingerprint for m in client.methods(builtin=True)}
+    assert {job.method_fingerprint for job in client.jobs(sweep_id=sweep.id, method="lora")} == {
+        current["lora"]
+    }
+    assert list(frame["best_method_fingerprint"]) == [current["lora"], current["bitfit"]]
+    assert list(frame["method_fingerprints"]) == [[current["lora"]], [current["bitfit"]]]
     assert frame.attrs["metric"] == "accuracy"
     assert client.leaderboard(toy_task, k_shot=16).empty
     refused(lambda: client.leaderboard("nope"), 404, "task")
@@ -343,7 +349,7 @@ def test_without_a_token_even_an_oversized_upload_is_refused_401_before_its_body
         "/v1/tasks", content=body(), headers={"Content-Type": "multipart/form-data; boundary=b"}
     )
     assert response.status_code == 401
-    assert len(chunks_read) <= 1  # the gate answered before reading the body (TestClient may pull one chunk)
+    assert len(chunks_read) <= 1  # answered before the body was read (TestClient may pull one chunk)
 
 
 def test_an_archive_whose_folder_holds_its_own_name_registers(client, tmp_path):

@@ -1,4 +1,4 @@
-"""The whole service in one process (`services.api.server.Service`, as `pelt serve` runs it): HTTP API on
+"""The whole service in one process (`services.api.server.ApiServer`, as `pelt serve` runs it): HTTP API on
 a loopback port, dispatcher, local Ray, SQLite registry and MLflow store. Through the Python client and
 the `pelt` CLI: register a backbone and a task, run a sweep, wait, read the leaderboard, pull the best
 delta by task name and predict with it, compose two deltas into a new version."""
@@ -22,10 +22,10 @@ TRAINING = {"epochs": 2, "batch_size": 8, "learning_rate": 5e-3}
 
 
 @pytest.fixture
-def service(tmp_path: Path, templates, tiny_bert_dir: Path):
+def server(tmp_path: Path, templates, tiny_bert_dir: Path):
     import shutil
 
-    from services.api.server import Service
+    from services.api.server import ApiServer
     from services.dispatcher import DispatcherConfig
 
     data = tmp_path / "data"
@@ -42,7 +42,7 @@ def service(tmp_path: Path, templates, tiny_bert_dir: Path):
     config = DispatcherConfig(
         namespace="api-e2e", heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=2
     )
-    running = Service(
+    running = ApiServer(
         settings, port=0, num_cpus=2, dispatcher_config=config
     ).start()  # embedded: migrates itself
     try:
@@ -51,13 +51,13 @@ def service(tmp_path: Path, templates, tiny_bert_dir: Path):
         running.stop()
 
 
-def cli(service, *args: str, exit_code: int = 0) -> str:
+def cli(server, *args: str, exit_code: int = 0) -> str:
     from services.cli import main
 
     environment = {
-        "PELT_API_URL": service.url,
-        "PELT_API_TOKEN": service.token,
-        "PELT_DATA_DIR": str(service.settings.data_dir),
+        "PELT_API_URL": server.url,
+        "PELT_API_TOKEN": server.token,
+        "PELT_DATA_DIR": str(server.settings.data_dir),
     }
     get_settings.cache_clear()
     try:
@@ -77,15 +77,15 @@ def assert_predictions(predictions: list[dict], count: int) -> None:
 
 
 def test_register_sweep_wait_leaderboard_pull_and_compose_over_http(
-    service, tiny_bert_dir, toy_files, tmp_path
+    server, tiny_bert_dir, toy_files, tmp_path
 ):
-    assert service.token and (service.settings.data_dir / "api_token").read_text().strip() == service.token
-    client = PeltClient(service.url, token=service.token, settings=service.settings)
+    assert server.token and (server.settings.data_dir / "api_token").read_text().strip() == server.token
+    client = PeltClient(server.url, token=server.token, settings=server.settings)
     assert client.health()["dispatcher"] is not None
 
     client.register_backbone(BACKBONE, str(tiny_bert_dir))
     out = cli(
-        service,
+        server,
         "task",
         "add",
         "toy",
@@ -108,8 +108,8 @@ def test_register_sweep_wait_leaderboard_pull_and_compose_over_http(
     frame = client.leaderboard("toy")
     assert sorted(frame["method"]) == ["bitfit", "lora", "prefix"]  # one row per method
     assert list(frame["runs"]) == [2, 2, 2] and list(frame["rank"]) == [1, 2, 3]
-    assert "rank" in cli(service, "leaderboard", "toy")
-    assert json.loads(cli(service, "leaderboard", "toy", "--json"))["rows"][0]["method"] == frame["method"][0]
+    assert "rank" in cli(server, "leaderboard", "toy")
+    assert json.loads(cli(server, "leaderboard", "toy", "--json"))["rows"][0]["method"] == frame["method"][0]
 
     best = client.delta_info("toy")
     assert "best" in best.aliases and best.job_id == int(frame["best_job_id"][0])
@@ -119,7 +119,7 @@ def test_register_sweep_wait_leaderboard_pull_and_compose_over_http(
     assert_predictions(predictions, 2)
 
     pulled_dir = tmp_path / "pulled"
-    assert "sha256" in cli(service, "pull", "toy", "-o", str(pulled_dir), "--method", "lora")
+    assert "sha256" in cli(server, "pull", "toy", "-o", str(pulled_dir), "--method", "lora")
     assert sorted(p.name for p in pulled_dir.iterdir()) == ["delta.safetensors", "manifest.json"]
 
     loras = [v for v in client.versions("toy") if v.method == "lora"]
@@ -134,25 +134,25 @@ def test_register_sweep_wait_leaderboard_pull_and_compose_over_http(
     assert_predictions(soup_predictions, 2)
     assert client.pull("toy-soup", version=composed.version).predict(texts) == soup_predictions  # as stored
     refused = cli(
-        service, "compose", "average", "toy@best-lora", "toy@best-bitfit", "--into", "toy-avg", exit_code=1
+        server, "compose", "average", "toy@best-lora", "toy@best-bitfit", "--into", "toy-avg", exit_code=1
     )
     assert "only deltas of one method compose (HTTP 422)" in refused
     out = cli(
-        service, "compose", "multi_task", "lora=toy@best-lora", "bitfit=toy@best-bitfit", "--into", "toy-both"
+        server, "compose", "multi_task", "lora=toy@best-lora", "bitfit=toy@best-bitfit", "--into", "toy-both"
     )
     assert "toy-both version 1" in out
     both = client.pull("toy-both", version=1)  # a composed task has no "best": the registry ranks jobs
     assert set(both.deltas) == {"lora", "bitfit"}
     assert_predictions(both.predict([("lora", "good great"), ("bitfit", "bad awful")]), 2)
 
-    jobs_table = cli(service, "jobs", "--task", "toy")
+    jobs_table = cli(server, "jobs", "--task", "toy")
     assert jobs_table.count("succeeded") == 6
 
 
-def test_a_running_job_cancelled_over_http_stops_and_is_not_retried(service, tiny_bert_dir, toy_files):
+def test_a_running_job_cancelled_over_http_stops_and_is_not_retried(server, tiny_bert_dir, toy_files):
     import time
 
-    client = PeltClient(service.url, token=service.token, settings=service.settings)
+    client = PeltClient(server.url, token=server.token, settings=server.settings)
     client.register_backbone(BACKBONE, str(tiny_bert_dir))
     client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
     job = client.submit(
@@ -162,7 +162,7 @@ def test_a_running_job_cancelled_over_http_stops_and_is_not_retried(service, tin
     while (client.job(job.id).progress_detail or {}).get("step", 0) < 3:
         assert time.monotonic() < deadline, client.job(job.id)
         time.sleep(0.2)
-    cli(service, "cancel", str(job.id))
+    cli(server, "cancel", str(job.id))
     (final,) = client.wait([job.id], timeout=120, poll_seconds=0.2, progress=False)
     assert final.status == "cancelled" and final.attempts == 1
     assert os.environ.get("PELT_API_TOKEN") is None  # the CLI's environment did not leak

@@ -153,7 +153,7 @@ def test_docs_and_redoc_are_off_by_default_and_the_schema_needs_a_token(api: Api
 
 def test_the_operator_can_turn_the_docs_on(api: Api):
     settings = api.settings.model_copy(update={"api_docs": True})
-    http = TestClient(create_app(api.service, settings))
+    http = TestClient(create_app(api.operations, settings))
     assert http.get("/docs").status_code == 200 and http.get("/redoc").status_code == 200
     assert http.get("/openapi.json").status_code == 200
     assert http.get("/v1/tasks").status_code == 401

@@ -517,15 +517,15 @@ def test_pelt_train_refuses_what_the_service_refuses(tiny_bert_dir, toy_files, t
 def test_the_service_cli_reads_set_values_through_the_table_before_sending_anything():
     import click
 
-    from services.commands import _values
+    from services.commands.common import parse_set_options
 
-    assert _values(("lr=2e-3", "r=8", "note=[1, 2]", "max_steps=none")) == {
+    assert parse_set_options(("lr=2e-3", "r=8", "note=[1, 2]", "max_steps=none")) == {
         "lr": 2e-3,
         "r": 8,
         "note": [1, 2],
         "max_steps": None,
     }
-    assert _values(("weights=[0.7,0.3]", "density=0.5", "how=ties"), compose=True) == {
+    assert parse_set_options(("weights=[0.7,0.3]", "density=0.5", "how=ties"), compose=True) == {
         "weights": [0.7, 0.3],
         "density": 0.5,
         "how": "ties",
@@ -537,4 +537,4 @@ def test_the_service_cli_reads_set_values_through_the_table_before_sending_anyth
         (("lora_rank=1e6",), True),
     ):
         with pytest.raises(click.BadParameter):
-            _values(settings, compose=compose)
+            parse_set_options(settings, compose=compose)

@@ -153,7 +153,7 @@ def test_a_write_tokens_submit_registers_nothing_but_a_packaged_backbone(
         loaded.append(source)
         raise BackboneError("not loaded in this test")
 
-    api.service._backbone_loader = spy_loader
+    api.operations._backbone_loader = spy_loader
     _, secret = api.registry.create_api_token("writer", scope="write")
     writer = api.client(secret)
     rows, files, audit = row_counts(api), api.files(), audit_actions(api)
@@ -197,7 +197,7 @@ def test_the_local_token_pelt_serve_makes_is_admin(tmp_path: Path):
 
 
 def test_pelt_token_create_takes_a_scope_and_list_shows_it(api: Api, monkeypatch):
-    from services.commands import token_group
+    from services.commands.admin import token_group
 
     monkeypatch.setenv("PELT_DATA_DIR", str(api.settings.data_dir))
     monkeypatch.setenv("PELT_DATABASE_URL", api.settings.database_url)

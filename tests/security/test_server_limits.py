@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.api.server import Service
+from services.api.server import ApiServer
 from services.client import PeltClient
 from services.settings import Settings
 
@@ -42,7 +42,7 @@ LONG_TIMEOUT_SECONDS = 600.0  # those of every other test: a healthy request is 
 DEADLINE_SECONDS = 60.0  # how long a test waits for what must happen (far above SHORT_TIMEOUT_SECONDS)
 
 
-def serve(tmp_path: Path, timeout: float, **options: object) -> Service:
+def serve(tmp_path: Path, timeout: float, **options: object) -> ApiServer:
     """`pelt serve` without a dispatcher, with this header and body-idle timeout."""
     settings = Settings(
         data_dir=tmp_path / "pelt",
@@ -51,25 +51,25 @@ def serve(tmp_path: Path, timeout: float, **options: object) -> Service:
         api_body_idle_timeout_seconds=timeout,
         **options,
     )
-    return Service(settings, port=0, dispatcher=False)
+    return ApiServer(settings, port=0, dispatcher=False)
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[Service]:
+def served(tmp_path: Path) -> Iterator[ApiServer]:
     """`pelt serve` with long timeouts and a small connection cap: for requests that must be answered."""
-    with serve(tmp_path, LONG_TIMEOUT_SECONDS, api_max_connections=8) as service:
-        yield service
+    with serve(tmp_path, LONG_TIMEOUT_SECONDS, api_max_connections=8) as server:
+        yield server
 
 
 @pytest.fixture
-def impatient(tmp_path: Path) -> Iterator[Service]:
+def impatient(tmp_path: Path) -> Iterator[ApiServer]:
     """`pelt serve` with short timeouts: for the tests that expect the server to close a connection."""
-    with serve(tmp_path, SHORT_TIMEOUT_SECONDS) as service:
-        yield service
+    with serve(tmp_path, SHORT_TIMEOUT_SECONDS) as server:
+        yield server
 
 
-def connect(service: Service) -> socket.socket:
-    return socket.create_connection((service.host, service.port), timeout=DEADLINE_SECONDS)
+def connect(server: ApiServer) -> socket.socket:
+    return socket.create_connection((server.host, server.port), timeout=DEADLINE_SECONDS)
 
 
 def until_closed(sock: socket.socket) -> bytes:
@@ -111,25 +111,25 @@ def read_response(sock: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
-def open_connections(service: Service) -> int:
-    return len(service._server.server_state.connections)
+def open_connections(server: ApiServer) -> int:
+    return len(server._server.server_state.connections)
 
 
-def wait_for_connections(service: Service, count: int) -> None:
+def wait_for_connections(server: ApiServer, count: int) -> None:
     deadline = time.monotonic() + DEADLINE_SECONDS
-    while open_connections(service) != count:
-        assert time.monotonic() < deadline, f"{open_connections(service)} connections open, not {count}"
+    while open_connections(server) != count:
+        assert time.monotonic() < deadline, f"{open_connections(server)} connections open, not {count}"
         time.sleep(0.01)
 
 
 # --- finding 7: a 500 keeps the connection --------------------------------------------------------------
 
 
-def test_an_unexpected_error_is_a_json_500_on_a_connection_that_stays_open(served: Service, monkeypatch):
+def test_an_unexpected_error_is_a_json_500_on_a_connection_that_stays_open(served: ApiServer, monkeypatch):
     def broken() -> None:
         raise RuntimeError(f"boom in {served.settings.data_dir}")
 
-    monkeypatch.setattr(served.app.state.service, "list_tasks", broken)
+    monkeypatch.setattr(served.app.state.operations, "list_tasks", broken)
     with httpx.Client(
         base_url=served.url, headers={"Authorization": f"Bearer {served.token}"}, timeout=DEADLINE_SECONDS
     ) as http:
@@ -148,18 +148,18 @@ def test_an_unexpected_error_is_a_json_500_on_a_connection_that_stays_open(serve
 # --- finding 11: slow clients ---------------------------------------------------------------------------
 
 
-def test_a_connection_sending_half_a_request_line_is_closed_unanswered(impatient: Service):
+def test_a_connection_sending_half_a_request_line_is_closed_unanswered(impatient: ApiServer):
     with connect(impatient) as sock:
         sock.sendall(b"GET /v1/ta")
         assert until_closed(sock) == b""
 
 
-def test_a_connection_that_sends_nothing_is_closed(impatient: Service):
+def test_a_connection_that_sends_nothing_is_closed(impatient: ApiServer):
     with connect(impatient) as sock:
         assert until_closed(sock) == b""
 
 
-def test_a_kept_alive_connection_whose_next_request_head_stalls_is_closed(impatient: Service):
+def test_a_kept_alive_connection_whose_next_request_head_stalls_is_closed(impatient: ApiServer):
     with connect(impatient) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: pelt\r\n\r\n")
         assert read_response(sock).startswith(b"HTTP/1.1 200")
@@ -169,7 +169,7 @@ def test_a_kept_alive_connection_whose_next_request_head_stalls_is_closed(impati
         assert until_closed(sock) == b""
 
 
-def test_many_slow_clients_are_all_closed_and_the_service_still_answers(impatient: Service):
+def test_many_slow_clients_are_all_closed_and_the_service_still_answers(impatient: ApiServer):
     slow = [connect(impatient) for _ in range(60)]
     try:
         for sock in slow:
@@ -183,14 +183,14 @@ def test_many_slow_clients_are_all_closed_and_the_service_still_answers(impatien
     wait_for_connections(impatient, 0)
 
 
-def job_request_head(service: Service, *, authorized: bool, length: int = 1000) -> bytes:
+def job_request_head(server: ApiServer, *, authorized: bool, length: int = 1000) -> bytes:
     """The head of a POST /v1/jobs announcing a JSON body of `length` bytes."""
     head = (
         f"POST /v1/jobs HTTP/1.1\r\nHost: pelt\r\nContent-Type: application/json\r\n"
         f"Content-Length: {length}\r\n"
     )
     if authorized:
-        head += f"Authorization: Bearer {service.token}\r\n"
+        head += f"Authorization: Bearer {server.token}\r\n"
     return (head + "\r\n").encode()
 
 
@@ -198,7 +198,7 @@ def job_request_head(service: Service, *, authorized: bool, length: int = 1000) 
     "body_sent", [b"", b'{"task": "toy", "meth'], ids=["no-body-byte", "part-of-the-body"]
 )
 def test_a_request_whose_body_stops_arriving_is_closed_and_writes_nothing(
-    impatient: Service, body_sent: bytes
+    impatient: ApiServer, body_sent: bytes
 ):
     files_before = sorted(impatient.settings.data_dir.rglob("*"))
     with connect(impatient) as sock:
@@ -208,7 +208,7 @@ def test_a_request_whose_body_stops_arriving_is_closed_and_writes_nothing(
     assert sorted(impatient.settings.data_dir.rglob("*")) == files_before
 
 
-def test_a_body_still_trickling_after_an_early_answer_is_closed(served: Service):
+def test_a_body_still_trickling_after_an_early_answer_is_closed(served: ApiServer):
     """A 401 answers before the body is read; the client may keep sending its rest (uvicorn's keep-alive
     timer stops at each byte), but not trickle it forever."""
     with connect(served) as sock:
@@ -222,27 +222,27 @@ def test_a_body_still_trickling_after_an_early_answer_is_closed(served: Service)
         assert until_closed(sock) == b""
 
 
-def body_deadlines(service: Service) -> list[float]:
+def body_deadlines(server: ApiServer) -> list[float]:
     """When each open connection's request body is due to be closed for idleness (event-loop time)."""
     return [
         deadline
-        for protocol in list(service._server.server_state.connections)
+        for protocol in list(server._server.server_state.connections)
         if (deadline := protocol.body_deadline) is not None
     ]
 
 
-def next_body_deadline(service: Service, after: float | None = None) -> float:
+def next_body_deadline(server: ApiServer, after: float | None = None) -> float:
     """The one body deadline once it is set (and later than `after`); fails at the test's deadline."""
     waited_until = time.monotonic() + DEADLINE_SECONDS
     while True:
-        deadlines = body_deadlines(service)
+        deadlines = body_deadlines(server)
         if len(deadlines) == 1 and (after is None or deadlines[0] > after):
             return deadlines[0]
         assert time.monotonic() < waited_until, f"body deadlines {deadlines}, none after {after}"
         time.sleep(0.01)
 
 
-def test_each_body_byte_that_arrives_pushes_the_body_deadline_back(served: Service):
+def test_each_body_byte_that_arrives_pushes_the_body_deadline_back(served: ApiServer):
     """The body timeout is an idle timeout (like nginx's client_body_timeout): a slow upload whose bytes
     keep coming is never cut off, however long it takes in all."""
     with connect(served) as sock:
@@ -256,17 +256,17 @@ def test_each_body_byte_that_arrives_pushes_the_body_deadline_back(served: Servi
 
 def test_connections_beyond_the_cap_are_answered_503_until_some_go(tmp_path: Path):
     # long timeouts: the held connections stay until the test closes them
-    with serve(tmp_path, LONG_TIMEOUT_SECONDS, api_max_connections=4) as service:
-        holding = [connect(service) for _ in range(4)]
+    with serve(tmp_path, LONG_TIMEOUT_SECONDS, api_max_connections=4) as server:
+        holding = [connect(server) for _ in range(4)]
         try:
-            wait_for_connections(service, 4)
-            refused = httpx.get(f"{service.url}/health", timeout=DEADLINE_SECONDS)
+            wait_for_connections(server, 4)
+            refused = httpx.get(f"{server.url}/health", timeout=DEADLINE_SECONDS)
             assert refused.status_code == 503
         finally:
             for sock in holding:
                 sock.close()
-        wait_for_connections(service, 0)
-        assert httpx.get(f"{service.url}/health", timeout=DEADLINE_SECONDS).status_code == 200
+        wait_for_connections(server, 0)
+        assert httpx.get(f"{server.url}/health", timeout=DEADLINE_SECONDS).status_code == 200
 
 
 # --- finding 9: file modes ------------------------------------------------------------------------------

@@ -274,19 +274,20 @@ import json, resource, signal, sys
 args = json.loads(sys.argv[1])
 from services.errors import classify
 from services.registry import Registry
-from services.service import PeltService, Upload
+from services.operations import PeltOperations
+from services.uploads import Upload
 from services.settings import Settings
 
 settings = Settings(data_dir=args["data_dir"], ray_address=None)  # the production bounds
-service = PeltService(Registry(settings=settings), None, settings=settings)
+operations = PeltOperations(Registry(settings=settings), None, settings=settings)
 files = {field: Upload(name, open(path, "rb")) for field, (name, path) in args["files"].items()}
-service.list_tasks(), classify(ValueError())  # warm: imports, the database
+operations.list_tasks(), classify(ValueError())  # warm: imports, the database
 size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (size + args["headroom"], size + args["headroom"]))
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past RLIMIT_FSIZE fails its write instead
 resource.setrlimit(resource.RLIMIT_FSIZE, (args["file_size"], args["file_size"]))
 try:
-    service.register_task("bomb", files, json.loads(args["definition"]))
+    operations.register_task("bomb", files, json.loads(args["definition"]))
     answer = {"status": 201}
 except Exception as exc:
     view = classify(exc)
@@ -377,14 +378,14 @@ def test_a_parquet_bomb_is_refused_from_its_metadata_without_decoding_it(setting
 def api_of_100_rows(settings: Settings, tiny_bert_dir: Path) -> Any:
     """The API of an operator who set PELT_MAX_DATASET_ROWS=100."""
     from services.api.app import create_app
-    from services.service import PeltService
+    from services.operations import PeltOperations
 
     bounded = Settings(**{**settings.model_dump(), "max_dataset_rows": 100})
     registry = Registry(settings=bounded)
     _, token = registry.create_api_token("tests")
     try:
         yield Api(
-            create_app(PeltService(registry, None, settings=bounded), bounded),
+            create_app(PeltOperations(registry, None, settings=bounded), bounded),
             None,
             registry,
             None,
@@ -693,7 +694,7 @@ def test_a_slow_upload_does_not_hold_up_another(api, toy_files, tmp_path, monkey
     """The upload lock covers the folder's rename and its in-use check, not the probe of the data."""
     import threading
 
-    from services.service import Upload
+    from services.uploads import Upload
 
     entered, release, finished = threading.Event(), threading.Event(), threading.Event()
     register = api.registry.register_task
@@ -709,7 +710,7 @@ def test_a_slow_upload_does_not_hold_up_another(api, toy_files, tmp_path, monkey
     slow_file.write_bytes(Path(toy_files["train"]).read_bytes() + b'{"sentence": "one more", "label": 1}\n')
     slow = threading.Thread(
         target=lambda: (
-            api.service.register_task(
+            api.operations.register_task(
                 "slow", {"train": Upload("slow.jsonl", slow_file.open("rb"))}, {"text_fields": ["sentence"]}
             ),
             finished.set(),
@@ -719,7 +720,7 @@ def test_a_slow_upload_does_not_hold_up_another(api, toy_files, tmp_path, monkey
     try:
         assert entered.wait(60)
         with Path(toy_files["train"]).open("rb") as train:
-            fast = api.service.register_task(
+            fast = api.operations.register_task(
                 "fast", {"train": Upload("train.jsonl", train)}, {"text_fields": ["sentence"]}
             )
         assert fast.name == "fast" and not finished.is_set()
@@ -831,7 +832,7 @@ def test_a_tar_of_many_small_files_with_pax_headers_still_unpacks(tmp_path):
 
 
 def test_uploads_past_the_probe_concurrency_are_a_503_with_retry_after_and_write_nothing(api, toy_files):
-    slots = api.service.uploads.probe_slots
+    slots = api.operations.uploads.probe_slots
     taken = [slots.acquire(blocking=False) for _ in range(api.settings.dataset_probe_concurrency)]
     train = ("train.jsonl", Path(toy_files["train"]).read_bytes())
     try:

@@ -1,8 +1,9 @@
-"""The service layer under the HTTP API: every route is one call of `PeltService`.
+"""The service layer under the HTTP API: every route is one call of `PeltOperations`.
 
 It joins the registry (tasks, methods, backbones, jobs, results, tokens), the uploaded datasets
-(`services.uploads`: kept under PELT_DATA_DIR/datasets, content-addressed) and the MLflow delta store (versions, downloads,
-composition). It holds no HTTP types: the API turns its errors into status codes (`services.errors`).
+(`services.uploads`: kept under PELT_DATA_DIR/datasets, content-addressed) and the MLflow delta store
+(versions, downloads, composition). It holds no HTTP types: the API turns its errors into status codes
+(`services.errors`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from services.registry.validation import check_json_numbers
 from services.settings import Settings, get_settings
 from services.uploads import TaskUploads, Upload
 
-log = logging.getLogger("pelt.service")
+log = logging.getLogger("pelt.operations")
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ class DeltaArchive:
     info: Any  # services.delta_store.VersionInfo
 
 
-class PeltService:
-    """Tasks, methods, backbones, jobs, leaderboards and deltas for the API (and for tests, directly).
+class PeltOperations:
+    """What a caller can do with pelt: tasks, methods, backbones, jobs, leaderboards and deltas, one
+    method per API operation (the API calls it, and tests call it directly).
 
     registry: the registry (owned by the caller). store: the MLflow delta store, or None when the
     service runs without one (deltas routes then answer 503). backbone_loader: source -> an object with
@@ -384,4 +386,4 @@ class PeltService:
         )
 
 
-__all__ = ["DeltaArchive", "PeltService", "Upload"]
+__all__ = ["DeltaArchive", "PeltOperations"]

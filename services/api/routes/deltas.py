@@ -1,0 +1,106 @@
+"""/v1/tasks/{name}/deltas and /v1/compose: a task's stored delta versions, which one a reference
+resolves to, their files as a zip, and new versions composed from stored ones."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import Response
+
+from services.api.bodies import BoundedJsonRoute
+from services.api.dependencies import READ, WRITE, Name, Operations
+from services.api.schemas import ComposeIn, ComposeOut, VersionOut
+from services.errors import ServiceError
+
+router = APIRouter(tags=["deltas"], route_class=BoundedJsonRoute)  # JSON nests at most MAX_JSON_DEPTH deep
+
+RefQuery = Annotated[str | None, Query(max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")]
+VersionQuery = Annotated[str | None, Query(pattern=r"^[0-9]{1,9}$", description="a version number")]
+
+
+def reference(
+    name: Name, version: VersionQuery = None, alias: RefQuery = None, method: RefQuery = None
+) -> str:
+    """The store's reference to one version of task `name`: by its number, an alias or a method's best
+    (at most one of them; default: the task's best)."""
+    given = [x for x in (version, alias, method) if x]
+    if len(given) > 1:
+        raise ServiceError("give at most one of version, alias and method", status=422, field="version")
+    if version:
+        return f"{name}/{version}"
+    if method:
+        return f"{name}@best-{method.replace('.', '_')}"
+    return f"{name}@{alias}" if alias else name
+
+
+Reference = Annotated[str, Depends(reference)]
+
+
+def version_out(info: Any) -> VersionOut:
+    """The API's view of a `services.delta_store.VersionInfo`."""
+    return VersionOut(
+        task=info.task,
+        model_name=info.model_name,
+        version=str(info.version),
+        kind=info.kind,
+        sha256=info.sha256,
+        run_id=info.run_id,
+        job_id=info.job_id,
+        method=info.method,
+        metric=info.metric,
+        metric_value=info.metric_value,
+        aliases=list(info.aliases),
+        tags=dict(info.tags),
+        created_at=info.created_at,
+        uri=info.uri,
+    )
+
+
+@router.get("/tasks/{name}/deltas", response_model=list[VersionOut], dependencies=[READ])
+def delta_versions(operations: Operations, name: Name) -> Any:
+    """Every stored delta version of the task, newest first, with aliases (best, best-<method>)."""
+    return [version_out(info) for info in operations.delta_versions(name)]
+
+
+@router.get("/tasks/{name}/deltas/info", response_model=VersionOut, dependencies=[READ])
+def delta_info(operations: Operations, ref: Reference) -> Any:
+    """Which version a reference resolves to: the task's best by default."""
+    return version_out(operations.delta_info(ref))
+
+
+@router.get(
+    "/tasks/{name}/deltas/download",
+    dependencies=[READ],
+    responses={200: {"content": {"application/zip": {}}, "description": "the version's files, zipped"}},
+)
+def delta_download(operations: Operations, ref: Reference) -> Response:
+    """The version's files as a zip (delta.safetensors + manifest.json, or a multi-task bundle);
+    headers X-Pelt-Version, X-Pelt-Sha256 (of the delta file) and X-Pelt-Kind."""
+    archive = operations.delta_archive(ref)
+    info = archive.info
+    return Response(
+        archive.content,
+        media_type="application/zip",
+        headers={
+            "Content-Disposition": f'attachment; filename="{archive.filename}"',
+            "X-Pelt-Version": str(info.version),
+            "X-Pelt-Sha256": info.sha256 or "",
+            "X-Pelt-Kind": info.kind,
+        },
+    )
+
+
+@router.post("/compose", response_model=ComposeOut, status_code=201, dependencies=[WRITE])
+def compose(operations: Operations, body: ComposeIn) -> Any:
+    """Compose stored deltas into a new version of `into` (merge: linear, TIES, DARE; average;
+    merge_lora_svd; multi_task bundle)."""
+    composed = operations.compose(
+        body.op, body.sources, body.into, body.options, body.aliases, body.description
+    )
+    return ComposeOut(
+        task=composed.task,
+        version=composed.version,
+        sha256=composed.stored.sha256,
+        provenance=composed.provenance,
+    )

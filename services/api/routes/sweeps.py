@@ -1,0 +1,34 @@
+"""/v1/sweeps: queue methods × seeds × K values for one task at once, read and cancel a sweep."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter
+from fastapi import Path as PathParam
+
+from pelt_core.limits import INT32_MAX
+from services.api.bodies import BoundedJsonRoute
+from services.api.dependencies import READ, WRITE, Operations
+from services.api.schemas import SweepCancelOut, SweepIn, SweepOut
+
+router = APIRouter(tags=["sweeps"], route_class=BoundedJsonRoute)  # JSON nests at most MAX_JSON_DEPTH deep
+
+SweepId = Annotated[int, PathParam(ge=1, le=INT32_MAX, description="a sweep id")]
+
+
+@router.post("/sweeps", response_model=SweepOut, status_code=201, dependencies=[WRITE])
+def submit_sweep(operations: Operations, body: SweepIn) -> Any:
+    """Queue methods × seeds × K values for one task (all jobs or none)."""
+    return operations.submit_sweep(**body.model_dump())
+
+
+@router.get("/sweeps/{sweep_id}", response_model=SweepOut, dependencies=[READ])
+def get_sweep(operations: Operations, sweep_id: SweepId) -> Any:
+    return operations.get_sweep(sweep_id)
+
+
+@router.post("/sweeps/{sweep_id}/cancel", response_model=SweepCancelOut, dependencies=[WRITE])
+def cancel_sweep(operations: Operations, sweep_id: SweepId) -> Any:
+    operations.get_sweep(sweep_id)
+    return SweepCancelOut(sweep_id=sweep_id, cancelled=operations.cancel_sweep(sweep_id))
