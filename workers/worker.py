@@ -51,7 +51,8 @@ from typing import Any, ClassVar
 from pelt_core.backbones import Backbone, BackboneError, resolve_backbone
 from pelt_core.config import ConfigError, TrainConfig
 from pelt_core.data import DataError, TaskFields, hold_out_dev_split, load_split
-from pelt_core.delta import DeltaError, save_delta
+from pelt_core.delta import save_delta
+from pelt_core.delta_format import DeltaError
 from pelt_core.methods import get_method
 from pelt_core.spec import SpecError
 from pelt_core.train import Progress, TrainingCancelled, TrainingError, train

@@ -1,6 +1,10 @@
 """Fixtures of the worker and dispatcher tests: a tiny BERT saved as a model folder (so a worker in
 another process can load it by path), a toy sentiment task in JSON Lines, a migrated SQLite registry
-in tmp, and helpers to wait for the registry to show something."""
+in tmp, and helpers to wait for the registry to show something.
+
+Job lengths: a job either runs to its end quickly (`SHORT`) or never ends by itself (`UNENDING`: it ends
+when cancelled, released or its lease is lost). A test that must act while a job runs holds the job in
+its worker until it lets it go (`tests.workers.hold`) instead of sizing it to outrun its checks."""
 
 from __future__ import annotations
 
@@ -13,12 +17,15 @@ from typing import Any, TypeVar
 
 import pytest
 
+from pelt_core.limits import MAX_TRAIN_STEPS
 from pelt_core.testing import VOCAB
 from services.registry import Registry, upgrade
 from services.registry.testing import sqlite_url, write_jsonl
 
 BACKBONE = "tiny-bert"
 TASK = "toy"
+SHORT = 40  # optimisation steps of a job that runs to its end
+UNENDING = MAX_TRAIN_STEPS  # a job that ends only when stopped (cancel, release, a lost lease)
 _T = TypeVar("_T")
 
 
@@ -107,9 +114,9 @@ def registry(registry_url: str) -> Iterator[Registry]:
 
 
 def submit(
-    registry: Registry, count: int, *, steps: int = 400, seed0: int = 0, **hyperparameters: Any
+    registry: Registry, count: int, *, steps: int = SHORT, seed0: int = 0, **hyperparameters: Any
 ) -> list[int]:
-    """Queue `count` LoRA jobs of `steps` optimisation steps each (batch 2: slow enough to act mid-job)."""
+    """Queue `count` LoRA jobs of `steps` optimisation steps each (batch 2)."""
     values = {"max_steps": steps, "batch_size": 2, "eval_batch_size": 64, **hyperparameters}
     return [registry.submit_job(TASK, "lora", BACKBONE, values, seed=seed0 + i).id for i in range(count)]
 

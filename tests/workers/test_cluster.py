@@ -5,9 +5,10 @@ again, and finish, on the head node; the dispatcher is killed (SIGKILL) while jo
 one adopts them; every job ends with one result and one delta.
 
 Each node has 4 logical CPUs (4 worker slots) and 4 jobs are queued, so the dispatcher puts 2 on each
-node and the head keeps 2 free slots for the jobs of the lost node. Job length is counted in steps of a
-tiny BERT (~50 steps/s per job with 4 jobs on 2 busy cores): long enough that the lost node's jobs are
-still running on the head when the second dispatcher takes over (it must adopt them, not restart them).
+node and the head keeps 2 free slots for the jobs of the lost node. Every attempt is held in its worker
+(`tests.workers.hold`: trained, not yet recorded) until the test lets it go, so each job is certainly
+still running when its node is lost and when the second dispatcher takes over (it must adopt them all,
+not restart them), whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import pytest
 
 from services.dispatcher import loopback_only, require_token_auth
 from services.registry import JobStatus, Registry
-from tests.workers.conftest import ended, step_of, submit, wait_for
+from tests.workers.conftest import ended, submit, wait_for
+from tests.workers.hold import Hold
 
 pytest.importorskip("ray")
 
-STEPS = 2000  # per job: ~40 s with 4 jobs training at once on 2 busy cores
 SLOTS = 4  # logical CPUs (= worker slots) per node
 
 
@@ -63,7 +64,16 @@ def cluster() -> Iterator[object]:
         cluster.shutdown()
 
 
-def start_dispatcher(address: str, registry_url: str, tmp_path: Path, name: str) -> subprocess.Popen:
+# `pelt dispatcher`, its deltas held in the folder given first (see tests.workers.hold.hold_local_deltas)
+HELD_DISPATCHER = (
+    "import sys; from tests.workers.hold import hold_local_deltas; hold_local_deltas(sys.argv.pop(1)); "
+    "from services.cli import main; main()"
+)
+
+
+def start_dispatcher(
+    address: str, registry_url: str, tmp_path: Path, name: str, hold: Hold
+) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PELT_")}
     env.pop("RAY_AUTH_MODE", None)  # `pelt dispatcher` turns token auth on by itself when joining by address
     env.update(
@@ -82,7 +92,8 @@ def start_dispatcher(address: str, registry_url: str, tmp_path: Path, name: str)
         [
             sys.executable,
             "-c",
-            "from services.cli import main; main()",
+            HELD_DISPATCHER,
+            str(hold.folder),
             "dispatcher",
             "--namespace",
             "cluster-test",
@@ -115,52 +126,30 @@ def test_jobs_survive_a_dispatcher_restart_and_the_loss_of_a_node(cluster, regis
     } <= {"127.0.0.1", "::ffff:127.0.0.1"}
 
     registry = Registry(registry_url)
-    job_ids = submit(registry, 4, steps=STEPS)
-    dispatchers = [start_dispatcher(cluster.address, registry_url, tmp_path, "dispatcher-1")]
+    job_ids = submit(registry, 4)
+    hold = Hold(tmp_path / "hold")
+    dispatchers = [start_dispatcher(cluster.address, registry_url, tmp_path, "dispatcher-1", hold)]
     try:
-
-        def placed() -> dict[str, dict[int, str]] | None:
-            """Jobs by node (job -> worker), once 2 train on the non-head node and 2 run on the head."""
-            where: dict[str, dict[int, str]] = {"head": {}, "other": {}}
-            for job_id in job_ids:
-                job = registry.get_job(job_id)
-                node = node_of(job.lease_owner, nodes)
-                if (
-                    job.status == JobStatus.RUNNING
-                    and node
-                    and (node == "head" or step_of(registry, job_id) >= 5)
-                ):
-                    where[node][job_id] = job.lease_owner
-            return where if len(where["head"]) == len(where["other"]) == 2 else None
-
-        placement = wait_for(placed, 150, "2 jobs running on each node")
-        on_head, on_other = placement["head"], placement["other"]
+        wait_for(lambda: hold.holds(job_ids), 150, "every job to be held mid-attempt")
+        owners = {job_id: registry.get_job(job_id).lease_owner for job_id in job_ids}
+        on_head = {j: owner for j, owner in owners.items() if node_of(owner, nodes) == "head"}
+        on_other = {j: owner for j, owner in owners.items() if node_of(owner, nodes) == "other"}
+        assert len(on_head) == len(on_other) == 2, owners
 
         cluster.remove_node(other, allow_graceful=False)  # the non-head node dies mid-job
-        assert not any(registry.get_job(j).status == JobStatus.SUCCEEDED for j in on_other)
-
-        def held_again() -> dict[int, str] | None:
-            """The lost node's jobs, claimed again (attempt 2) and held by their new worker (its first
-            heartbeat came after the claim: run() has the job), by worker."""
-            jobs = {j: registry.get_job(j) for j in on_other}
-            if all(
-                job.status == JobStatus.RUNNING and job.attempts == 2 and job.heartbeat_at > job.started_at
-                for job in jobs.values()
-            ):
-                return {j: job.lease_owner for j, job in jobs.items()}
-            return None
-
-        retried = wait_for(held_again, 120, "the lost node's jobs to run again")
+        wait_for(lambda: hold.holds(list(on_other), attempt=2), 120, "the lost node's jobs to run again")
+        retried = {j: registry.get_job(j).lease_owner for j in on_other}
         assert {node_of(worker, nodes) for worker in retried.values()} == {"head"}
 
         dispatchers[0].send_signal(signal.SIGKILL)  # the dispatcher dies mid-job; its detached workers go on
         dispatchers[0].wait(10)
-        dispatchers.append(start_dispatcher(cluster.address, registry_url, tmp_path, "dispatcher-2"))
+        dispatchers.append(start_dispatcher(cluster.address, registry_url, tmp_path, "dispatcher-2", hold))
         wait_for(
             lambda: "dispatcher running" in (tmp_path / "dispatcher-2.log").read_text(),
             90,
             "the second dispatcher to start",
         )
+        hold.release()
         wait_for(lambda: ended(registry, job_ids), 150, "every job to finish")
     finally:
         for process in dispatchers:
@@ -204,7 +193,9 @@ def test_jobs_survive_a_dispatcher_restart_and_the_loss_of_a_node(cluster, regis
     second_log = (tmp_path / "dispatcher-2.log").read_text()
     adopted_workers, settled = reconciled(second_log)
     assert adopted_workers == 4  # the head node's workers, warm, kept; none of the lost node's
-    assert set(retried) <= set(settled["adopted"])  # mid-job at the restart: adopted, not restarted
-    assert set(settled["adopted"]) <= set(job_ids) and not settled["released"]
+    assert sorted(settled["adopted"]) == sorted(
+        job_ids
+    )  # all held mid-job at the restart: adopted, not restarted
+    assert not settled["released"] and not settled["left_to_lease_expiry"]
     assert "dispatcher stopped" in second_log
     registry.close()

@@ -2,7 +2,10 @@
 jobs, warm workers, a SIGKILLed worker, cancellation, graceful shutdown and a dispatcher restart; and
 the same with two job slots per worker process (jobs_per_worker=2).
 
-Every test uses its own Ray namespace, registry and delta folder, and stops its workers at the end.
+Every test uses its own Ray namespace, registry and delta folder, and stops its workers at the end. A test
+that acts while a job runs holds the job in its worker (`tests.workers.hold`: trained, not yet recorded,
+still running) until it lets it go, or gives it no end (`UNENDING`) and stops it; waits have deadlines to
+fail, never margins to pass.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -19,7 +23,8 @@ import pytest
 from services.dispatcher import WORKER_PREFIX, Dispatcher, DispatcherConfig, connect_ray
 from services.registry import JobStatus, Registry
 from services.settings import Settings
-from tests.workers.conftest import ended, step_of, submit, wait_for
+from tests.workers.conftest import SHORT, UNENDING, ended, step_of, submit, wait_for
+from tests.workers.hold import Hold
 from workers.job import LocalDeltaSink
 
 ray = pytest.importorskip("ray")
@@ -39,12 +44,30 @@ def namespace(request: pytest.FixtureRequest) -> str:
     return f"t-{request.node.name[:40]}"
 
 
-def dispatcher_for(registry: Registry, tmp_path: Path, namespace: str, **config) -> Dispatcher:
+@pytest.fixture
+def hold(tmp_path: Path) -> Hold:
+    return Hold(tmp_path / "hold")
+
+
+def dispatcher_for(
+    registry: Registry, tmp_path: Path, namespace: str, hold: Hold | None = None, **config
+) -> Dispatcher:
+    """A dispatcher storing deltas under tmp_path/deltas; with `hold`, every attempt waits there for the test."""
     settings = Settings(data_dir=tmp_path / "data", ray_address=None)
     values = {"namespace": namespace, "heartbeat_seconds": 1.0, "poll_seconds": 0.2, **config}
+    sink = LocalDeltaSink(tmp_path / "deltas")
     return Dispatcher(
-        registry, LocalDeltaSink(tmp_path / "deltas"), config=DispatcherConfig(**values), settings=settings
+        registry,
+        sink if hold is None else hold.sink(sink),
+        config=DispatcherConfig(**values),
+        settings=settings,
     )
+
+
+def final_progress(registry: Registry, job_id: int) -> dict[str, Any] | None:
+    """The job's progress in the registry once it reports its last step (None before)."""
+    detail = registry.get_job(job_id).progress_detail
+    return detail if detail and detail["step"] == detail["total"] else None
 
 
 def worker_names(namespace: str) -> list[str]:
@@ -79,18 +102,22 @@ def test_embedded_ray_listens_on_loopback_only_and_keeps_token_auth(local_ray):
 
 
 def test_jobs_run_on_warm_workers_that_report_progress_and_store_one_delta_each(
-    local_ray, registry, tmp_path, namespace
+    local_ray, registry, tmp_path, namespace, hold
 ):
-    job_ids = submit(registry, 4, steps=600)  # long enough to outlast a heartbeat (150 once ended before one)
-    dispatcher = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=2).start()
+    job_ids = submit(registry, 4)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, hold, max_workers_per_node=2).start()
     try:
         reports = []
-
-        def finished() -> bool:
-            reports.extend(d for d in (registry.get_job(j).progress_detail for j in job_ids) if d)
-            return ended(registry, job_ids)
-
-        wait_for(finished, 90, "the jobs to finish")
+        for pair in (job_ids[:2], job_ids[2:]):  # two workers: the oldest two jobs first, then the others
+            wait_for(
+                lambda pair=pair: hold.holds(pair) and all(final_progress(registry, j) for j in pair),
+                90,
+                f"jobs {pair} to report their last step (held before recording it)",
+            )
+            assert all(registry.get_job(j).status == JobStatus.QUEUED for j in job_ids if j > pair[-1])
+            reports += [registry.get_job(j).progress_detail for j in pair]
+            hold.release(*pair)
+        wait_for(lambda: ended(registry, job_ids), 90, "the jobs to finish")
         workers = {ray.get(w.actor.info.remote())["worker_id"]: w for w in dispatcher.workers.values()}
     finally:
         dispatcher.shutdown()
@@ -103,22 +130,24 @@ def test_jobs_run_on_warm_workers_that_report_progress_and_store_one_delta_each(
         folder = Path(result.delta_uri.removeprefix("file://"))
         assert hashlib.sha256((folder / "delta.safetensors").read_bytes()).hexdigest() == result.delta_sha256
     assert len(delta_folders(tmp_path)) == 4
-    assert reports, "no progress reached the registry"
+    assert len(reports) == 4  # every job's progress reached the registry
     assert all(
-        {"step", "total", "loss", "tokens_per_second"} <= set(r) and r["total"] == 600 for r in reports
+        {"step", "total", "loss", "tokens_per_second"} <= set(r) and r["total"] == SHORT for r in reports
     )
     assert not worker_names(namespace), "shutdown left workers behind"
 
 
 def test_a_worker_killed_mid_job_the_job_is_retried_and_completes_once(
-    local_ray, registry, tmp_path, namespace
+    local_ray, registry, tmp_path, namespace, hold
 ):
-    (job_id,) = submit(registry, 1, steps=1200)
-    dispatcher = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=1).start()
+    (job_id,) = submit(registry, 1)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, hold, max_workers_per_node=1).start()
     try:
-        wait_for(lambda: step_of(registry, job_id) >= 20, 60, "the job to be training")
+        wait_for(lambda: hold.holds([job_id]), 60, "the job to be held mid-attempt")
         pid = worker_pid(dispatcher, job_id)
         os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: hold.holds([job_id], attempt=2), 90, "the job to run again")
+        hold.release()
         wait_for(lambda: ended(registry, [job_id]), 90, "the retried job to finish")
     finally:
         dispatcher.shutdown()
@@ -141,12 +170,12 @@ def test_a_worker_killed_mid_job_the_job_is_retried_and_completes_once(
 
 
 def test_cancelling_a_running_job_stops_it_and_it_is_never_retried(local_ray, registry, tmp_path, namespace):
-    cancelled, follower = submit(registry, 2, steps=100_000)
+    cancelled, follower = submit(registry, 2, steps=UNENDING)
     dispatcher = dispatcher_for(
         registry, tmp_path, namespace, max_workers_per_node=1, heartbeat_seconds=5.0
     ).start()  # the dispatcher's push, not the heartbeat
     try:
-        wait_for(lambda: step_of(registry, cancelled) >= 10, 60, "the job to be training")
+        wait_for(lambda: step_of(registry, cancelled) > 0, 60, "the job to be training")
         registry.cancel_job(cancelled)
         wait_for(lambda: registry.get_job(cancelled).status == JobStatus.CANCELLED, 120, "the job to stop")
         # the worker is free again: it takes the next job, never the cancelled one
@@ -167,17 +196,14 @@ def test_cancelling_a_running_job_stops_it_and_it_is_never_retried(local_ray, re
 def test_a_graceful_shutdown_returns_unstarted_and_running_jobs_to_the_queue(
     local_ray, registry, tmp_path, namespace
 ):
-    job_ids = submit(registry, 4, steps=100_000)
+    job_ids = submit(registry, 4, steps=UNENDING)
     dispatcher = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=2).start()
-    running = wait_for(
-        lambda: (
-            [j for j in job_ids if step_of(registry, j) > 0]
-            if len([j for j in job_ids if step_of(registry, j) > 0]) == 2
-            else None
-        ),
-        60,
-        "two jobs to be training",
-    )
+
+    def two_training() -> list[int] | None:
+        training = [j for j in job_ids if step_of(registry, j) > 0]
+        return training if len(training) == 2 else None
+
+    running = wait_for(two_training, 60, "two jobs to be training")
     summary = dispatcher.shutdown(timeout=20)
 
     assert summary["stats"]["released"] == 2 and summary["released_by_dispatcher"] == []
@@ -190,13 +216,12 @@ def test_a_graceful_shutdown_returns_unstarted_and_running_jobs_to_the_queue(
 
 
 def test_a_restarted_dispatcher_adopts_running_workers_and_loses_nothing(
-    local_ray, registry, tmp_path, namespace
+    local_ray, registry, tmp_path, namespace, hold
 ):
-    # long enough that neither running job can end (and free a worker the first dispatcher would give the third
-    # job to) between the check below and detach(); 700 steps once did on a lightly loaded machine
-    kept, killed, unstarted = submit(registry, 3, steps=4000)
-    first = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=2).start()
-    wait_for(lambda: step_of(registry, kept) > 20 and step_of(registry, killed) > 20, 60, "two jobs training")
+    # held, neither running job can end (and free a worker the first dispatcher would give the third job to)
+    kept, killed, unstarted = submit(registry, 3)
+    first = dispatcher_for(registry, tmp_path, namespace, hold, max_workers_per_node=2).start()
+    wait_for(lambda: hold.holds([kept, killed]), 60, "two jobs held mid-attempt")
     pid_killed = worker_pid(first, killed)
     kept_owner = registry.get_job(kept).lease_owner
     first.detach()  # the dispatcher goes away; its workers go on
@@ -205,12 +230,13 @@ def test_a_restarted_dispatcher_adopts_running_workers_and_loses_nothing(
     claimed = registry.claim_job(kept_owner)  # a claim made for a live worker that never got the job
     assert claimed is not None and claimed.id == unstarted
 
-    second = dispatcher_for(registry, tmp_path, namespace, max_workers_per_node=2)
+    second = dispatcher_for(registry, tmp_path, namespace, hold, max_workers_per_node=2)
     settled = second.reconcile()
     assert settled == {"adopted": [kept], "released": [unstarted], "left_to_lease_expiry": [killed]}
     second.start()
     try:
-        wait_for(lambda: ended(registry, [kept, killed, unstarted]), 600, "every job to finish")
+        hold.release()
+        wait_for(lambda: ended(registry, [kept, killed, unstarted]), 300, "every job to finish")
     finally:
         second.shutdown()
 
@@ -235,7 +261,7 @@ def test_with_the_mlflow_store_a_job_becomes_one_model_version_and_the_aliases_f
         namespace="workers-test",
         ensure=True,
     )
-    (job_id,) = submit(registry, 1, steps=40)
+    (job_id,) = submit(registry, 1)
     settings = Settings(data_dir=tmp_path / "data", ray_address=None)
     dispatcher = Dispatcher(
         registry,
@@ -269,10 +295,6 @@ def test_with_the_mlflow_store_a_job_becomes_one_model_version_and_the_aliases_f
 # --- two job slots per worker process ------------------------------------------------------------------
 
 
-def training(registry: Registry, job_ids: list[int], steps: int = 10) -> bool:
-    return all(step_of(registry, job_id) >= steps for job_id in job_ids)
-
-
 def one_worker(dispatcher: Dispatcher) -> tuple[str, int]:
     """(actor name, pid) of the dispatcher's only worker."""
     (worker,) = dispatcher.workers.values()
@@ -280,17 +302,18 @@ def one_worker(dispatcher: Dispatcher) -> tuple[str, int]:
 
 
 def test_two_slots_train_two_jobs_at_once_in_one_process_each_with_its_own_lease_result_and_delta(
-    local_ray, registry, tmp_path, namespace
+    local_ray, registry, tmp_path, namespace, hold
 ):
-    job_ids = submit(registry, 2, steps=300)
+    job_ids = submit(registry, 2)
     dispatcher = dispatcher_for(
-        registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1
+        registry, tmp_path, namespace, hold, jobs_per_worker=2, max_workers_per_node=1
     ).start()
     try:
-        wait_for(lambda: training(registry, job_ids), 60, "both jobs to be training")
+        wait_for(lambda: hold.holds(job_ids), 60, "both jobs to be held mid-attempt")
         owners = [registry.get_job(j).lease_owner for j in job_ids]
         name, pid = one_worker(dispatcher)
         info = ray.get(dispatcher.workers[name].actor.info.remote())
+        hold.release()
         wait_for(lambda: ended(registry, job_ids), 120, "both jobs to finish")
     finally:
         dispatcher.shutdown()
@@ -311,26 +334,31 @@ def test_two_slots_train_two_jobs_at_once_in_one_process_each_with_its_own_lease
 
 
 def test_cancelling_one_of_two_jobs_in_a_process_leaves_the_other_running_to_success(
-    local_ray, registry, tmp_path, namespace
+    local_ray, registry, tmp_path, namespace, hold
 ):
-    (cancelled,) = submit(registry, 1, steps=100_000)
-    (kept,) = submit(registry, 1, steps=3000, seed0=1)  # long enough to be mid-training when the other stops
+    (cancelled,) = submit(registry, 1, steps=UNENDING)
+    (kept,) = submit(registry, 1, seed0=1)  # held mid-attempt until the other one has stopped
     dispatcher = dispatcher_for(
-        registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1, heartbeat_seconds=5.0
+        registry, tmp_path, namespace, hold, jobs_per_worker=2, max_workers_per_node=1, heartbeat_seconds=5.0
     ).start()  # the dispatcher's push, not the heartbeat
     try:
-        wait_for(lambda: training(registry, [cancelled, kept]), 60, "both jobs to be training")
+        wait_for(
+            lambda: step_of(registry, cancelled) > 0 and hold.holds([kept]),
+            60,
+            "one job training and the other held",
+        )
         name, _ = one_worker(dispatcher)
         registry.cancel_job(cancelled)
         wait_for(lambda: registry.get_job(cancelled).status == JobStatus.CANCELLED, 120, "the job to stop")
         still = registry.get_job(kept)
-        assert still.status == JobStatus.RUNNING and step_of(registry, kept) < 3000
+        assert still.status == JobStatus.RUNNING
         actor = dispatcher.workers[name].actor
         wait_for(
             lambda: [j["job_id"] for j in ray.get(actor.info.remote())["jobs"]] == [kept],
             60,
             "the worker to free the cancelled job's slot",
         )
+        hold.release()
         wait_for(lambda: ended(registry, [kept]), 120, "the other job to finish")
     finally:
         dispatcher.shutdown()
@@ -347,18 +375,20 @@ def test_cancelling_one_of_two_jobs_in_a_process_leaves_the_other_running_to_suc
 
 
 def test_a_process_with_two_jobs_killed_both_go_back_to_the_queue_and_complete_once(
-    local_ray, registry, tmp_path, namespace
+    local_ray, registry, tmp_path, namespace, hold
 ):
-    job_ids = submit(registry, 2, steps=700)
+    job_ids = submit(registry, 2)
     dispatcher = dispatcher_for(
-        registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1
+        registry, tmp_path, namespace, hold, jobs_per_worker=2, max_workers_per_node=1
     ).start()
     try:
-        wait_for(lambda: training(registry, job_ids, 20), 60, "both jobs to be training")
+        wait_for(lambda: hold.holds(job_ids), 60, "both jobs to be held mid-attempt")
         owners = {j: registry.get_job(j).lease_owner for j in job_ids}
         _, pid = one_worker(dispatcher)
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: ended(registry, job_ids), 180, "both retried jobs to finish")
+        wait_for(lambda: hold.holds(job_ids, attempt=2), 120, "both jobs to run again")
+        hold.release()
+        wait_for(lambda: ended(registry, job_ids), 120, "both retried jobs to finish")
     finally:
         dispatcher.shutdown()
 
@@ -382,16 +412,18 @@ def test_a_process_with_two_jobs_killed_both_go_back_to_the_queue_and_complete_o
 
 
 def test_a_restarted_dispatcher_adopts_both_running_jobs_of_a_two_slot_worker(
-    local_ray, registry, tmp_path, namespace
+    local_ray, registry, tmp_path, namespace, hold
 ):
-    job_ids = submit(registry, 2, steps=700)
-    first = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1).start()
-    wait_for(lambda: training(registry, job_ids, 20), 60, "both jobs training")
+    job_ids = submit(registry, 2)
+    first = dispatcher_for(
+        registry, tmp_path, namespace, hold, jobs_per_worker=2, max_workers_per_node=1
+    ).start()
+    wait_for(lambda: hold.holds(job_ids), 60, "both jobs held mid-attempt")
     owners = {j: registry.get_job(j).lease_owner for j in job_ids}
     name, pid = one_worker(first)
     first.detach()  # the dispatcher goes away; its worker and both jobs go on
 
-    second = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2, max_workers_per_node=1)
+    second = dispatcher_for(registry, tmp_path, namespace, hold, jobs_per_worker=2, max_workers_per_node=1)
     settled = second.reconcile()
     assert settled == {"adopted": sorted(job_ids), "released": [], "left_to_lease_expiry": []}
     (described,) = second.describe()
@@ -401,6 +433,7 @@ def test_a_restarted_dispatcher_adopts_both_running_jobs_of_a_two_slot_worker(
     }
     second.start()
     try:
+        hold.release()
         wait_for(lambda: ended(registry, job_ids), 120, "both jobs to finish")
         wait_for(lambda: second.stats["succeeded"] == 2, 60, "the dispatcher to see both outcomes")
         assert one_worker(second) == (name, pid)

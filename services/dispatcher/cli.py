@@ -1,0 +1,126 @@
+"""`pelt dispatcher`: run one dispatcher until SIGTERM/SIGINT (`serve`), and its command-line options."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+from services.dispatcher.config import DispatcherConfig
+from services.dispatcher.dispatcher import Dispatcher
+from services.dispatcher.ray_cluster import connect_ray
+from services.registry import Registry
+from services.settings import get_settings
+from workers.job import DeltaSink
+
+
+def serve(
+    registry_url: str | None = None,
+    *,
+    config: DispatcherConfig | None = None,
+    num_cpus: int | None = None,
+    drain: bool = False,
+    delta_store: str = "local",
+) -> None:
+    """Run a dispatcher until SIGTERM/SIGINT, then shut it down (the `pelt dispatcher` command).
+
+    delta_store: "local" (LocalDeltaSink under PELT_DATA_DIR/deltas) or "mlflow" (MlflowDeltaStore on
+    PELT_MLFLOW_TRACKING_URI, its schema created or upgraded first)."""
+    settings = get_settings()
+    config = config or DispatcherConfig()
+    started = connect_ray(settings, namespace=config.namespace, num_cpus=num_cpus)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    registry = Registry(registry_url, settings=settings)
+    sink: DeltaSink | None = None
+    if delta_store == "mlflow":
+        from services.delta_store import MlflowDeltaStore
+
+        sink = MlflowDeltaStore.from_settings(settings, registry=registry, ensure=True)
+    elif delta_store != "local":
+        raise ValueError(f"delta_store must be local or mlflow, got {delta_store!r}")
+    dispatcher = Dispatcher(registry, sink, config=config, settings=settings).start()
+    print(
+        f"dispatcher running (namespace {config.namespace}, Ray {'started here' if started else 'joined'})",
+        flush=True,
+    )
+    try:
+        stop.wait()
+    finally:
+        summary = dispatcher.shutdown(drain=drain)
+        registry.close()
+        print(f"dispatcher stopped: {summary}", flush=True)
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def _command() -> Any:
+    import click
+
+    @click.command("dispatcher")
+    @click.option("--database-url", default=None, help="registry (default: PELT_DATABASE_URL)")
+    @click.option("--namespace", default="pelt", show_default=True, help="Ray namespace of the workers")
+    @click.option(
+        "--cpus-per-worker",
+        default=1.0,
+        show_default=True,
+        help="Ray CPUs per job slot (each job's torch threads, rounded)",
+    )
+    @click.option(
+        "--jobs-per-worker",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="job slots per worker process: jobs that share its runtime and mapped backbones",
+    )
+    @click.option(
+        "--max-workers-per-node",
+        type=int,
+        default=None,
+        help="default: CPUs // (cpus-per-worker * jobs-per-worker)",
+    )
+    @click.option("--num-cpus", type=int, default=None, help="CPUs of a local Ray (without PELT_RAY_ADDRESS)")
+    @click.option("--heartbeat-seconds", type=float, default=None, help="default: PELT_HEARTBEAT_SECONDS")
+    @click.option(
+        "--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them"
+    )
+    @click.option(
+        "--delta-store",
+        type=click.Choice(["local", "mlflow"]),
+        default="local",
+        show_default=True,
+        help="where deltas go: a folder under PELT_DATA_DIR, or MLflow (PELT_MLFLOW_TRACKING_URI)",
+    )
+    def dispatcher_command(
+        database_url: str | None,
+        namespace: str,
+        cpus_per_worker: float,
+        jobs_per_worker: int,
+        max_workers_per_node: int | None,
+        num_cpus: int | None,
+        heartbeat_seconds: float | None,
+        drain: bool,
+        delta_store: str,
+    ) -> None:
+        """Drain the job queue into Ray workers (joins PELT_RAY_ADDRESS or starts a local Ray)."""
+        from services.filemodes import private_files
+
+        private_files()  # what the dispatcher and its local Ray write is for its user only (0600 / 0700)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        config = DispatcherConfig(
+            namespace=namespace,
+            cpus_per_worker=cpus_per_worker,
+            jobs_per_worker=jobs_per_worker,
+            max_workers_per_node=max_workers_per_node,
+            heartbeat_seconds=heartbeat_seconds,
+        )
+        serve(database_url, config=config, num_cpus=num_cpus, drain=drain, delta_store=delta_store)
+
+    return dispatcher_command
+
+
+dispatcher_command = _command()

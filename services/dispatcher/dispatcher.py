@@ -1,0 +1,448 @@
+"""The dispatcher: claims queued jobs from the registry for free slots of warm worker actors, hands each
+its spec and a `RegistryLease`, and watches for outcomes, cancel requests, dead workers and expired
+leases, one round every `poll_seconds` (see the package docstring for the whole picture).
+
+`start()` reconciles with what runs and starts the loop in a thread; `step()` runs one round (tests may
+drive it by hand); `shutdown()` gives unstarted and running jobs back and stops the workers; `detach()`
+stops this dispatcher only, leaving the workers running for the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from services.dispatcher.adoption import live_workers, settle_running_jobs
+from services.dispatcher.config import DispatcherConfig
+from services.dispatcher.job_specs import JobSpecs
+from services.dispatcher.lease import RegistryLease
+from services.dispatcher.placement import Nodes, start_worker
+from services.dispatcher.ray_cluster import connect_ray
+from services.dispatcher.slots import SlotJob, WorkerSlots, running_jobs
+from services.registry import JobStateError, LeaseLostError, Registry
+from services.settings import Settings, get_settings
+from workers.job import DeltaSink, LocalDeltaSink
+
+log = logging.getLogger("pelt.dispatcher")
+
+
+class Dispatcher:
+    """Claims jobs from the registry and runs them on warm worker actors (see the module docstring)."""
+
+    def __init__(
+        self,
+        registry: Registry | str | None = None,
+        sink: DeltaSink | None = None,
+        *,
+        config: DispatcherConfig | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        self.settings = settings or get_settings()
+        self.config = config or DispatcherConfig()
+        self._owns_registry = not isinstance(registry, Registry)
+        self.registry = (
+            registry if isinstance(registry, Registry) else Registry(registry, settings=self.settings)
+        )
+        self.database_url = self.registry.engine.url.render_as_string(hide_password=False)
+        if self.registry.engine.url.get_backend_name() == "sqlite" and self.registry.engine.url.database in (
+            None,
+            "",
+            ":memory:",
+        ):
+            raise ValueError("the dispatcher needs a database its workers can open: not an in-memory SQLite")
+        self.sink: DeltaSink = sink or LocalDeltaSink(self.settings.data_dir / "deltas")
+        self.lease_seconds = float(self.config.lease_seconds or self.registry.lease_seconds)
+        self.heartbeat_seconds = float(self.config.heartbeat_seconds or self.settings.heartbeat_seconds)
+        if self.config.jobs_per_worker < 1:
+            raise ValueError(f"jobs_per_worker must be at least 1, got {self.config.jobs_per_worker}")
+        if self.heartbeat_seconds >= self.lease_seconds:
+            raise ValueError(
+                f"heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than the lease "
+                f"({self.lease_seconds} s)"
+            )
+        self.workers: dict[str, WorkerSlots] = {}
+        self.stats: Counter[str] = Counter()
+        self.nodes = Nodes(self.config)
+        self.specs = JobSpecs(self.registry)
+        self._cancels_at = 0.0
+        self._reaped_at = 0.0
+        self._thread: threading.Thread | None = None
+        self._halt = threading.Event()
+        self._closed = False
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> Dispatcher:
+        """Reconcile with the workers and jobs already running, then run the loop in a thread."""
+        import ray
+
+        if not ray.is_initialized():
+            connect_ray(self.settings, namespace=self.config.namespace)
+        self.reconcile()
+        self._halt.clear()
+        self._thread = threading.Thread(target=self._loop, name="pelt-dispatcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.step(wait=self.config.poll_seconds)
+            except Exception:
+                log.exception("dispatcher round failed; retrying")
+                self._halt.wait(self.config.poll_seconds)
+
+    def _stop_loop(self) -> None:
+        self._halt.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+
+    def detach(self) -> None:
+        """Stop this dispatcher, leaving workers and their jobs running (a successor adopts them)."""
+        self._stop_loop()
+        self.workers.clear()
+        self._close_registry()
+
+    def shutdown(
+        self, *, drain: bool = False, timeout: float = 60.0, kill_workers: bool = True
+    ) -> dict[str, Any]:
+        """Stop claiming; give running jobs back to the queue (or, with `drain`, let them finish) and
+        stop the workers and backbone hosts. Jobs still held after `timeout` are released here."""
+        self._stop_loop()
+        if not drain:
+            for worker in self.workers.values():
+                for job in worker.jobs.values():
+                    worker.actor.stop.remote(job.job_id, "release")
+        deadline = time.monotonic() + timeout
+        while any(w.jobs for w in self.workers.values()) and time.monotonic() < deadline:
+            self._collect(wait=0.2)
+            self._watch_adopted()
+            time.sleep(0.05)  # (the halted loop's waits return at once)
+        released = []
+        for worker in self.workers.values():
+            for job in worker.jobs.values():  # did not answer in time: give the job back ourselves
+                with contextlib.suppress(LeaseLostError, JobStateError):
+                    self.registry.release_job(job.job_id, job.owner, "the dispatcher shut down")
+                    released.append(job.job_id)
+        summary = {"stats": dict(self.stats), "released_by_dispatcher": released}
+        if kill_workers:
+            self._kill_workers_and_hosts()
+        self._close_registry()
+        return summary
+
+    def _kill_workers_and_hosts(self) -> None:
+        import ray
+
+        from workers.backbone_host import host_name
+
+        for worker in self.workers.values():
+            with contextlib.suppress(Exception):
+                ray.kill(worker.actor, no_restart=True)
+        for node_id in {w.node_id for w in self.workers.values()} | set(self.nodes.capacity):
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(host_name(node_id), namespace=self.config.namespace), no_restart=True)
+        self.workers.clear()
+
+    def _close_registry(self) -> None:
+        if self._owns_registry and not self._closed:
+            self.registry.close()
+        self._closed = True
+
+    def reconcile(self) -> dict[str, list[int]]:
+        """Adopt the live workers of this namespace and settle the jobs the registry says are running.
+
+        Returns the job ids adopted (running on a live worker), released (claimed for a live worker
+        that is not running them: never started) and left to lease expiry (their worker is gone)."""
+        adopted = live_workers(self.registry, self.config.namespace)
+        self.workers.update(adopted)
+        self.stats["workers_adopted"] += len(adopted)
+        settled = settle_running_jobs(self.registry, self.workers)
+        log.info("reconciled: %d worker(s) adopted, jobs %s", len(adopted), settled)
+        return settled
+
+    # --- one round ---------------------------------------------------------------------------------
+
+    def step(self, wait: float = 0.0) -> None:
+        """Collect finished jobs and started workers (waiting up to `wait` s for one), push cancel
+        requests, take back expired leases, then hand queued jobs to idle workers."""
+        self._collect(wait)
+        self._watch_adopted()
+        self._refresh_nodes()
+        self._push_cancels()
+        self._reap()
+        self._assign()
+
+    def _reap(self) -> None:
+        """Claims take back expired leases, but no claim runs while the queue is empty: do it on a timer."""
+        now = time.monotonic()
+        if now - self._reaped_at >= self.config.reap_seconds:
+            self._reaped_at = now
+            self.registry.requeue_expired_leases()
+
+    def _collect(self, wait: float) -> None:
+        import ray
+
+        refs: dict[Any, tuple[WorkerSlots, int | None]] = {}
+        for worker in self.workers.values():
+            refs.update(
+                {job.run_ref: (worker, slot) for slot, job in worker.jobs.items() if job.run_ref is not None}
+            )
+            if worker.poll_ref is not None and not worker.ready:
+                refs[worker.poll_ref] = (worker, None)
+        if not refs:
+            if wait:
+                self._halt.wait(wait)
+            return
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=wait)
+        if ready:
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in ready:
+            worker, slot = refs[ref]
+            if slot is None:
+                self._started(worker, ref)
+            elif (
+                worker.jobs.get(slot) is not None and worker.jobs[slot].run_ref is ref
+            ):  # (not failed meanwhile)
+                self._finished(worker, slot, ref)
+        now = time.monotonic()
+        for worker in list(self.workers.values()):
+            if not worker.ready and now - worker.started_at > self.config.worker_start_timeout:
+                log.error(
+                    "worker %s did not start within %.0f s; dropping it",
+                    worker.worker_id,
+                    self.config.worker_start_timeout,
+                )
+                self._drop(worker, kill=True)
+
+    def _started(self, worker: WorkerSlots, ref: Any) -> None:
+        import ray
+
+        worker.poll_ref = None
+        try:
+            info = ray.get(ref)
+        except Exception as exc:
+            log.error("worker %s failed to start: %s", worker.worker_id, exc)
+            self._drop(worker)
+            self.nodes.cool_down(worker.node_id)
+            return
+        worker.ready = True
+        worker.node_id = info["node_id"] or worker.node_id
+        self.stats["workers_started"] += 1
+
+    def _finished(self, worker: WorkerSlots, slot: int, ref: Any) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            outcome = ray.get(ref)
+        except RayActorError as exc:
+            self._worker_died(worker, exc)
+            return
+        except Exception as exc:  # run() itself raised: the attempt was not recorded
+            job = worker.jobs.pop(slot)
+            log.error("job %s: worker %s raised: %s", job.job_id, job.owner, exc)
+            self._fail_for(job.owner, job.job_id, f"the worker raised: {exc}")
+            self._settle_sink(job.task, job.job_id)
+            return
+        job = worker.jobs.pop(slot)
+        self.stats[outcome.status] += 1
+        self._settle_sink(job.task, job.job_id)
+        if outcome.status == "succeeded" and job.backbone:
+            worker.backbones.add(job.backbone)
+            while len(worker.backbones) > self.config.max_backbones_per_worker:
+                worker.backbones.pop()
+
+    def _watch_adopted(self) -> None:
+        """Jobs adopted on restart have no run() reference here: poll the worker's info() until each
+        of them is no longer running there."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        for worker in list(self.workers.values()):
+            adopted = {slot: job for slot, job in worker.jobs.items() if job.run_ref is None}
+            if not worker.ready or not adopted:
+                continue
+            if worker.poll_ref is None:
+                worker.poll_ref = worker.actor.info.remote()
+                continue
+            done, _ = ray.wait([worker.poll_ref], timeout=0)
+            if not done:
+                continue
+            ref, worker.poll_ref = worker.poll_ref, None
+            try:
+                info = ray.get(ref)
+            except RayActorError as exc:
+                self._worker_died(worker, exc)
+                continue
+            running = {entry["job_id"] for entry in running_jobs(info, worker.worker_id)}
+            outcomes = info.get("outcomes") or {}
+            for slot, job in adopted.items():
+                if job.job_id not in running:
+                    worker.jobs.pop(slot)
+                    self.stats[outcomes.get(job.job_id) or info.get("last_outcome") or "finished"] += 1
+                    self._settle_sink(job.task, job.job_id)
+
+    def _worker_died(self, worker: WorkerSlots, exc: BaseException) -> None:
+        """The actor is gone (SIGKILL, node lost): every job it ran is failed as retryable."""
+        self.stats["worker_deaths"] += 1
+        jobs = sorted(worker.jobs.values(), key=lambda job: job.owner)
+        worker.jobs.clear()
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        log.warning(
+            "worker %s died%s: %s",
+            worker.worker_id,
+            f" running job(s) {', '.join(str(j.job_id) for j in jobs)}" if jobs else "",
+            first_line or type(exc).__name__,
+        )
+        self._drop(worker)
+        self.nodes.cool_down(worker.node_id)
+        for job in jobs:
+            self._fail_for(
+                job.owner, job.job_id, f"worker {job.owner} died: {type(exc).__name__}: {first_line}"
+            )
+            self._settle_sink(job.task, job.job_id)
+
+    def _settle_sink(self, task: str | None, job_id: int | None) -> None:
+        """After the registry has decided about a job's attempt, let a sink that keeps more than bytes
+        tidy up (MlflowDeltaStore.finalize_job: keep the recorded version, drop the others, move the
+        task's aliases). Sinks without `finalize_job` (LocalDeltaSink) need nothing."""
+        finalize = getattr(self.sink, "finalize_job", None)
+        if finalize is None or task is None or job_id is None:
+            return
+        try:
+            finalize(task, job_id, self.registry)
+        except Exception:  # the job's outcome stands; the sink's own reconcile repairs it later
+            log.exception("job %s: the delta store could not settle it", job_id)
+
+    def _fail_for(self, worker_id: str, job_id: int | None, error: str) -> None:
+        """End a job's attempt for a worker that cannot (it died): retried after the backoff."""
+        if job_id is None:
+            return
+        # LeaseLost/JobState: already recorded by the worker, or taken back when its lease expired
+        with contextlib.suppress(LeaseLostError, JobStateError):
+            self.registry.fail_job(job_id, worker_id, error, retryable=True)
+
+    def _drop(self, worker: WorkerSlots, kill: bool = False) -> None:
+        import ray
+
+        self.workers.pop(worker.worker_id, None)
+        if kill:
+            with contextlib.suppress(Exception):
+                ray.kill(worker.actor, no_restart=True)
+
+    def _refresh_nodes(self) -> None:
+        """Read the alive nodes again (now and then); forget idle workers on a node that is gone."""
+        if not self.nodes.refresh():
+            return
+        for worker in list(self.workers.values()):
+            if worker.node_id not in self.nodes.capacity and not worker.jobs and worker.ready:
+                self._drop(worker)
+
+    def _push_cancels(self) -> None:
+        now = time.monotonic()
+        if now - self._cancels_at < self.config.poll_seconds:
+            return
+        self._cancels_at = now
+        running = {
+            job.job_id: (worker, job)
+            for worker in self.workers.values()
+            for job in worker.jobs.values()
+            if not job.cancel_pushed
+        }
+        if not running:
+            return
+        for job_id in self.registry.cancel_requests(running):
+            worker, job = running[job_id]
+            worker.actor.stop.remote(job_id, "cancel")
+            job.cancel_pushed = True
+            self.stats["cancels_pushed"] += 1
+
+    # --- placement ---------------------------------------------------------------------------------
+
+    def _assign(self) -> None:
+        """Hand queued jobs to free slots: warm workers first take jobs on the backbones they hold; more
+        workers start while nodes have room; new workers take anything; and only when no node has room
+        do warm workers switch to another backbone."""
+        open_ = [w for w in self.workers.values() if w.ready and w.free_slots()]
+        if not open_ and not sum(self.nodes.room(self.workers.values()).values()):
+            return
+        queued = self.registry.job_counts()["queued"]  # one read; claims (writes) only when there is work
+        if not queued:
+            return
+        for worker in [w for w in open_ if w.backbones]:  # 1. warm: jobs on a backbone it holds
+            while worker.free_slots() and queued > 0 and self._claim_for(worker, sorted(worker.backbones)):
+                queued -= 1
+        open_ = [w for w in open_ if w.free_slots()]
+        starting = sum(w.slots for w in self.workers.values() if not w.ready)
+        fresh = [w for w in open_ if not w.backbones]
+        waiting = queued - sum(len(w.free_slots()) for w in fresh) - starting
+        for _ in range(max(0, -(-waiting // self.config.jobs_per_worker))):  # 2. more workers, room allowing
+            node_id = self.nodes.roomiest(self.workers.values())
+            if node_id is None:
+                break
+            worker = start_worker(
+                node_id,
+                self.config,
+                heartbeat_seconds=self.heartbeat_seconds,
+                lease_seconds=self.lease_seconds,
+            )
+            self.workers[worker.worker_id] = worker
+        for worker in fresh:  # 3. new workers take anything
+            while worker.free_slots():
+                if not self._claim_for(worker, None):
+                    return  # nothing runnable left
+        if self.nodes.roomiest(self.workers.values()) is None:  # 4. no room: warm workers switch backbones
+            for worker in [w for w in open_ if w.backbones]:
+                while worker.free_slots():
+                    if not self._claim_for(worker, None):
+                        return
+
+    def _claim_for(self, worker: WorkerSlots, backbones: list[str] | None) -> bool:
+        """Claim a job for the worker's first free slot and start it there; False when none is runnable."""
+        slot = worker.free_slots()[0]
+        owner = worker.owner(slot)
+        record = self.registry.claim_job(owner, lease_seconds=self.lease_seconds, backbones=backbones)
+        if record is None:
+            return False
+        try:
+            spec = self.specs.build(record)
+        except Exception as exc:
+            log.exception("job %s: cannot build its spec", record.id)
+            self._fail_for(owner, record.id, f"the dispatcher could not prepare the job: {exc}")
+            return True
+        lease = RegistryLease(
+            self.database_url,
+            record.id,
+            owner,
+            self.lease_seconds,
+            self.registry.retry_backoff_seconds,
+            self.registry.retry_backoff_max_seconds,
+        )
+        worker.jobs[slot] = SlotJob(
+            record.id,
+            owner,
+            record.backbone,
+            record.task,
+            run_ref=worker.actor.run.remote(spec, lease, self.sink),
+        )
+        self.stats["dispatched"] += 1
+        return True
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The workers as this dispatcher sees them."""
+        return [
+            {
+                "worker_id": w.worker_id,
+                "node_id": w.node_id,
+                "ready": w.ready,
+                "slots": w.slots,
+                "jobs": {w.owner(slot): job.job_id for slot, job in sorted(w.jobs.items())},
+                "backbones": sorted(w.backbones),
+            }
+            for w in self.workers.values()
+        ]

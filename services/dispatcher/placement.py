@@ -1,0 +1,120 @@
+"""Where workers go: the cluster's alive nodes and how many workers each has room for, and starting a
+worker actor pinned to a node.
+
+A node has room for its CPUs // (cpus_per_worker x jobs_per_worker) workers (at most
+`max_workers_per_node`); a node where a worker died or failed to start cools down for
+`node_cooldown_seconds` before it gets another (it may be going away). Each node keeps one shared copy of
+each backbone (`workers.backbone_store.BackboneHost`), whatever the number of workers on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Iterable
+
+from services.dispatcher.config import DispatcherConfig
+from services.dispatcher.slots import WORKER_PREFIX, WorkerSlots
+
+log = logging.getLogger("pelt.dispatcher")
+
+
+class Nodes:
+    """Ray's alive nodes, each with the number of workers it has room for (read again at most every
+    `node_refresh_seconds`), and the nodes cooling down after a worker died or failed there."""
+
+    def __init__(self, config: DispatcherConfig) -> None:
+        self.config = config
+        self.capacity: dict[str, int] = {}  # alive node id -> workers it has room for
+        self._read_at = 0.0
+        self._too_small: set[str] = set()  # nodes warned about: fewer CPUs than one worker needs
+        self._cooldown: dict[str, float] = {}  # node id -> no new workers there before this time
+
+    def refresh(self) -> bool:
+        """Read the alive nodes from Ray, unless they were read less than `node_refresh_seconds` ago;
+        True when they were read now."""
+        import ray
+
+        now = time.monotonic()
+        if now - self._read_at < self.config.node_refresh_seconds and self.capacity:
+            return False
+        self._read_at = now
+        capacity = {}
+        per_worker = self.config.cpus_per_worker * self.config.jobs_per_worker
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            cpus = node.get("Resources", {}).get("CPU", 0)
+            workers = int(cpus // per_worker)
+            if not workers and cpus and node["NodeID"] not in self._too_small:
+                self._too_small.add(node["NodeID"])
+                log.warning(
+                    "node %s has %g CPU(s): too few for a worker of %d job slot(s) x %g CPU(s)",
+                    node["NodeID"][:12],
+                    cpus,
+                    self.config.jobs_per_worker,
+                    self.config.cpus_per_worker,
+                )
+            if self.config.max_workers_per_node is not None:
+                workers = min(workers, self.config.max_workers_per_node)
+            capacity[node["NodeID"]] = workers
+        self.capacity = capacity
+        return True
+
+    def cool_down(self, node_id: str) -> None:
+        """A worker died or could not start there: the node may be going away; look again soon."""
+        self._cooldown[node_id] = time.monotonic() + self.config.node_cooldown_seconds
+        self._read_at = 0.0
+
+    def room(self, workers: Iterable[WorkerSlots]) -> dict[str, int]:
+        """Room for more workers per usable node (nodes cooling down after a failure excluded)."""
+        now = time.monotonic()
+        used = Counter(w.node_id for w in workers)
+        return {
+            node: slots - used[node]
+            for node, slots in self.capacity.items()
+            if slots > used[node] and self._cooldown.get(node, 0.0) <= now
+        }
+
+    def roomiest(self, workers: Iterable[WorkerSlots]) -> str | None:
+        """The node with the most room for another worker; None when no node has room."""
+        room = self.room(workers)
+        return max(room, key=lambda node: (room[node], node)) if room else None
+
+
+def start_worker(
+    node_id: str, config: DispatcherConfig, *, heartbeat_seconds: float, lease_seconds: float
+) -> WorkerSlots:
+    """Start a detached, named worker actor with `config.jobs_per_worker` job slots on the node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from workers.worker import WorkerConfig, worker_actor_class  # torch: only where workers start
+
+    worker_id = f"{WORKER_PREFIX}{node_id[:12]}.{secrets.token_hex(4)}"
+    slots = config.jobs_per_worker
+    worker_config = WorkerConfig(
+        threads=max(1, round(config.cpus_per_worker)),
+        slots=slots,
+        heartbeat_seconds=heartbeat_seconds,
+        lease_seconds=lease_seconds,
+        max_backbones=config.max_backbones_per_worker,
+        namespace=config.namespace,
+    )
+    actor = (
+        worker_actor_class()
+        .options(
+            name=worker_id,
+            namespace=config.namespace,
+            lifetime="detached",
+            max_restarts=0,
+            num_cpus=config.cpus_per_worker * slots,
+            max_concurrency=slots + 3,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            runtime_env={"env_vars": dict(config.worker_env)} if config.worker_env else None,
+        )
+        .remote(worker_id, worker_config)
+    )
+    log.info("starting worker %s (%d job slot(s)) on node %s", worker_id, slots, node_id[:12])
+    return WorkerSlots(worker_id, node_id, actor, slots=slots, poll_ref=actor.info.remote())
