@@ -1,0 +1,36 @@
+"""The service's `pelt` commands, one module per group (as the API is split by resource):
+
+- `serve`: `pelt serve`, the whole service in one process;
+- `tasks`: `pelt task add|list|show`;
+- `jobs`: `pelt submit`, `sweep`, `jobs`, `watch`, `cancel`;
+- `deltas`: `pelt leaderboard`, `pull`, `compose`;
+- `admin`: `pelt token create|list|revoke` (run next to the registry: tokens are made and revoked there,
+  never over the API; each has a scope: read, write or admin) and `pelt audit`;
+- `common`: what they share (the service's refusals as click errors, `--set` parsing, tables).
+
+The client commands talk to PELT_API_URL (default http://127.0.0.1:8000) with PELT_API_TOKEN, or with
+the token `pelt serve` left in PELT_DATA_DIR/api_token.
+"""
+
+from services.commands.admin import audit_command, token_group
+from services.commands.deltas import compose_command, leaderboard_command, pull_command
+from services.commands.jobs import cancel_command, jobs_command, submit_command, sweep_command, watch_command
+from services.commands.serve import serve_command
+from services.commands.tasks import task_group
+
+SERVICE_COMMANDS = [
+    serve_command,
+    task_group,
+    submit_command,
+    sweep_command,
+    jobs_command,
+    watch_command,
+    cancel_command,
+    leaderboard_command,
+    pull_command,
+    compose_command,
+    token_group,
+    audit_command,
+]
+
+__all__ = ["SERVICE_COMMANDS"]

@@ -1,0 +1,107 @@
+"""`pelt token create|list|revoke` (run next to the registry: tokens are made and revoked there, never over
+the API) and `pelt audit` (the audit trail, over the API with an admin token)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from services.client import PeltClient
+from services.commands.common import client_errors, print_table
+
+
+@click.group("token")
+def token_group() -> None:
+    """API tokens, made and revoked in the registry (PELT_DATABASE_URL); only their SHA-256 is stored."""
+
+
+def _cli_actor() -> str:
+    """Who the audit trail names for a `pelt token` command: the operating-system user."""
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return "cli"
+
+
+@token_group.command("create")
+@click.argument("name")
+@click.option(
+    "--scope",
+    type=click.Choice(["read", "write", "admin"]),
+    default="write",
+    show_default=True,
+    help="read: every GET; write: read + submit, cancel, register tasks and methods, compose; "
+    "admin: write + register backbones, full job errors, the audit trail",
+)
+def token_create(name: str, scope: str) -> None:
+    """Create a token and print its secret (shown once)."""
+    from services.registry import Registry, RegistryValidationError, acting_as
+
+    with Registry() as registry, acting_as(_cli_actor()):
+        try:
+            record, secret = registry.create_api_token(name, scope=scope)
+        except RegistryValidationError as exc:
+            raise click.ClickException(str(exc)) from None
+    click.echo(f"token {record.name} ({record.scope}) created; its secret (shown only now):", err=True)
+    click.echo(secret)
+
+
+@token_group.command("list")
+def token_list() -> None:
+    """Every token: name, scope, prefix, created, last used, revoked."""
+    from services.registry import Registry
+
+    with Registry() as registry:
+        rows = [
+            {
+                "name": t.name,
+                "scope": t.scope,
+                "prefix": t.prefix + "…",
+                "created": t.created_at.isoformat(timespec="seconds"),
+                "last used": t.last_used_at and t.last_used_at.isoformat(timespec="seconds"),
+                "revoked": t.revoked_at and t.revoked_at.isoformat(timespec="seconds"),
+            }
+            for t in registry.list_api_tokens()
+        ]
+    print_table(rows, ["name", "scope", "prefix", "created", "last used", "revoked"])
+
+
+@token_group.command("revoke")
+@click.argument("name")
+def token_revoke(name: str) -> None:
+    """Revoke a token: every request with it is refused from now on."""
+    from services.registry import Registry, RegistryValidationError, acting_as
+
+    with Registry() as registry, acting_as(_cli_actor()):
+        try:
+            registry.revoke_api_token(name)
+        except RegistryValidationError as exc:
+            raise click.ClickException(str(exc)) from None
+    click.echo(f"token {name} revoked")
+
+
+@click.command("audit")
+@click.option("--limit", default=50, show_default=True)
+@click.option("--offset", default=0, show_default=True)
+@client_errors
+def audit_command(limit: int, offset: int) -> None:
+    """Who registered, submitted, cancelled, composed, created or revoked what, newest first (an admin token)."""
+    with PeltClient() as client:
+        events = client.audit(limit=limit, offset=offset)
+    rows = [
+        {
+            "at": e.at.isoformat(timespec="seconds"),
+            "actor": e.actor,
+            "action": e.action,
+            "target": e.target,
+            "detail": json.dumps(e.detail, sort_keys=True)[:80] if e.detail else None,
+        }
+        for e in events
+    ]
+    print_table(rows, ["at", "actor", "action", "target", "detail"])
+
+
+__all__ = ["audit_command", "token_group"]

@@ -1,0 +1,96 @@
+"""`pelt leaderboard|pull|compose`: a task's results, its stored deltas and their composition."""
+
+from __future__ import annotations
+
+import click
+
+from pelt_core.vocabulary import COMPOSE_OPERATIONS
+from services.client import PeltClient
+from services.commands.common import client_errors, parse_set_options, print_table
+
+
+@click.command("leaderboard")
+@click.argument("task")
+@click.option("--k-shot", type=int, default=None, help="only runs with this K")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@client_errors
+def leaderboard_command(task: str, k_shot: int | None, as_json: bool) -> None:
+    """The methods on a task, best first: best and mean ± std of its metric, trainable %, runs."""
+    with PeltClient() as client:
+        board = client.leaderboard_raw(task, k_shot)
+    if as_json:
+        click.echo(board.model_dump_json(indent=2))
+        return
+    click.echo(
+        f"{task}: {board.metric} ({'higher' if board.metric_direction == 'max' else 'lower'} is better)"
+        f"{'' if k_shot is None else f', K={k_shot}'}"
+    )
+    rows = [
+        {
+            **r.model_dump(),
+            "mean ± std": f"{r.mean:.4f} ± {r.std:.4f}",
+            "% params": f"{r.trainable_percent:.3f}",
+            "train s": f"{r.median_train_seconds:.1f}",
+        }
+        for r in board.rows
+    ]
+    print_table(rows, ["rank", "method", "best", "mean ± std", "runs", "% params", "train s", "best_job_id"])
+
+
+@click.command("pull")
+@click.argument("task")
+@click.option(
+    "-o", "--out", required=True, type=click.Path(file_okay=False), help="folder to write the delta to"
+)
+@click.option("--version", default=None, help="a version number (default: the task's best)")
+@click.option("--alias", default=None, help="an alias, e.g. best-lora")
+@click.option("--method", default=None, help="the best version of this method")
+@client_errors
+def pull_command(task: str, out: str, version: str | None, alias: str | None, method: str | None) -> None:
+    """Download a task's delta by task name (its best by default), checked against its sha256."""
+    with PeltClient() as client:
+        info = client.download(task, out, version=version, alias=alias, method=method)
+    value = "" if info.metric_value is None else f", {info.metric} {info.metric_value:.4f}"
+    click.echo(
+        f"{info.task} version {info.version} ({info.kind}, {info.method}{value}) -> {out}  "
+        f"sha256 {info.sha256}"
+    )
+
+
+@click.command("compose")
+@click.argument("op", type=click.Choice(COMPOSE_OPERATIONS))
+@click.argument("sources", nargs=-1, required=True)
+@click.option("--into", required=True, help="the task whose new version the result becomes")
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="options: how=ties, density=0.5, weights=[0.7,0.3], rank=8, ...",
+)
+@click.option("--alias", "aliases", multiple=True, help="alias for the new version")
+@client_errors
+def compose_command(
+    op: str, sources: tuple[str, ...], into: str, assignments: tuple[str, ...], aliases: tuple[str, ...]
+) -> None:
+    """Compose stored deltas: SOURCES are "task" (its best), "task@alias" or "task/VERSION"; for
+    multi_task, "route=ref"."""
+    named = (
+        dict(s.split("=", 1) for s in sources)
+        if op == "multi_task" and all("=" in s for s in sources)
+        else None
+    )
+    with PeltClient() as client:
+        composed = client.compose(
+            op,
+            named if named is not None else list(sources),
+            into,
+            aliases=aliases,
+            **parse_set_options(assignments, compose=True),
+        )
+    click.echo(
+        f"{composed.task} version {composed.version}: {op} of {', '.join(sources)} (sha256 {composed.sha256})"
+    )
+
+
+__all__ = ["compose_command", "leaderboard_command", "pull_command"]

@@ -1,0 +1,167 @@
+"""`pelt submit|sweep|jobs|watch|cancel`: queue jobs and sweeps, list and follow them, cancel them."""
+
+from __future__ import annotations
+
+import click
+
+from services.api.schemas import DEFAULT_BACKBONE
+from services.client import PeltClient
+from services.commands.common import client_errors, parse_ints, parse_set_options, print_table
+
+
+@click.command("submit")
+@click.argument("task")
+@click.argument("method")
+@click.option("--backbone", default=DEFAULT_BACKBONE, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--k-shot", type=int, default=None, help="K training examples (default: the full training set)")
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="hyperparameter or method override: lr=1e-3, epochs=5, r=16, ...",
+)
+@click.option("--priority", default=0, show_default=True)
+@click.option("--watch", is_flag=True, help="then show its progress until it ends")
+@client_errors
+def submit_command(
+    task: str,
+    method: str,
+    backbone: str,
+    seed: int,
+    k_shot: int | None,
+    assignments: tuple[str, ...],
+    priority: int,
+    watch: bool,
+) -> None:
+    """Queue one job; prints its id."""
+    with PeltClient() as client:
+        job = client.submit(
+            task,
+            method,
+            backbone=backbone,
+            seed=seed,
+            k_shot=k_shot,
+            hyperparameters=parse_set_options(assignments),
+            priority=priority,
+        )
+        click.echo(f"job {job.id} queued: {job.task} / {job.method} on {job.backbone}")
+        if watch:
+            _watch(client, [job.id])
+
+
+@click.command("sweep")
+@click.argument("task")
+@click.option("--methods", required=True, help="comma-separated, e.g. lora,bitfit,prefix")
+@click.option("--seeds", default="0", show_default=True, help="comma-separated")
+@click.option(
+    "--k", "k_values", default="full", show_default=True, help="comma-separated K values; 'full': all rows"
+)
+@click.option("--backbone", default=DEFAULT_BACKBONE, show_default=True)
+@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="applies to every job")
+@click.option("--priority", default=0, show_default=True)
+@click.option("--watch", is_flag=True, help="then show the jobs' progress until they end")
+@client_errors
+def sweep_command(
+    task: str,
+    methods: str,
+    seeds: str,
+    k_values: str,
+    backbone: str,
+    assignments: tuple[str, ...],
+    priority: int,
+    watch: bool,
+) -> None:
+    """Queue methods × seeds × K values for a task."""
+    with PeltClient() as client:
+        sweep = client.sweep(
+            task,
+            [m.strip() for m in methods.split(",") if m.strip()],
+            backbone=backbone,
+            seeds=parse_ints(seeds, "--seeds"),
+            k_values=parse_ints(k_values, "--k", allow_full=True),
+            hyperparameters=parse_set_options(assignments),
+            priority=priority,
+        )
+        click.echo(
+            f"sweep {sweep.id}: {len(sweep.job_ids)} jobs queued ({sweep.job_ids[0]}..{sweep.job_ids[-1]})"
+        )
+        if watch:
+            _watch(client, sweep.job_ids)
+
+
+@click.command("jobs")
+@click.option("--task", default=None)
+@click.option(
+    "--status", multiple=True, type=click.Choice(["queued", "running", "succeeded", "failed", "cancelled"])
+)
+@click.option("--method", default=None)
+@click.option("--sweep", "sweep_id", type=int, default=None)
+@click.option("--limit", default=100, show_default=True)
+@client_errors
+def jobs_command(
+    task: str | None, status: tuple[str, ...], method: str | None, sweep_id: int | None, limit: int
+) -> None:
+    """List jobs (oldest first) with their status and progress."""
+    with PeltClient() as client:
+        jobs = client.jobs(
+            task=task, status=list(status) or None, method=method, sweep_id=sweep_id, limit=limit
+        )
+    rows = [
+        {
+            **j.model_dump(),
+            "progress": None if j.progress is None else f"{100 * j.progress:.0f}%",
+            "error": (j.last_error or "")[:60] or None,
+        }
+        for j in jobs
+    ]
+    print_table(rows, ["id", "task", "method", "seed", "k_shot", "status", "attempts", "progress", "error"])
+
+
+@click.command("watch")
+@click.argument("job_ids", nargs=-1, type=int)
+@click.option("--sweep", "sweep_id", type=int, default=None, help="every job of this sweep")
+@client_errors
+def watch_command(job_ids: tuple[int, ...], sweep_id: int | None) -> None:
+    """Live progress bars (step/total, loss, tokens/s) until the jobs end."""
+    if not job_ids and sweep_id is None:
+        raise click.UsageError("give job ids or --sweep")
+    with PeltClient() as client:
+        ids = list(job_ids)
+        if sweep_id is not None:
+            ids += [job.id for job in client.jobs(sweep_id=sweep_id, limit=10_000)]
+        _watch(client, ids)
+
+
+def _watch(client: PeltClient, ids: list[int]) -> None:
+    ended = client.wait(ids)
+    for job in ended:
+        line = f"job {job.id} {job.method}: {job.status}"
+        if job.status == "succeeded":
+            result = client.result(job.id)
+            line += f", {client.task(job.task).metric} {result.primary_metric:.4f}"
+        elif job.last_error:
+            line += f": {job.last_error.splitlines()[-1][:200]}"
+        click.echo(line)
+    if any(job.status != "succeeded" for job in ended):
+        raise SystemExit(1)
+
+
+@click.command("cancel")
+@click.argument("job_ids", nargs=-1, type=int)
+@click.option("--sweep", "sweep_id", type=int, default=None, help="cancel every unfinished job of this sweep")
+@client_errors
+def cancel_command(job_ids: tuple[int, ...], sweep_id: int | None) -> None:
+    """Cancel jobs (a running one stops within seconds; a cancelled job is never retried)."""
+    if not job_ids and sweep_id is None:
+        raise click.UsageError("give job ids or --sweep")
+    with PeltClient() as client:
+        for job_id in job_ids:
+            job = client.cancel(job_id)
+            click.echo(f"job {job.id}: {job.status}{' (stopping)' if job.status == 'running' else ''}")
+        if sweep_id is not None:
+            click.echo(f"sweep {sweep_id}: {client.cancel_sweep(sweep_id)} job(s) cancelled")
+
+
+__all__ = ["cancel_command", "jobs_command", "submit_command", "sweep_command", "watch_command"]

@@ -1,0 +1,86 @@
+"""`pelt serve`: the HTTP API, the dispatcher, Ray, the registry and the MLflow store in one process."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import click
+
+
+@click.command("serve")
+@click.option("--host", default=None, help="listen address (default PELT_API_HOST, 127.0.0.1)")
+@click.option("--port", type=int, default=None, help="port (default PELT_API_PORT, 8000)")
+@click.option(
+    "--dispatcher/--no-dispatcher",
+    default=True,
+    show_default=True,
+    help="run the dispatcher here (else run `pelt dispatcher` elsewhere)",
+)
+@click.option("--num-cpus", type=int, default=None, help="CPUs of the local Ray (without PELT_RAY_ADDRESS)")
+@click.option(
+    "--upgrade/--no-upgrade",
+    default=None,
+    help="create/upgrade the registry schema at start (default: only for the embedded SQLite)",
+)
+@click.option(
+    "--jobs-per-worker",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="job slots per worker process (more jobs share one runtime: less memory per job)",
+)
+@click.option("--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them")
+def serve_command(
+    host: str | None,
+    port: int | None,
+    dispatcher: bool,
+    num_cpus: int | None,
+    upgrade: bool | None,
+    jobs_per_worker: int,
+    drain: bool,
+) -> None:
+    """Run the service: HTTP API + dispatcher + Ray + registry + MLflow store (embedded by default)."""
+    from services.api.server import ApiServer, token_path
+    from services.dispatcher import DispatcherConfig
+    from services.filemodes import private_files
+
+    private_files()  # what the service and its local Ray write is for its user only (0600 / 0700)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    service = ApiServer(
+        host=host,
+        port=port,
+        dispatcher=dispatcher,
+        num_cpus=num_cpus,
+        upgrade=upgrade,
+        dispatcher_config=DispatcherConfig(jobs_per_worker=jobs_per_worker),
+        log_level="info",
+    ).start()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    settings = service.settings
+    docs = (
+        f"{service.url}/docs"
+        if settings.api_docs
+        else "/openapi.json with a token; PELT_API_DOCS=true for /docs"
+    )
+    click.echo(f"pelt serving on {service.url} (OpenAPI: {docs})")
+    click.echo(f"  registry:     {settings.database_url}")
+    click.echo(f"  mlflow store: {settings.mlflow_tracking_uri}")
+    click.echo(
+        f"  ray:          {settings.ray_address or 'local (127.0.0.1)'}"
+        f"{'' if dispatcher else ' (no dispatcher here)'}"
+    )
+    if service.token:
+        click.echo(f"  API token:    in {token_path(settings)} (clients on this machine read it)")
+    click.echo("stop with Ctrl-C", err=True)
+    try:
+        stop.wait()
+    finally:
+        summary = service.stop(drain=drain)
+        click.echo(f"pelt stopped{'' if summary is None else f': {summary}'}")
+
+
+__all__ = ["serve_command"]
