@@ -35,13 +35,12 @@ def tiny_tokenizer(tmp_dir: str | None = None):
     return BertTokenizerFast(vocab={word: i for i, word in enumerate(VOCAB)}, do_lower_case=True)
 
 
-def tiny_bert(tmp_dir: str, seed: int = 0, attn_implementation: str = "sdpa", **overrides) -> Backbone:
-    """A 2-layer BERT (hidden 32, 4 heads) with random weights and its tokenizer; no dropout unless overridden."""
-    from transformers import BertConfig, BertModel
+def tiny_bert_config(**overrides):
+    """The config of the tiny BERT: 2 layers, hidden 32, 4 heads, no dropout unless overridden."""
+    from transformers import BertConfig
 
-    torch.manual_seed(seed)
     settings = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **overrides}
-    config = BertConfig(
+    return BertConfig(
         vocab_size=len(VOCAB),
         hidden_size=32,
         num_hidden_layers=2,
@@ -50,6 +49,14 @@ def tiny_bert(tmp_dir: str, seed: int = 0, attn_implementation: str = "sdpa", **
         max_position_embeddings=64,
         **settings,
     )
+
+
+def tiny_bert(tmp_dir: str, seed: int = 0, attn_implementation: str = "sdpa", **overrides) -> Backbone:
+    """A 2-layer BERT (hidden 32, 4 heads) with random weights and its tokenizer; no dropout unless overridden."""
+    from transformers import BertModel
+
+    torch.manual_seed(seed)
+    config = tiny_bert_config(**overrides)
     config._attn_implementation = attn_implementation
     model = BertModel(config, add_pooling_layer=False).eval()
     return Backbone(model, tiny_tokenizer(tmp_dir), name=f"tiny-bert-{seed}")

@@ -23,3 +23,19 @@ def refused(call: Callable[[], Any], status: int, field: str | None = None, word
 
 
 __all__ = ["refused"]
+
+
+def tiny_lora_spec(name: str) -> dict:
+    """A user method spec: LoRA of rank 2 on W_q only (cheap to train on the tiny backbones)."""
+    module = {
+        "form": "bottleneck",
+        "representation": "attn.q",
+        "insertion": "parallel",
+        "composition": "scaled",
+        "size": 2,
+        "alpha": 4,
+        "nonlinearity": "identity",
+        "proj_bias": False,
+        "init": "lora",
+    }
+    return {"name": name, "modules": {"q": module}}

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import text
 
 from services.registry import QuotaExceededError, Registry, acting_as, db
+from tests.api.helpers import tiny_lora_spec
 from tests.registry.conftest import (  # noqa: F401 - the registry tests' fixtures, on both databases
     backend,
     clock,
@@ -46,24 +47,7 @@ def test_every_registry_write_records_its_actor(ready: Registry):  # noqa: F811
         sweep = ready.submit_sweep("sst2", ["bitfit"], [0, 1], [None], "tiny-bert")
         ready.cancel_job(job.id)
         ready.cancel_sweep(sweep.id)
-        ready.register_method(
-            {
-                "name": "mine",
-                "modules": {
-                    "q": {
-                        "form": "bottleneck",
-                        "representation": "attn.q",
-                        "insertion": "parallel",
-                        "composition": "scaled",
-                        "size": 2,
-                        "alpha": 4,
-                        "nonlinearity": "identity",
-                        "proj_bias": False,
-                        "init": "lora",
-                    }
-                },
-            }
-        )
+        ready.register_method(tiny_lora_spec("mine"))
         ready.create_api_token("dave", scope="read")
         ready.revoke_api_token("dave")
         ready.record_audit("delta.compose", "sst2 version 3", {"op": "merge"})

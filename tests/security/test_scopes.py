@@ -25,6 +25,7 @@ from services.registry import Registry, RegistryValidationError, db, upgrade
 from services.registry.testing import sqlite_url
 from services.settings import Settings, get_settings
 from tests.api.conftest import BACKBONE, Api
+from tests.api.helpers import tiny_lora_spec
 
 ADMIN_ROUTES = {("post", "/v1/backbones"), ("get", "/v1/audit")}
 SET_UP = [
@@ -306,24 +307,7 @@ def test_the_audit_trail_records_who_did_what_and_only_admins_read_it(
     writer.register_task(
         "toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"]
     )  # no-op
-    writer.register_method(
-        {
-            "name": "tiny_lora",
-            "modules": {
-                "q": {
-                    "form": "bottleneck",
-                    "representation": "attn.q",
-                    "insertion": "parallel",
-                    "composition": "scaled",
-                    "size": 2,
-                    "alpha": 4,
-                    "nonlinearity": "identity",
-                    "proj_bias": False,
-                    "init": "lora",
-                }
-            },
-        }
-    )
+    writer.register_method(tiny_lora_spec("tiny_lora"))
     job = writer.submit("toy", "lora", backbone=BACKBONE)
     sweep = writer.sweep("toy", ["lora", "bitfit"], backbone=BACKBONE)
     writer.cancel(job.id)

@@ -35,6 +35,7 @@ import pytest
 from services.api.server import ApiServer
 from services.client import PeltClient
 from services.settings import Settings
+from tests.api.helpers import tiny_lora_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT_TIMEOUT_SECONDS = 2.0  # the header and body timeouts of the tests that expect a close
@@ -341,24 +342,7 @@ def test_pelt_serve_keeps_everything_it_writes_to_its_own_user(tmp_path: Path, t
         url = read_line_until(output_lines(process), "pelt serving on").split()[3]
         client = PeltClient(url, settings=Settings(data_dir=data, ray_address=None))
         client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
-        client.register_method(
-            {
-                "name": "mine",
-                "modules": {
-                    "q": {
-                        "form": "bottleneck",
-                        "representation": "attn.q",
-                        "insertion": "parallel",
-                        "composition": "scaled",
-                        "size": 2,
-                        "alpha": 4,
-                        "nonlinearity": "identity",
-                        "proj_bias": False,
-                        "init": "lora",
-                    }
-                },
-            }
-        )
+        client.register_method(tiny_lora_spec("mine"))
         written = sorted(p.name for p in data.rglob("*"))
         assert {"registry.db", "mlflow.db", "api_token", "datasets", "train.jsonl"} <= set(written), written
         assert modes_open_to_others(data) == []

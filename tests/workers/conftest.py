@@ -33,22 +33,12 @@ def save_tiny_bert(folder: Path, seed: int = 0) -> None:
     """A 2-layer BERT (hidden 32) with its pooler, so loading it back initialises nothing at random
     (its content hash is the same in every process), and its tokenizer."""
     import torch
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
-    from pelt_core.testing import tiny_tokenizer
+    from pelt_core.testing import tiny_bert_config, tiny_tokenizer
 
     torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=len(VOCAB),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    BertModel(config).eval().save_pretrained(folder)
+    BertModel(tiny_bert_config()).eval().save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
 
 
