@@ -16,6 +16,7 @@ reproducible. Other devices use torch's own dropout (already fast there).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,21 +58,62 @@ def _cheap(x: torch.Tensor, p: float) -> bool:
     return x.device.type == "cpu" and round(p * RESOLUTION) < RESOLUTION
 
 
-def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """`F.dropout` with the cheap keep mask on the CPU."""
+RowGenerators = list[
+    tuple[int, "torch.Generator | None"]
+]  # (rows, generator) per consecutive slice of a batch
+
+
+def dropout(
+    x: torch.Tensor, p: float, training: bool = True, generators: RowGenerators | None = None
+) -> torch.Tensor:
+    """`F.dropout` with the cheap keep mask on the CPU; with `generators`, each consecutive slice of rows
+    (dim 0) draws its mask from its own generator (a job's rows in a pack: pelt_core.pack)."""
     if not training or p == 0.0:
         return x
+    if generators is not None:
+        return x * row_keep_mask(x.shape, p, x.device, generators).to(x.dtype).mul_(keep_scale(p))
     if not _cheap(x, p):
         return F.dropout(x, p, training=True)
     # a float mask and a multiply: on the CPU cheaper forward and backward than torch.where or masked_fill
     return x * keep_mask(x.shape, p, x.device).to(x.dtype).mul_(keep_scale(p))
 
 
+def row_keep_mask(
+    shape: torch.Size | tuple[int, ...], p: float, device: torch.device | str, generators: RowGenerators
+) -> torch.Tensor:
+    """A keep mask whose rows (dim 0) come in slices, each drawn from its own generator (None: torch's)."""
+    if sum(rows for rows, _ in generators) != shape[0]:
+        raise ValueError(
+            f"row generators cover {sum(r for r, _ in generators)} rows, the tensor has {shape[0]}"
+        )
+    pieces = [keep_mask((rows, *shape[1:]), p, device, generator) for rows, generator in generators]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
 class BackboneDropout(nn.Dropout):
-    """nn.Dropout that draws its mask with `keep_mask` (installed in place of the backbone's own)."""
+    """nn.Dropout that draws its mask with `keep_mask` (installed in place of the backbone's own).
+
+    `row_generators`, when set (by pelt_core.runtime), says which generator draws each slice of rows."""
+
+    row_generators: Callable[[], RowGenerators | None] | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return dropout(input, self.p, self.training)
+        generators = self.row_generators() if self.row_generators is not None and self.training else None
+        if generators is not None and sum(rows for rows, _ in generators) != input.shape[0]:
+            generators = None  # not a batch-first tensor: torch's generator draws its mask
+        return dropout(input, self.p, self.training, generators)
+
+
+class JobDropout(nn.Dropout):
+    """Dropout inside one job's own modules (head, bottlenecks): its masks come from the job's generator
+    when one is set (`JobDelta.use_generator`), else from torch's."""
+
+    generator: torch.Generator | None = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.generator is None or not self.training or self.p == 0.0:
+            return super().forward(input)
+        return dropout(input, self.p, True, [(input.shape[0], self.generator)])
 
 
 def use_backbone_dropout(model: nn.Module) -> int:
@@ -97,11 +139,12 @@ def attention_with_dropout(
     p: float,
     scale: float | None = None,
     is_causal: bool = False,
+    generators: RowGenerators | None = None,
 ) -> torch.Tensor:
     """softmax(q kᵀ · scale + mask) with dropout, times v: what `scaled_dot_product_attention` computes.
 
     query (B, H, Q, D), key/value (B, H, K, D) (GQA heads already repeated); attention_mask broadcastable
-    to (B, H, Q, K), boolean (True = attend) or additive; returns (B, H, Q, D). A row with nothing to attend
+    to (B, H, Q, K), boolean (True = attend) or additive; returns (B, H, Q, D); `generators`: as `dropout`. A row with nothing to attend
     to gets uniform weights instead of NaN (padding rows only; their outputs are never read)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     # scores and softmax in fp32 whatever the inputs (bf16 autocast, a bf16 backbone), as sdpa's math path does
@@ -119,6 +162,9 @@ def attention_with_dropout(
     weights = torch.softmax(scores, dim=-1).to(value.dtype)
     if p == 0.0:
         return torch.matmul(weights, value)
+    if generators is not None:
+        kept = weights * row_keep_mask(weights.shape, p, weights.device, generators).to(weights.dtype)
+        return torch.matmul(kept, value).mul_(keep_scale(p))
     if not _cheap(weights, p):
         return torch.matmul(F.dropout(weights, p, training=True), value)
     kept = weights * keep_mask(weights.shape, p, weights.device).to(weights.dtype)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pelt_core.dropout import JobDropout
 from pelt_core.spec import ModuleSpec
 
 ACTIVATIONS = {
@@ -53,7 +54,7 @@ class Bottleneck(nn.Module):
         self.down = nn.Linear(d_in, spec.size, bias=spec.proj_bias)
         self.up = nn.Linear(spec.size, d_out, bias=spec.proj_bias)
         self.act = ACTIVATIONS[spec.nonlinearity]()
-        self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+        self.dropout = JobDropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         self.gate = Gate(d_in) if spec.gate else None
         scale = spec.effective_scale if spec.composition == "scaled" else 1.0
         if spec.learned_scale:

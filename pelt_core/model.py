@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pelt_core.backbones import Backbone
+from pelt_core.dropout import JobDropout
 from pelt_core.layers import Bottleneck, Gate, NormDelta, PrefixEncoder, PrefixParams
 from pelt_core.limits import LimitError, check_against_backbone
 from pelt_core.predictions import Text, decode_predictions, evaluating, tokenize_texts
@@ -38,7 +39,7 @@ class Head(nn.Module):
         if pooling not in ("cls", "mean", "last"):
             raise ValueError(f"pooling must be cls, mean or last, got {pooling!r}")
         self.pooling = pooling
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = JobDropout(dropout)
         self.classifier = nn.Linear(hidden_size, num_labels)
         nn.init.normal_(self.classifier.weight, std=0.02)
         nn.init.zeros_(self.classifier.bias)
@@ -126,6 +127,15 @@ class JobDelta(nn.Module):
         self._build(method, backbone, reparameterize_prefix)
         self._index()
         self._prefix_cache: torch.Tensor | None = None
+        self.generator: torch.Generator | None = None
+
+    def use_generator(self, generator: torch.Generator | None) -> None:
+        """Draw every dropout mask of this job's rows (its modules, its head, the backbone's dropout on its
+        rows) from `generator`, so that its masks never depend on the jobs that share its forward."""
+        self.generator = generator
+        for module in self.modules():
+            if isinstance(module, JobDropout):
+                module.generator = generator
 
     # -- construction --------------------------------------------------------------------------------
     def _site(self, layer: int, key: str) -> nn.ModuleDict:
@@ -356,8 +366,19 @@ class PeltModel(nn.Module):
             hidden = self.backbone.model(**kwargs).last_hidden_state
         if return_hidden:
             return hidden
-        outputs = [route.delta.head(hidden[route.rows], attention_mask[route.rows]) for route in resolved]
+        pieces = zip(
+            resolved,
+            self._split_rows(resolved, hidden),
+            self._split_rows(resolved, attention_mask),
+            strict=True,
+        )
+        outputs = [route.delta.head(rows, mask) for route, rows, mask in pieces]
         return outputs[0] if len(outputs) == 1 else outputs
+
+    @staticmethod
+    def _split_rows(routes: list[Route], tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each route's rows as views (`split`: one gradient join in backward, not one per route)."""
+        return tensor.split([route.rows.stop - route.rows.start for route in routes])
 
     def _resolve_routes(self, routes: list[tuple[str, int]] | None, batch: int) -> list[Route]:
         """(name, rows) pairs as consecutive row slices of the batch, checked against the deltas held."""

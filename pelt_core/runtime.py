@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from pelt_core.backbones import Backbone
-from pelt_core.dropout import attention_with_dropout, use_backbone_dropout
+from pelt_core.dropout import BackboneDropout, RowGenerators, attention_with_dropout, use_backbone_dropout
 
 if TYPE_CHECKING:
     from pelt_core.model import JobDelta
@@ -44,6 +45,7 @@ class Runtime:
     def __init__(self, backbone: Backbone):
         self.backbone = backbone
         self.routes: list[Route] | None = None
+        self.sizes: list[int] = []  # rows of each route, in batch order
         self.padding_mask: torch.Tensor | None = None
         self.stash: dict[tuple[int, str], torch.Tensor] = {}
         arch = backbone.arch
@@ -59,6 +61,9 @@ class Runtime:
             _ATTENTION_OWNERS[backbone.attention(i)] = (self, i)
         _install_attention(backbone.model)
         use_backbone_dropout(backbone.model)  # same p, cheaper random numbers (pelt_core.dropout)
+        for module in backbone.model.modules():  # each job's rows draw their masks from its own generator
+            if isinstance(module, BackboneDropout):
+                module.row_generators = self.row_generators
 
     @contextlib.contextmanager
     def routing(self, routes: list[Route], padding_mask: torch.Tensor) -> Iterator[None]:
@@ -68,6 +73,7 @@ class Runtime:
                 "this backbone is already running a PELT forward (one forward at a time per backbone)"
             )
         self.routes, self.padding_mask = routes, padding_mask
+        self.sizes = [route.rows.stop - route.rows.start for route in routes]
         try:
             for route in routes:
                 route.delta.begin_forward()
@@ -78,16 +84,35 @@ class Runtime:
             for route in routes:
                 route.delta.end_forward()
 
-    def _map_routes(self, output: torch.Tensor, fn: Callable) -> torch.Tensor | None:
-        """Apply fn(route, rows_of_output, rows) per route; None when no route changed anything."""
+    def row_generators(self) -> RowGenerators | None:
+        """(rows, generator) per route while a routed forward runs and some job has its own dropout
+        generator (`JobDelta.use_generator`); None otherwise (torch's generator draws every mask)."""
         routes = self.routes
-        if len(routes) == 1 and routes[0].full:
-            return fn(routes[0], output, slice(None))
+        if not routes or any(route.delta.generator is None for route in routes):
+            return None
+        return [(route.rows.stop - route.rows.start, route.delta.generator) for route in routes]
+
+    def split(self, tensor: torch.Tensor | None) -> tuple[torch.Tensor, ...] | list[None]:
+        """Each route's rows of a batch-first tensor, as views. `split` (not one slice per route): its
+        backward joins the pieces' gradients once, where N slices would each fill a batch-sized zero
+        tensor (N² work in a pack of N)."""
+        if tensor is None:
+            return [None] * len(self.routes)
+        if len(self.routes) == 1:
+            return (tensor,)
+        return tensor.split(self.sizes)
+
+    def _map_routes(self, output: torch.Tensor, fn: Callable) -> torch.Tensor | None:
+        """Apply fn(route, route's rows of output, route index) per route; None when no route changed
+        anything."""
+        routes = self.routes
+        if len(routes) == 1:
+            return fn(routes[0], output, 0)
         pieces, changed = [], False
-        for route in routes:
-            piece = fn(route, output[route.rows], route.rows)
+        for index, (route, rows) in enumerate(zip(routes, self.split(output), strict=True)):
+            piece = fn(route, rows, index)
             if piece is None:
-                piece = output[route.rows]
+                piece = rows
             else:
                 changed = True
             pieces.append(piece)
@@ -103,13 +128,16 @@ class Runtime:
             x = args[0]
             if stash_as is not None:
                 self.stash[(layer, stash_as)] = x
-            sub_x = self.stash.get((layer, sublayer)) if sublayer else None
+            if not any(key in route.delta.linear_ops for route in self.routes):
+                return None
+            xs = self.split(x)
+            sub_xs = self.split(self.stash.get((layer, sublayer)) if sublayer else None)
 
-            def apply(route: Route, h: torch.Tensor, rows: slice):
+            def apply(route: Route, h: torch.Tensor, index: int):
                 ops = route.delta.linear_ops.get(key)
                 if ops is None:
                     return None
-                return route.delta.apply_linear(ops, x[rows], h, None if sub_x is None else sub_x[rows])
+                return route.delta.apply_linear(ops, xs[index], h, sub_xs[index])
 
             return self._map_routes(output, apply)
 
@@ -121,11 +149,13 @@ class Runtime:
         def hook(module, args, output):
             if self.routes is None:
                 return None
-            x = args[0]
+            if not any(key in route.delta.norm_ops for route in self.routes):
+                return None
+            xs = self.split(args[0])
 
-            def apply(route: Route, y: torch.Tensor, rows: slice):
+            def apply(route: Route, y: torch.Tensor, index: int):
                 delta = route.delta.norm_ops.get(key)
-                return None if delta is None else delta(module, x[rows], y)
+                return None if delta is None else delta(module, xs[index], y)
 
             return self._map_routes(output, apply)
 
@@ -137,31 +167,38 @@ class Runtime:
         entries = [route.delta.prefix_kv(layer) for route in self.routes]
         if all(e is None for e in entries):
             return key, value, attention_mask
-        batch, kv_heads, head_dim = query.shape[0], key.shape[1], key.shape[3]
+        kv_heads, head_dim = key.shape[1], key.shape[3]
         length = max(e[0].shape[0] for e in entries if e is not None)
-        prefix_k = key.new_zeros(batch, kv_heads, length, head_dim)
-        prefix_v = value.new_zeros(batch, kv_heads, length, head_dim)
-        valid = torch.zeros(batch, length, dtype=torch.bool, device=key.device)
-        x = self.stash.get((layer, "attn"))
-        for route, entry in zip(self.routes, entries, strict=True):
-            if entry is None:
+        xs = self.split(self.stash.get((layer, "attn")))
+        masks = self.split(self.padding_mask)
+        keys, values, valid = [], [], []
+        for entry, rows, x, mask in zip(entries, self.sizes, xs, masks, strict=True):
+            if entry is None:  # rows without a prefix: zero slots they never see
+                keys.append(key.new_zeros(rows, kv_heads, length, head_dim))
+                values.append(value.new_zeros(rows, kv_heads, length, head_dim))
+                valid.append(torch.zeros(rows, length, dtype=torch.bool, device=key.device))
                 continue
             pk, pv, prefix = entry
             n = pk.shape[0]
-            rows = route.rows if not route.full else slice(0, batch)
-            count = rows.stop - rows.start if rows.stop is not None else batch
             k = pk.view(n, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)  # (1, kvh, n, hd)
             v = pv.view(n, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
             if prefix.gate is not None:
-                gate = prefix.gate(x[rows]).squeeze(-1)  # (rows, T)
-                mask = self.padding_mask[rows].to(gate.dtype) if self.padding_mask is not None else None
+                gate = prefix.gate(x).squeeze(-1)  # (rows, T)
+                mask = mask.to(gate.dtype) if mask is not None else None
                 g = (gate * mask).sum(1) / mask.sum(1).clamp(min=1) if mask is not None else gate.mean(1)
                 prefix.gate.last_mean = g.detach().mean()
                 g = g.view(-1, 1, 1, 1)
                 k, v = k * g, v * g
-            prefix_k[rows, :, :n] = k.expand(count, -1, -1, -1).to(key.dtype)
-            prefix_v[rows, :, :n] = v.expand(count, -1, -1, -1).to(value.dtype)
-            valid[rows, :n] = True
+            k, v = k.expand(rows, -1, -1, -1).to(key.dtype), v.expand(rows, -1, -1, -1).to(value.dtype)
+            if n < length:  # shorter than another job's prefix: zero slots this row never sees
+                k, v = F.pad(k, (0, 0, 0, length - n)), F.pad(v, (0, 0, 0, length - n))
+            keys.append(k)
+            values.append(v)
+            row_valid = torch.zeros(rows, length, dtype=torch.bool, device=key.device)
+            row_valid[:, :n] = True
+            valid.append(row_valid)
+        prefix_k, prefix_v = torch.cat(keys), torch.cat(values)
+        valid = torch.cat(valid)
         key = torch.cat([prefix_k, key], dim=2)
         value = torch.cat([prefix_v, value], dim=2)
         return key, value, _mask_with_prefix(module, query, key, attention_mask, valid, is_eager)
@@ -236,8 +273,11 @@ def _install_attention(model: nn.Module) -> None:
                 key, value, attention_mask = runtime.extend_with_prefix(
                     module, query, key, value, attention_mask, is_eager=False
                 )
-                if _cheap_dropout_applies(query, kwargs):
-                    return _sdpa_with_cheap_dropout(module, query, key, value, attention_mask, **kwargs)
+                generators = runtime.row_generators() if (kwargs.get("dropout") or 0.0) > 0.0 else None
+                if _cheap_dropout_applies(query, kwargs, generators):
+                    return _sdpa_with_cheap_dropout(
+                        module, query, key, value, attention_mask, generators=generators, **kwargs
+                    )
             return sdpa(module, query, key, value, attention_mask, **kwargs)
 
         def pelt_eager(module, query, key, value, attention_mask, **kwargs):
@@ -262,8 +302,9 @@ def _install_attention(model: nn.Module) -> None:
     model.config._attn_implementation = f"pelt_{current}"
 
 
-def _cheap_dropout_applies(query: torch.Tensor, kwargs: dict) -> bool:
-    """Attention dropout on the CPU, with nothing sdpa-specific asked for (paged cache, position bias)."""
+def _cheap_dropout_applies(query: torch.Tensor, kwargs: dict, generators: RowGenerators | None) -> bool:
+    """Attention dropout on the CPU, with nothing sdpa-specific asked for (paged cache, position bias).
+    Elsewhere sdpa's fused kernel keeps its own dropout, from torch's generator (not the jobs' own)."""
     return (
         (kwargs.get("dropout") or 0.0) > 0.0
         and query.device.type == "cpu"
@@ -272,7 +313,16 @@ def _cheap_dropout_applies(query: torch.Tensor, kwargs: dict) -> bool:
 
 
 def _sdpa_with_cheap_dropout(
-    module, query, key, value, attention_mask, dropout: float, scaling=None, is_causal=None, **_
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float,
+    scaling=None,
+    is_causal=None,
+    generators: RowGenerators | None = None,
+    **_,
 ):
     """transformers' sdpa attention while training on the CPU: the same inputs and result, with
     pelt_core.dropout's keep mask instead of sdpa's math fallback (which draws one number per weight)."""
@@ -283,5 +333,7 @@ def _sdpa_with_cheap_dropout(
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
-    output = attention_with_dropout(query, key, value, attention_mask, dropout, scaling, is_causal)
+    output = attention_with_dropout(
+        query, key, value, attention_mask, dropout, scaling, is_causal, generators
+    )
     return output.transpose(1, 2).contiguous(), None

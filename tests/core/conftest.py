@@ -15,10 +15,12 @@ def family(request) -> str:
 
 @pytest.fixture
 def make_backbone(tmp_path):
-    """make_backbone("bert" | "llama", seed=0, attn_implementation="sdpa") -> a fresh tiny Backbone."""
+    """make_backbone("bert" | "llama", seed=0, attn_implementation="sdpa", **config) -> a fresh tiny Backbone."""
 
-    def make(family: str = "bert", seed: int = 0, attn_implementation: str = "sdpa"):
-        return TINY[family](str(tmp_path), seed=seed, attn_implementation=attn_implementation)
+    def make(family: str = "bert", seed: int = 0, attn_implementation: str = "sdpa", **config_overrides):
+        return TINY[family](
+            str(tmp_path), seed=seed, attn_implementation=attn_implementation, **config_overrides
+        )
 
     return make
 

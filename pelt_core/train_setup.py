@@ -1,0 +1,173 @@
+"""What the training loop stands on: its errors, progress reports and result, the loss, the learning-rate
+schedule, a job's fresh delta and encoded data, and the accounting of a finished run (pelt_core.pack
+runs the loop; pelt_core.train.train is its one-job form)."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from pelt_core.backbones import Backbone
+from pelt_core.config import ConfigError, TrainConfig
+from pelt_core.data import Encoded, TaskFields, encode
+from pelt_core.limits import LimitError, check_train_steps, fitted_max_length
+from pelt_core.model import JobDelta
+from pelt_core.spec import MethodSpec
+
+_INIT_LOCK = threading.Lock()  # torch's global generator seeds one job's initialisation at a time
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss became NaN or infinite)."""
+
+
+class TrainingCancelled(RuntimeError):
+    """The stop flag was raised; no delta should be kept."""
+
+
+@dataclass
+class Progress:
+    step: int
+    total_steps: int
+    epoch: float
+    loss: float
+    tokens_per_second: float
+    learning_rate: float
+
+
+@dataclass
+class TrainResult:
+    delta: JobDelta
+    task: TaskFields
+    metrics: dict[str, float]  # final evaluation (empty without evaluation data)
+    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per epoch
+    steps: int = 0
+    train_seconds: float = 0.0  # optimisation steps only (evaluation excluded)
+    eval_seconds: float = 0.0
+    train_tokens: int = 0
+    tokens_per_second: float = 0.0
+    peak_memory_bytes: int = 0
+    parameter_counts: dict[str, int] = field(default_factory=dict)
+    trainable_percent: float = 0.0
+    gate_values: dict[str, float] = field(default_factory=dict)
+    bf16: bool = False
+
+
+def bf16_available(device: torch.device) -> bool:
+    """Whether bf16 autocast makes training faster here.
+
+    On CPUs only AMX pays: with AVX512-BF16 alone, bf16 matmuls measured about half as fast as fp32
+    (84 vs 162 GFLOP/s on one core; benchmarks/bench_pelt_core.py prints both peaks).
+    """
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def autocast_context(device: torch.device, enabled: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def loss_fn(problem_type: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    if problem_type == "single_label_classification":
+        return F.cross_entropy(logits, labels)
+    if problem_type == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits, labels.float())
+    return F.mse_loss(logits.squeeze(-1), labels.float())
+
+
+# --------------------------------------------------------------------------------------------------
+# Set-up and accounting around the loop
+# --------------------------------------------------------------------------------------------------
+def new_delta(backbone: Backbone, method: MethodSpec, task: TaskFields, config: TrainConfig) -> JobDelta:
+    """The job's freshly initialised modules and head (seeded by `config.seed`), on the CPU."""
+    pooling = config.pooling if config.pooling != "auto" else ("last" if backbone.arch.is_decoder else "mean")
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):  # jobs set up in several threads: each by its seed
+        torch.manual_seed(config.seed)
+        return JobDelta(
+            method,
+            backbone,
+            task.num_labels,
+            task.problem_type,
+            pooling,
+            config.head_dropout,
+            task.label_names,
+        )
+
+
+def encode_splits(
+    backbone: Backbone, task: TaskFields, config: TrainConfig, train_data, eval_data
+) -> tuple[Encoded, Encoded | None]:
+    """Training and evaluation data tokenised once (padded per batch later), cut to the backbone's positions
+    as the service does."""
+    max_length = fitted_max_length(config.max_length, backbone.facts)
+    train_set = encode(train_data, backbone.tokenizer, task, max_length, where="training data")
+    if eval_data is None:
+        return train_set, None
+    return train_set, encode(eval_data, backbone.tokenizer, task, max_length, where="evaluation data")
+
+
+def total_train_steps(config: TrainConfig, train_rows: int) -> int:
+    """Optimisation steps over the K-shot sample already drawn, within the limits (a ConfigError if not)."""
+    try:
+        return check_train_steps({**config.to_dict(), "k_shot": None}, train_rows)
+    except LimitError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def linear_schedule(learning_rate: float, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """The learning rate at each step: linear warmup over `warmup_steps`, then linear decay to 0."""
+
+    def lr_at(step: int) -> float:
+        if step < warmup_steps:
+            return learning_rate * (step + 1) / warmup_steps
+        return learning_rate * max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return lr_at
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process on `device` (CUDA allocator peak; on the CPU the max RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def finished_result(
+    delta: JobDelta,
+    task: TaskFields,
+    backbone: Backbone,
+    history: list[dict[str, Any]],
+    steps: int,
+    tokens: int,
+    train_seconds: float,
+    eval_seconds: float,
+    bf16: bool,
+) -> TrainResult:
+    """A finished run's result: the last evaluation's metrics, the delta's sizes and gates, speed, memory."""
+    metrics = {k: v for k, v in history[-1].items() if k not in ("epoch", "step")} if history else {}
+    counts = delta.parameter_counts()
+    return TrainResult(
+        delta=delta,
+        task=task,
+        metrics=metrics,
+        history=history,
+        steps=steps,
+        train_seconds=train_seconds,
+        eval_seconds=eval_seconds,
+        train_tokens=tokens,
+        tokens_per_second=tokens / max(train_seconds, 1e-9),
+        peak_memory_bytes=peak_memory_bytes(next(delta.parameters()).device),
+        parameter_counts=counts,
+        trainable_percent=100.0 * counts["pelt"] / backbone.num_parameters,
+        gate_values=delta.gate_values(),
+        bf16=bf16,
+    )
