@@ -1,20 +1,23 @@
-"""A long-lived worker: warm backbones, up to `slots` jobs at a time (one thread each), their leases kept alive.
+"""A long-lived worker: warm backbones, several jobs at a time (packed or in slots), their leases kept alive.
 
 `PeltWorker` is a plain class; the dispatcher runs it as a threaded Ray actor (`worker_actor_class`),
-so each `run` trains in its own thread while `stop` and `info` answer in others. A worker has
-`WorkerConfig.slots` job slots (the dispatcher's `jobs_per_worker`, default 1): its jobs share the
-process (one Python/torch/transformers/Ray runtime instead of one per job), its warm backbones (the
-node's shared tensors are mapped once per process) and their tokenizers. Each job has its own PELT
-modules, head and optimizer, built by pelt_core around a *replica* of the backbone: a second module
-tree whose parameters are the same tensors (no copy), so that jobs running at once never share the
-per-forward routing state pelt_core keeps on a backbone's modules (`workers.backbone_store.replicate`).
-A slot keeps its replica warm for the next job on that backbone.
+so each `run` call (one per job) runs in its own thread while `stop` and `info` answer in others. Its jobs
+share the process (one Python/torch/transformers/Ray runtime instead of one per job), its warm backbones
+(the node's shared tensors are mapped once per process) and their tokenizers. Two ways to run several:
+
+- **Packs** (`WorkerConfig.pack_size` N > 1, the dispatcher's `--pack-size`): N places; every job on a warm
+  backbone joins that backbone's `PackRunner` (`workers.pack_runner`), whose one thread steps them
+  together through shared backbone passes (`pelt_core.pack`); each `run` waits for its own job's end. A
+  job's initialisation and dropout come from its own seed and generator, whatever shares its pack.
+- **Job slots** (`WorkerConfig.slots`, the dispatcher's `jobs_per_worker`): each job trains in its own
+  thread around a *replica* of the backbone: a second module tree over the same tensors (no copy), so jobs
+  running at once never share the per-forward routing state pelt_core keeps on a backbone's modules
+  (`workers.backbone_store.replicate`). Jobs in slots share torch's global random generator: their
+  initialisation and dropout depend on their seed only when a job runs alone in its worker.
 
 Threads: torch's intra-op thread count is per process, and each training thread runs its ops with that
-many threads (OpenMP gives every calling thread its own team), so a worker sets it to one slot's CPUs
-(`WorkerConfig.threads`) and the dispatcher reserves slots x that many CPUs for the actor. Jobs in one
-process share torch's global random generator: a job's initialisation and dropout depend on its seed
-only when it runs alone in its worker (jobs_per_worker=1).
+many threads (OpenMP gives every calling thread its own team), so a worker sets it to `WorkerConfig.threads`
+(one slot's CPUs, or the whole pack's) and the dispatcher reserves that many CPUs per slot (per pack).
 
 For each job it:
 
@@ -57,6 +60,7 @@ from pelt_core.methods import get_method
 from pelt_core.spec import SpecError
 from pelt_core.train import Progress, TrainingCancelled, TrainingError, train
 from workers.job import DeltaSink, JobLease, JobOutcome, JobSpec, LeaseLost
+from workers.pack_runner import PackRunner
 
 log = logging.getLogger("pelt.workers")
 
@@ -87,6 +91,13 @@ class WorkerConfig:
         1  # torch intra-op threads of every job (one slot's CPUs); None leaves torch's default
     )
     slots: int = 1  # jobs run at once, each in its own thread, sharing this process and its backbones
+    pack_size: int = 1  # > 1: the worker has this many places, and jobs on one backbone train as a pack
+
+    @property
+    def places(self) -> int:
+        """Jobs the worker runs at once: its pack places, or its job slots when it does not pack."""
+        return self.pack_size if self.pack_size > 1 else self.slots
+
     heartbeat_seconds: float = 15.0  # how often the lease is renewed and progress reported
     lease_seconds: float = 60.0  # after this long without a heartbeat getting through, assume the lease lost
     max_backbones: int = 2  # warm backbones kept per worker (least recently used dropped first)
@@ -99,8 +110,9 @@ class _Attempt:
 
     PRIORITY: ClassVar[dict[str, int]] = {"release": 0, "cancel": 1, "lease_lost": 2}
 
-    def __init__(self, job_id: int, owner: str) -> None:
+    def __init__(self, job_id: int, owner: str, backbone: str | None = None) -> None:
         self.job_id = job_id
+        self.backbone = backbone  # the registry's name of its backbone (for a restarted dispatcher)
         self.owner = owner  # the lease owner, unique per running job (the dispatcher's "<worker>#<slot>")
         self.stopping = threading.Event()
         self.reason: str | None = None
@@ -175,6 +187,7 @@ class _Warm:
         self.backbone = backbone
         self.shared_bytes = shared_bytes
         self.free: list[Backbone] = [backbone]
+        self.runner: PackRunner | None = None  # packing workers: the pack runner of this backbone
 
 
 class PeltWorker:
@@ -185,15 +198,18 @@ class PeltWorker:
     ) -> None:
         self.worker_id = worker_id
         self.config = config or WorkerConfig()
-        if self.config.slots < 1:
-            raise ValueError(f"a worker needs at least one job slot, got {self.config.slots}")
+        if self.config.slots < 1 or self.config.pack_size < 1:
+            raise ValueError(
+                f"a worker needs at least one job slot and a pack size of at least 1, got "
+                f"slots={self.config.slots}, pack_size={self.config.pack_size}"
+            )
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         if self.config.threads:
             import torch
 
             torch.set_num_threads(self.config.threads)
-        if self.config.slots > 1:
+        if self.config.places > 1:
             _import_eagerly()
         if backbones is None:
             from workers.backbone_store import NodeBackbones
@@ -222,8 +238,13 @@ class PeltWorker:
                 "worker_id": self.worker_id,
                 "node_id": _node_id(),
                 "pid": os.getpid(),
-                "slots": self.config.slots,
-                "jobs": [{"job_id": a.job_id, "owner": a.owner, "progress": a.progress} for a in attempts],
+                "slots": self.config.places,
+                "pack_size": self.config.pack_size,
+                "packs": [w.runner.describe() for w in self._backbones.values() if w.runner is not None],
+                "jobs": [
+                    {"job_id": a.job_id, "owner": a.owner, "backbone": a.backbone, "progress": a.progress}
+                    for a in attempts
+                ],
                 "job_id": None if first is None else first.job_id,
                 "progress": None if first is None else first.progress,
                 "backbones": [list(key) for key in self._backbones],
@@ -266,13 +287,14 @@ class PeltWorker:
     def run(self, job: JobSpec, lease: JobLease, sink: DeltaSink) -> JobOutcome:
         """Train one job under its lease in a free slot and record how it ended (see the module
         docstring). Raises WorkerBusyError when every slot is taken or the job already runs here."""
-        attempt = _Attempt(job.job_id, getattr(lease, "worker_id", None) or self.worker_id)
+        owner = getattr(lease, "worker_id", None) or self.worker_id
+        attempt = _Attempt(job.job_id, owner, (job.tags or {}).get("backbone"))
         with self._lock:
             if job.job_id in self._attempts:
                 raise WorkerBusyError(f"worker {self.worker_id} is already running job {job.job_id}")
-            if len(self._attempts) >= self.config.slots:
+            if len(self._attempts) >= self.config.places:
                 raise WorkerBusyError(
-                    f"worker {self.worker_id} has {self.config.slots} slot(s), all taken by "
+                    f"worker {self.worker_id} has {self.config.places} place(s), all taken by "
                     f"job(s) {', '.join(str(j) for j in self._attempts)}"
                 )
             self._attempts[job.job_id] = attempt
@@ -373,7 +395,7 @@ class PeltWorker:
                 eval_data = load_split(task.validation_path)
             else:  # no evaluation split: a dev split held out from the training rows by the job's seed
                 train_data, eval_data = hold_out_dev_split(train_data, config.seed)
-        with self._lend(job.backbone, job.backbone_dtype or config.backbone_dtype) as backbone:
+        with self._lend(job.backbone, job.backbone_dtype or config.backbone_dtype) as (backbone, trainer):
             expected = (job.backbone_hash or "").removeprefix("sha256:")
             if expected and expected != backbone.content_hash:
                 raise BackboneError(
@@ -383,8 +405,7 @@ class PeltWorker:
                 )
             if should_stop():
                 raise TrainingCancelled("stopped before training")
-            result = train(
-                backbone,
+            result = trainer(
                 spec,
                 train_data,
                 eval_data,
@@ -424,22 +445,32 @@ class PeltWorker:
                     self._backbones.move_to_end(key)
                     return self._backbones[key]
             warm = _Warm(*self._source(name, dtype))
-            if self.config.slots > 1:  # its jobs may tokenize at the same moment
+            if self.config.places > 1:  # its jobs may tokenize at the same moment
                 from workers.backbone_store import SerializedTokenizer
 
                 warm.backbone.tokenizer = SerializedTokenizer(warm.backbone.tokenizer)
             with self._lock:
                 self._backbones[key] = warm
-                while len(self._backbones) > max(self.config.max_backbones, 1):
-                    self._backbones.popitem(last=False)
+                idle = [k for k, w in self._backbones.items() if w.runner is None or not w.runner.active]
+                while len(self._backbones) > max(self.config.max_backbones, 1) and idle:
+                    self._backbones.pop(idle.pop(0))  # least recently used first; a running pack stays
         return warm
 
     @contextlib.contextmanager
-    def _lend(self, name: str, dtype: str) -> Iterator[Backbone]:
-        """A replica of a warm backbone for one job: its own module tree over the shared tensors, so jobs
-        training at once never share pelt_core's per-forward state. The mapped copy is the first replica;
-        more are built when slots train on the same backbone at once, and kept for the next jobs."""
+    def _lend(self, name: str, dtype: str) -> Iterator[tuple[Backbone, Callable[..., Any]]]:
+        """A backbone for one job and the trainer to call (`pelt_core.train.train` without its first argument).
+
+        Packing: every job on a warm backbone joins its `PackRunner` (one module tree, one stepping thread).
+        Otherwise a replica: its own module tree over the shared tensors, so jobs training at once in slots
+        never share pelt_core's per-forward state. The mapped copy is the first replica; more are built when
+        slots train on the same backbone at once, and kept for the next jobs."""
         warm = self._warm(name, dtype)
+        if self.config.pack_size > 1:
+            with self._lock:
+                if warm.runner is None:
+                    warm.runner = PackRunner(warm.backbone, name=f"pack-{warm.backbone.name}-{dtype}")
+            yield warm.backbone, warm.runner.train
+            return
         with self._lock:
             backbone = warm.free.pop() if warm.free else None
         if backbone is None:
@@ -447,7 +478,7 @@ class PeltWorker:
 
             backbone = replicate(warm.backbone)
         try:
-            yield backbone
+            yield backbone, functools.partial(train, backbone)
         finally:
             with self._lock:
                 warm.free.append(backbone)  # dropped with `warm` if it left the cache meanwhile

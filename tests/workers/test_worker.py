@@ -313,3 +313,54 @@ def test_a_replica_shares_every_tensor_of_its_backbone(tiny_backbone):
     assert set(ours) == set(theirs)
     assert all(ours[name].data_ptr() == theirs[name].data_ptr() for name in ours)
     assert twin.model is not backbone.model and twin.content_hash == backbone.content_hash
+
+
+def test_a_packing_worker_trains_its_jobs_through_shared_steps_and_ends_each_on_its_own(
+    tiny_backbone, toy_data, tmp_path
+):
+    """Pack places: jobs of mixed methods share the worker's backbone passes; a job that cannot start fails
+    alone; a cancel ends one job; its pack-mates go on and succeed, each through its own lease."""
+    from pelt_core import get_method
+
+    worker = PeltWorker(
+        "wp",
+        WorkerConfig(threads=None, pack_size=4, heartbeat_seconds=0.02, lease_seconds=5),
+        backbones=CountingBackbones(),
+    )
+    sink = LocalDeltaSink(tmp_path / "deltas")
+    leases = {job_id: RecordingLease(job_id) for job_id in (1, 2, 3, 4)}
+    specs = {
+        1: job_spec(tiny_backbone, toy_data, 1, steps=UNENDING),
+        2: job_spec(
+            tiny_backbone, toy_data, 2, method="pfeiffer", method_spec=get_method("pfeiffer").to_dict()
+        ),
+        3: job_spec(tiny_backbone, toy_data, 3, method="prefix", method_spec=get_method("prefix").to_dict()),
+        4: job_spec(tiny_backbone, toy_data, 4, train_config={"max_steps": 30, "batch_size": 0}),
+    }
+    outcomes: dict[int, Any] = {}
+
+    def run(job_id: int) -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: outcomes.__setitem__(job_id, worker.run(specs[job_id], leases[job_id], sink))
+        )
+        thread.start()
+        return thread
+
+    first = run(1)
+    wait_for(lambda: leases[1].reports and (leases[1].reports[-1] or {}).get("step"), 60, "job 1 to train")
+    others = [run(job_id) for job_id in (2, 3, 4)]
+    for thread in others:
+        thread.join(120)
+        assert not thread.is_alive(), "a job beside the unending one did not end"
+    assert outcomes[4].status == "failed" and "batch_size" in outcomes[4].error
+    assert not outcomes[4].retryable and leases[4].ends() == ["fail"]
+    assert [outcomes[2].status, outcomes[3].status] == ["succeeded", "succeeded"]
+    info = worker.info()
+    assert (info["slots"], info["pack_size"], [j["job_id"] for j in info["jobs"]]) == (4, 4, [1])
+    [pack] = info["packs"]
+    assert pack["jobs"] == 1
+    assert pack["job_steps"] - pack["steps"] >= 2 * 30  # every step of jobs 2 and 3 shared job 1's pass
+    assert worker.stop(1, "cancel") is True
+    first.join(120)
+    assert outcomes[1].status == "cancelled" and leases[1].ends() == ["cancelled"]
+    assert sorted(p.name for p in (tmp_path / "deltas" / "toy").iterdir()) == ["job-2", "job-3"]
