@@ -8,6 +8,8 @@ import threading
 
 import click
 
+from services.dispatcher.cli import config_from_options, pack_size_option
+
 
 @click.command("serve")
 @click.option("--host", default=None, help="listen address (default PELT_API_HOST, 127.0.0.1)")
@@ -31,6 +33,7 @@ import click
     show_default=True,
     help="job slots per worker process (more jobs share one runtime: less memory per job)",
 )
+@pack_size_option()
 @click.option("--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them")
 def serve_command(
     host: str | None,
@@ -39,13 +42,14 @@ def serve_command(
     num_cpus: int | None,
     upgrade: bool | None,
     jobs_per_worker: int,
+    pack_size: int,
     drain: bool,
 ) -> None:
     """Run the service: HTTP API + dispatcher + Ray + registry + MLflow store (embedded by default)."""
     from services.api.server import ApiServer, token_path
-    from services.dispatcher import DispatcherConfig
     from services.filemodes import private_files
 
+    dispatcher_config = config_from_options(jobs_per_worker=jobs_per_worker, pack_size=pack_size)
     private_files()  # what the service and its local Ray write is for its user only (0600 / 0700)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     service = ApiServer(
@@ -54,7 +58,7 @@ def serve_command(
         dispatcher=dispatcher,
         num_cpus=num_cpus,
         upgrade=upgrade,
-        dispatcher_config=DispatcherConfig(jobs_per_worker=jobs_per_worker),
+        dispatcher_config=dispatcher_config,
         log_level="info",
     ).start()
     stop = threading.Event()

@@ -1,5 +1,5 @@
 """The dispatcher: drains the registry's queue into warm Ray worker actors, each with `jobs_per_worker`
-job slots (one CPU slot per job), as many per node as its CPUs hold.
+job slots (one CPU slot per job) or the `pack_size` places of a pack, as many per node as its CPUs hold.
 
     registry queue ──claim (owner "<worker>#<slot>")────────▶ dispatcher ──run(JobSpec, RegistryLease, sink)──▶ worker
                                                                                          │ heartbeat + progress
@@ -27,6 +27,11 @@ adopt live workers, settle running jobs), `job_specs` (what a worker is told), `
   thread, sharing the process's runtime and mapped backbones (what a job costs in memory beyond its
   activations); it reserves N x `cpus_per_worker` Ray CPUs, and torch runs each job's ops on
   round(cpus_per_worker) threads (see workers.worker).
+- Packs: with `pack_size` P > 1 (`--pack-size`; it excludes `--jobs-per-worker` > 1) a worker has P
+  places and trains the jobs in them together, one backbone pass per step (methods may differ, the
+  backbone may not); each job is still its own run() call with its own lease ("<worker>#<place>"). One
+  compute stream: the worker reserves `cpus_per_worker` Ray CPUs whatever P. A pack that runs jobs
+  claims only jobs on their backbone; only an empty pack worker switches backbones.
 - Failures: a worker whose actor dies (SIGKILL, node lost) has every job it ran failed as retryable at
   once, so the jobs go back to the queue after the backoff; if no dispatcher saw the death, the lease
   expires and the registry takes the job back. A cancelled job is never retried (registry rule).

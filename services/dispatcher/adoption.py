@@ -38,13 +38,16 @@ def live_workers(registry: Registry, namespace: str) -> dict[str, WorkerSlots]:
     sources = _source_names(registry)
     workers = {}
     for name, (actor, info) in infos.items():
-        worker = WorkerSlots(name, info["node_id"], actor, slots=int(info.get("slots", 1)), ready=True)
+        packed = int(info.get("pack_size", 1)) > 1
+        slots = int(info.get("slots", 1))
+        worker = WorkerSlots(name, info["node_id"], actor, slots=slots, ready=True, packed=packed)
         worker.backbones = {sources[src] for src, _ in info["backbones"] if src in sources}
         for entry in running_jobs(info, name):  # busy slots, whatever the registry says, until freed
             _, slot = owner_worker(entry.get("owner") or "")
             if slot is None or slot in worker.jobs or slot >= worker.slots:
                 slot = (worker.free_slots() or [len(worker.jobs)])[0]
-            worker.jobs[slot] = SlotJob(entry["job_id"], entry.get("owner") or worker.owner(slot))
+            owner = entry.get("owner") or worker.owner(slot)
+            worker.jobs[slot] = SlotJob(entry["job_id"], owner, backbone=entry.get("backbone"))
         if worker.jobs:
             worker.poll_ref = actor.info.remote()
         workers[name] = worker

@@ -7,7 +7,7 @@ import signal
 import threading
 from typing import Any
 
-from services.dispatcher.config import DispatcherConfig
+from services.dispatcher.config import DEFAULT_PACK_SIZE, MAX_PACK_SIZE, DispatcherConfig
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.ray_cluster import connect_ray
 from services.registry import Registry
@@ -58,6 +58,29 @@ def serve(
             ray.shutdown()
 
 
+def pack_size_option() -> Any:
+    """The `--pack-size` option of `pelt dispatcher` and `pelt serve`."""
+    import click
+
+    return click.option(
+        "--pack-size",
+        type=click.IntRange(1, MAX_PACK_SIZE),
+        default=DEFAULT_PACK_SIZE,
+        show_default=True,
+        help="jobs a worker trains together through one backbone pass per step (same backbone; methods mixed)",
+    )
+
+
+def config_from_options(**options: Any) -> DispatcherConfig:
+    """The DispatcherConfig of a command's options; options it refuses together are a usage error."""
+    import click
+
+    try:
+        return DispatcherConfig(**options)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
 def _command() -> Any:
     import click
 
@@ -77,11 +100,12 @@ def _command() -> Any:
         show_default=True,
         help="job slots per worker process: jobs that share its runtime and mapped backbones",
     )
+    @pack_size_option()
     @click.option(
         "--max-workers-per-node",
         type=int,
         default=None,
-        help="default: CPUs // (cpus-per-worker * jobs-per-worker)",
+        help="default: CPUs // (cpus-per-worker * jobs-per-worker); with packs: CPUs // cpus-per-worker",
     )
     @click.option("--num-cpus", type=int, default=None, help="CPUs of a local Ray (without PELT_RAY_ADDRESS)")
     @click.option("--heartbeat-seconds", type=float, default=None, help="default: PELT_HEARTBEAT_SECONDS")
@@ -100,6 +124,7 @@ def _command() -> Any:
         namespace: str,
         cpus_per_worker: float,
         jobs_per_worker: int,
+        pack_size: int,
         max_workers_per_node: int | None,
         num_cpus: int | None,
         heartbeat_seconds: float | None,
@@ -109,15 +134,16 @@ def _command() -> Any:
         """Drain the job queue into Ray workers (joins PELT_RAY_ADDRESS or starts a local Ray)."""
         from services.filemodes import private_files
 
-        private_files()  # what the dispatcher and its local Ray write is for its user only (0600 / 0700)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        config = DispatcherConfig(
+        config = config_from_options(
             namespace=namespace,
             cpus_per_worker=cpus_per_worker,
             jobs_per_worker=jobs_per_worker,
+            pack_size=pack_size,
             max_workers_per_node=max_workers_per_node,
             heartbeat_seconds=heartbeat_seconds,
         )
+        private_files()  # what the dispatcher and its local Ray write is for its user only (0600 / 0700)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         serve(database_url, config=config, num_cpus=num_cpus, drain=drain, delta_store=delta_store)
 
     return dispatcher_command

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DEFAULT_PACK_SIZE = 1  # jobs a worker trains together by default (1: no packs)
+MAX_PACK_SIZE = 64
+PACK_SIZE_HELP = (
+    "jobs a worker trains together through one backbone pass per step (same backbone; methods mixed)"
+)
+
 
 @dataclass(frozen=True)
 class DispatcherConfig:
     """Knobs of the dispatcher and of the workers it starts."""
 
     namespace: str = "pelt"  # Ray namespace of the workers and backbone hosts (one dispatcher each)
-    cpus_per_worker: float = 1.0  # Ray CPUs per job slot (also each job's torch threads, rounded)
+    cpus_per_worker: float = 1.0  # Ray CPUs per job slot, or per pack (also torch threads, rounded)
     jobs_per_worker: int = 1  # job slots per worker actor: jobs that share one process (threads)
-    max_workers_per_node: int | None = None  # default: the node's CPUs // (cpus_per_worker * jobs_per_worker)
+    # > 1: a worker trains up to this many jobs on one backbone together, one backbone pass per step
+    # (its places), on one compute stream of cpus_per_worker CPUs; excludes jobs_per_worker > 1
+    pack_size: int = DEFAULT_PACK_SIZE
+    max_workers_per_node: int | None = None  # default: the node's CPUs // cpus_per_actor
     poll_seconds: float = 0.5  # loop period: collect outcomes, push cancels, claim for idle workers
     heartbeat_seconds: float | None = None  # default: settings.heartbeat_seconds
     lease_seconds: float | None = None  # default: the registry's lease_seconds
@@ -27,3 +36,27 @@ class DispatcherConfig:
     # (so `stop` and `info` can answer meanwhile), and glibc would give that thread its own arenas,
     # which keep up to a step's worth of freed activations (~0.5 GB per SmolLM2 job at batch 16).
     worker_env: dict[str, str] = field(default_factory=lambda: {"MALLOC_ARENA_MAX": "1"})
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.pack_size <= MAX_PACK_SIZE:
+            raise ValueError(f"--pack-size must be between 1 and {MAX_PACK_SIZE}, got {self.pack_size}")
+        if self.packs and self.jobs_per_worker > 1:
+            raise ValueError(
+                "choose --pack-size or --jobs-per-worker: a worker either packs its jobs "
+                f"(pack size {self.pack_size}) or runs them in job slots ({self.jobs_per_worker})"
+            )
+
+    @property
+    def packs(self) -> bool:
+        """Whether workers train their jobs in packs."""
+        return self.pack_size > 1
+
+    @property
+    def places_per_worker(self) -> int:
+        """Jobs a worker runs at once: its pack places, or its job slots when it does not pack."""
+        return self.pack_size if self.packs else self.jobs_per_worker
+
+    @property
+    def cpus_per_actor(self) -> float:
+        """Ray CPUs a worker actor reserves: one compute stream per pack, one per job slot otherwise."""
+        return self.cpus_per_worker if self.packs else self.cpus_per_worker * self.jobs_per_worker

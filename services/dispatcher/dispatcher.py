@@ -367,21 +367,24 @@ class Dispatcher:
     def _assign(self) -> None:
         """Hand queued jobs to free slots: warm workers first take jobs on the backbones they hold; more
         workers start while nodes have room; new workers take anything; and only when no node has room
-        do warm workers switch to another backbone."""
+        do warm workers switch to another backbone. A pack worker that runs jobs takes only jobs on
+        their backbone (a pack never mixes backbones), so it neither counts as new nor switches."""
         open_ = [w for w in self.workers.values() if w.ready and w.free_slots()]
         if not open_ and not sum(self.nodes.room(self.workers.values()).values()):
             return
         queued = self.registry.job_counts()["queued"]  # one read; claims (writes) only when there is work
         if not queued:
             return
-        for worker in [w for w in open_ if w.backbones]:  # 1. warm: jobs on a backbone it holds
-            while worker.free_slots() and queued > 0 and self._claim_for(worker, sorted(worker.backbones)):
+        for worker in [w for w in open_ if w.claim_backbones() is not None]:  # 1. warm: backbones it holds
+            while worker.free_slots() and queued > 0 and self._claim_for(worker, worker.claim_backbones()):
                 queued -= 1
         open_ = [w for w in open_ if w.free_slots()]
         starting = sum(w.slots for w in self.workers.values() if not w.ready)
-        fresh = [w for w in open_ if not w.backbones]
+        fresh = [w for w in open_ if w.claim_backbones() is None]
         waiting = queued - sum(len(w.free_slots()) for w in fresh) - starting
-        for _ in range(max(0, -(-waiting // self.config.jobs_per_worker))):  # 2. more workers, room allowing
+        for _ in range(
+            max(0, -(-waiting // self.config.places_per_worker))
+        ):  # 2. more workers, room allowing
             node_id = self.nodes.roomiest(self.workers.values())
             if node_id is None:
                 break
@@ -393,17 +396,27 @@ class Dispatcher:
             )
             self.workers[worker.worker_id] = worker
         for worker in fresh:  # 3. new workers take anything
-            while worker.free_slots():
-                if not self._claim_for(worker, None):
-                    return  # nothing runnable left
+            if not self._fill_anywhere(worker):
+                return  # nothing runnable left
         if self.nodes.roomiest(self.workers.values()) is None:  # 4. no room: warm workers switch backbones
-            for worker in [w for w in open_ if w.backbones]:
-                while worker.free_slots():
-                    if not self._claim_for(worker, None):
-                        return
+            for worker in [w for w in open_ if w.backbones and not (w.packed and w.jobs)]:
+                if not self._fill_anywhere(worker):
+                    return
+
+    def _fill_anywhere(self, worker: WorkerSlots) -> bool:
+        """Claim jobs on any backbone into the worker's free slots (once a pack has a job: on its
+        backbone only); False when no job on any backbone is runnable."""
+        while worker.free_slots():
+            backbones = worker.claim_backbones() if worker.packed and worker.jobs else None
+            if not self._claim_for(worker, backbones):
+                return backbones is not None  # only the pack's backbone has nothing runnable
+        return True
 
     def _claim_for(self, worker: WorkerSlots, backbones: list[str] | None) -> bool:
-        """Claim a job for the worker's first free slot and start it there; False when none is runnable."""
+        """Claim a job (on one of `backbones`; None: any) for the worker's first free slot and start it
+        there; False when none is runnable."""
+        if backbones is not None and not backbones:
+            return False
         slot = worker.free_slots()[0]
         owner = worker.owner(slot)
         record = self.registry.claim_job(owner, lease_seconds=self.lease_seconds, backbones=backbones)

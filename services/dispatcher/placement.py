@@ -1,8 +1,9 @@
 """Where workers go: the cluster's alive nodes and how many workers each has room for, and starting a
 worker actor pinned to a node.
 
-A node has room for its CPUs // (cpus_per_worker x jobs_per_worker) workers (at most
-`max_workers_per_node`); a node where a worker died or failed to start cools down for
+A node has room for its CPUs // `cpus_per_actor` workers (cpus_per_worker x jobs_per_worker; a pack
+worker, which trains its places through one compute stream: cpus_per_worker), at most
+`max_workers_per_node`; a node where a worker died or failed to start cools down for
 `node_cooldown_seconds` before it gets another (it may be going away). Each node keeps one shared copy of
 each backbone (`workers.backbone_store.BackboneHost`), whatever the number of workers on it.
 """
@@ -42,7 +43,7 @@ class Nodes:
             return False
         self._read_at = now
         capacity = {}
-        per_worker = self.config.cpus_per_worker * self.config.jobs_per_worker
+        per_worker = self.config.cpus_per_actor
         for node in ray.nodes():
             if not node.get("Alive"):
                 continue
@@ -51,11 +52,10 @@ class Nodes:
             if not workers and cpus and node["NodeID"] not in self._too_small:
                 self._too_small.add(node["NodeID"])
                 log.warning(
-                    "node %s has %g CPU(s): too few for a worker of %d job slot(s) x %g CPU(s)",
+                    "node %s has %g CPU(s): too few for a worker of %g CPU(s)",
                     node["NodeID"][:12],
                     cpus,
-                    self.config.jobs_per_worker,
-                    self.config.cpus_per_worker,
+                    per_worker,
                 )
             if self.config.max_workers_per_node is not None:
                 workers = min(workers, self.config.max_workers_per_node)
@@ -87,16 +87,18 @@ class Nodes:
 def start_worker(
     node_id: str, config: DispatcherConfig, *, heartbeat_seconds: float, lease_seconds: float
 ) -> WorkerSlots:
-    """Start a detached, named worker actor with `config.jobs_per_worker` job slots on the node."""
+    """Start a detached, named worker actor on the node, with `config.places_per_worker` places: job
+    slots, or the places of its pack."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from workers.worker import WorkerConfig, worker_actor_class  # torch: only where workers start
 
     worker_id = f"{WORKER_PREFIX}{node_id[:12]}.{secrets.token_hex(4)}"
-    slots = config.jobs_per_worker
+    places = config.places_per_worker
     worker_config = WorkerConfig(
         threads=max(1, round(config.cpus_per_worker)),
-        slots=slots,
+        slots=config.jobs_per_worker,
+        pack_size=config.pack_size,
         heartbeat_seconds=heartbeat_seconds,
         lease_seconds=lease_seconds,
         max_backbones=config.max_backbones_per_worker,
@@ -109,12 +111,20 @@ def start_worker(
             namespace=config.namespace,
             lifetime="detached",
             max_restarts=0,
-            num_cpus=config.cpus_per_worker * slots,
-            max_concurrency=slots + 3,
+            num_cpus=config.cpus_per_actor,
+            max_concurrency=places + 3,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             runtime_env={"env_vars": dict(config.worker_env)} if config.worker_env else None,
         )
         .remote(worker_id, worker_config)
     )
-    log.info("starting worker %s (%d job slot(s)) on node %s", worker_id, slots, node_id[:12])
-    return WorkerSlots(worker_id, node_id, actor, slots=slots, poll_ref=actor.info.remote())
+    log.info(
+        "starting worker %s (%d %s) on node %s",
+        worker_id,
+        places,
+        "places of a pack" if config.packs else "job slot(s)",
+        node_id[:12],
+    )
+    return WorkerSlots(
+        worker_id, node_id, actor, slots=places, packed=config.packs, poll_ref=actor.info.remote()
+    )

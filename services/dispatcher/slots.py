@@ -1,5 +1,6 @@
-"""The dispatcher's view of its worker actors and their job slots, and the lease-owner names that tie a
-job's lease in the registry to the slot that runs it ("<worker's actor name>#<slot>")."""
+"""The dispatcher's view of its worker actors and their job slots (a pack worker's places), and the
+lease-owner names that tie a job's lease in the registry to the slot that runs it
+("<worker's actor name>#<slot>")."""
 
 from __future__ import annotations
 
@@ -35,9 +36,19 @@ class WorkerSlots:
     jobs: dict[int, SlotJob] = field(default_factory=dict)  # slot -> the job running there
     poll_ref: Any = None  # a pending info() call (startup, or watching adopted jobs)
     backbones: set[str] = field(default_factory=set)  # registry backbone names it keeps warm
+    packed: bool = False  # trains its jobs as one pack (its slots are the pack's places)
 
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.slots) if slot not in self.jobs]
+
+    def claim_backbones(self) -> list[str] | None:
+        """The backbones a free slot may claim a job on now: for a pack with running jobs, theirs (a
+        pack never mixes backbones; none while one of them is not known); else the warm ones first;
+        None: any backbone."""
+        if self.packed and self.jobs:
+            running = {job.backbone for job in self.jobs.values()}
+            return [] if None in running else sorted(running)
+        return sorted(self.backbones) if self.backbones else None
 
     def owner(self, slot: int) -> str:
         return slot_owner(self.worker_id, slot, self.slots)

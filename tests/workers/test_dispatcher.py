@@ -1,6 +1,7 @@
 """The dispatcher and its worker actors on a local Ray (one node, started the way the service starts it):
 jobs, warm workers, a SIGKILLed worker, cancellation, graceful shutdown and a dispatcher restart; and
-the same with two job slots per worker process (jobs_per_worker=2).
+the same with two job slots per worker process (jobs_per_worker=2). Packs (pack_size > 1): the
+dispatcher's side only, without Ray (a fake actor records what it is asked: places, CPUs and claims).
 
 Every test uses its own Ray namespace, registry and delta folder, and stops its workers at the end. A test
 that acts while a job runs holds the job in its worker (`tests.workers.hold`: trained, not yet recorded,
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +23,12 @@ import psutil
 import pytest
 
 from services.dispatcher import WORKER_PREFIX, Dispatcher, DispatcherConfig, connect_ray
+from services.dispatcher.config import DEFAULT_PACK_SIZE, MAX_PACK_SIZE
+from services.dispatcher.placement import Nodes, start_worker
+from services.dispatcher.slots import SlotJob, WorkerSlots
 from services.registry import JobStatus, Registry
 from services.settings import Settings
-from tests.workers.conftest import SHORT, UNENDING, ended, step_of, submit, wait_for
+from tests.workers.conftest import BACKBONE, SHORT, TASK, UNENDING, ended, step_of, submit, wait_for
 from tests.workers.hold import Hold
 from workers.job import LocalDeltaSink
 
@@ -167,6 +172,36 @@ def test_a_worker_killed_mid_job_the_job_is_retried_and_completes_once(
         ("queued", "running"),
         ("running", "succeeded"),
     ]
+
+
+def test_a_pack_worker_killed_mid_pack_every_job_of_the_pack_is_retried_and_completes_once(
+    local_ray, registry, tmp_path, namespace, hold
+):
+    job_ids = submit(registry, 2)
+    dispatcher = dispatcher_for(
+        registry, tmp_path, namespace, hold, pack_size=2, max_workers_per_node=1
+    ).start()
+    try:
+        wait_for(lambda: hold.holds(job_ids), 60, "both jobs to be held mid-attempt")
+        name, pid = one_worker(dispatcher)
+        info = ray.get(dispatcher.workers[name].actor.info.remote())
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: hold.holds(job_ids, attempt=2), 120, "both jobs to run again")
+        hold.release()
+        wait_for(lambda: ended(registry, job_ids), 120, "the retried jobs to finish")
+    finally:
+        dispatcher.shutdown()
+
+    assert (info["pack_size"], info["slots"], len(info["packs"])) == (2, 2, 1)  # one pack, two places
+    assert sorted(j["owner"] for j in info["jobs"]) == [f"{name}#0", f"{name}#1"]
+    for job_id in job_ids:
+        job, result = registry.get_job(job_id), registry.get_result(job_id)
+        assert (job.status, job.attempts, result.attempt) == (JobStatus.SUCCEEDED, 2, 2)
+        assert "died" in (job.last_error or "")
+    assert sorted(delta_folders(tmp_path)) == [
+        tmp_path / "deltas" / "toy" / f"job-{j}" for j in sorted(job_ids)
+    ]
+    assert not worker_names(namespace)
 
 
 def test_cancelling_a_running_job_stops_it_and_it_is_never_retried(local_ray, registry, tmp_path, namespace):
@@ -444,3 +479,161 @@ def test_a_restarted_dispatcher_adopts_both_running_jobs_of_a_two_slot_worker(
         job, result = registry.get_job(job_id), registry.get_result(job_id)
         assert (job.status, job.attempts, result.worker_id) == (JobStatus.SUCCEEDED, 1, owners[job_id])
     assert len(delta_folders(tmp_path)) == 2
+
+
+# --- packs: places, CPUs and claims (no Ray: a fake worker actor records what it is asked) -------------
+
+
+class FakeCall:
+    """A remote method of `FakeActor`: records the arguments of every `.remote(...)` call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def remote(self, *args: Any) -> object:
+        self.calls.append(args)
+        return object()
+
+
+class FakeActor:
+    """A worker actor that runs nothing: the dispatcher's calls are recorded."""
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        self.args, self.options = args, options
+        self.run, self.info, self.stop = FakeCall(), FakeCall(), FakeCall()
+
+
+class FakeActorClass:
+    """Stands for `workers.worker.worker_actor_class()`: `.options(...).remote(...)` makes a FakeActor."""
+
+    def options(self, **options: Any) -> Any:
+        class Bound:
+            @staticmethod
+            def remote(*args: Any) -> FakeActor:
+                return FakeActor(*args, **options)
+
+        return Bound()
+
+
+OTHER_BACKBONE = "tiny-bert-b"  # the same model folder under a second registry name
+
+
+def submit_on_other_backbone(registry: Registry, tiny_backbone: tuple[str, str], seed: int = 0) -> int:
+    """Queue one short LoRA job on OTHER_BACKBONE (registered on first use)."""
+    registry.register_backbone(OTHER_BACKBONE, *tiny_backbone)
+    values = {"max_steps": SHORT, "batch_size": 2}
+    return registry.submit_job(TASK, "lora", OTHER_BACKBONE, values, seed=seed).id
+
+
+def pack_worker(dispatcher: Dispatcher, places: int, packed: bool, running: dict[int, str]) -> WorkerSlots:
+    """A ready worker of `places` places added to the dispatcher, with `running` ({job id: backbone})
+    claimed in the registry for its first places as the dispatcher would have."""
+    worker = WorkerSlots("pelt-worker.fake", "node", FakeActor(), slots=places, packed=packed, ready=True)
+    for slot, (job_id, backbone) in enumerate(running.items()):
+        claimed = dispatcher.registry.claim_job(worker.owner(slot), backbones=[backbone])
+        assert claimed is not None and claimed.id == job_id
+        worker.jobs[slot] = SlotJob(job_id, worker.owner(slot), backbone)
+    dispatcher.workers[worker.worker_id] = worker
+    return worker
+
+
+def running_on(worker: WorkerSlots) -> dict[str, int]:
+    return {job.owner: job.job_id for job in worker.jobs.values()}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"pack_size": 0}, f"--pack-size must be between 1 and {MAX_PACK_SIZE}"),
+        ({"pack_size": MAX_PACK_SIZE + 1}, f"--pack-size must be between 1 and {MAX_PACK_SIZE}"),
+        ({"pack_size": 2, "jobs_per_worker": 2}, "choose --pack-size or --jobs-per-worker"),
+    ],
+)
+def test_a_pack_size_out_of_range_or_beside_job_slots_is_refused_naming_the_option(values, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DispatcherConfig(**values)
+
+
+def test_a_pack_worker_of_four_places_reserves_the_cpus_of_one_job(monkeypatch):
+    import workers.worker
+
+    node_id = "ab" * 28  # a Ray node id: 28 bytes in hex
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeID": node_id, "Resources": {"CPU": 4.0}}])
+    monkeypatch.setattr(workers.worker, "worker_actor_class", FakeActorClass)
+    config = DispatcherConfig(pack_size=4, cpus_per_worker=2.0)
+    nodes = Nodes(config)
+    nodes.refresh()
+    worker = start_worker(node_id, config, heartbeat_seconds=1.0, lease_seconds=8.0)
+
+    assert nodes.capacity == {node_id: 2}  # 4 CPUs // 2 per pack worker, not // (2 x 4 places)
+    assert (worker.slots, worker.packed) == (4, True)
+    assert (worker.actor.options["num_cpus"], worker.actor.options["max_concurrency"]) == (2.0, 4 + 3)
+    _, worker_config = worker.actor.args
+    assert (worker_config.pack_size, worker_config.slots, worker_config.threads) == (4, 1, 2)
+
+
+def test_a_pack_running_a_job_claims_only_jobs_on_its_backbone_into_its_free_places(
+    registry, tmp_path, namespace, tiny_backbone
+):
+    (running,) = submit(registry, 1)
+    other = submit_on_other_backbone(registry, tiny_backbone)
+    (same,) = submit(registry, 1, seed0=1)  # queued after the job on the other backbone
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, pack_size=4)
+    worker = pack_worker(dispatcher, 4, packed=True, running={running: BACKBONE})
+
+    dispatcher._assign()  # one placement round (no node has room for another worker)
+
+    assert running_on(worker) == {worker.owner(0): running, worker.owner(1): same}
+    assert registry.get_job(same).lease_owner == worker.owner(1)
+    assert registry.get_job(other).status == JobStatus.QUEUED
+    assert len(worker.actor.run.calls) == 1
+
+
+def test_an_idle_pack_takes_the_oldest_job_then_fills_its_places_on_that_backbone_only(
+    registry, tmp_path, namespace, tiny_backbone
+):
+    first = submit_on_other_backbone(registry, tiny_backbone)
+    elsewhere = submit(registry, 2)
+    beside = submit_on_other_backbone(registry, tiny_backbone, seed=1)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, pack_size=4)
+    worker = pack_worker(dispatcher, 4, packed=True, running={})
+
+    dispatcher._assign()
+
+    assert running_on(worker) == {worker.owner(0): first, worker.owner(1): beside}
+    assert all(registry.get_job(j).status == JobStatus.QUEUED for j in elsewhere)
+
+
+def test_job_slots_without_packs_still_take_the_oldest_job_on_any_backbone(
+    registry, tmp_path, namespace, tiny_backbone
+):
+    (running,) = submit(registry, 1)
+    other = submit_on_other_backbone(registry, tiny_backbone)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2)
+    worker = pack_worker(dispatcher, 2, packed=False, running={running: BACKBONE})
+
+    dispatcher._assign()
+
+    assert running_on(worker) == {worker.owner(0): running, worker.owner(1): other}
+
+
+@pytest.mark.parametrize("command", ["serve", "dispatcher"])
+def test_pelt_serve_and_dispatcher_offer_pack_size_and_refuse_it_beside_job_slots(command, monkeypatch):
+    from click.testing import CliRunner
+
+    import services.api.server
+    import services.dispatcher.cli
+    from services.cli import main
+
+    def never_started(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the service started despite the refused options")
+
+    monkeypatch.setattr(services.api.server, "ApiServer", never_started)
+    monkeypatch.setattr(services.dispatcher.cli, "serve", never_started)
+    runner = CliRunner()
+    shown = runner.invoke(main, [command, "--help"])
+    refused = runner.invoke(main, [command, "--pack-size", "4", "--jobs-per-worker", "2"])
+
+    assert shown.exit_code == 0 and "--pack-size" in shown.output
+    assert f"[default: {DEFAULT_PACK_SIZE}; 1<=x<={MAX_PACK_SIZE}]" in " ".join(shown.output.split())
+    assert refused.exit_code == 2 and "choose --pack-size or --jobs-per-worker" in refused.output
