@@ -7,13 +7,14 @@ share the process (one Python/torch/transformers/Ray runtime instead of one per 
 
 - **Packs** (`WorkerConfig.pack_size` N > 1, the dispatcher's `--pack-size`): N places; every job on a warm
   backbone joins that backbone's `PackRunner` (`workers.pack_runner`), whose one thread steps them
-  together through shared backbone passes (`pelt_core.pack`); each `run` waits for its own job's end. A
-  job's initialisation and dropout come from its own seed and generator, whatever shares its pack.
+  together through shared backbone passes (`pelt_core.pack`); each `run` waits for its own job's end.
 - **Job slots** (`WorkerConfig.slots`, the dispatcher's `jobs_per_worker`): each job trains in its own
   thread around a *replica* of the backbone: a second module tree over the same tensors (no copy), so jobs
   running at once never share the per-forward routing state pelt_core keeps on a backbone's modules
-  (`workers.backbone_store.replicate`). Jobs in slots share torch's global random generator: their
-  initialisation and dropout depend on their seed only when a job runs alone in its worker.
+  (`workers.backbone_store.replicate`).
+
+Either way a job's initialisation (seeded under a lock) and its dropout masks (its own generator) come from
+its seed, whatever else runs in the process.
 
 Threads: torch's intra-op thread count is per process, and each training thread runs its ops with that
 many threads (OpenMP gives every calling thread its own team), so a worker sets it to `WorkerConfig.threads`
