@@ -256,6 +256,15 @@ class Pack:
         self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]
     ) -> list[tuple[PackMember, torch.Tensor]]:
         """Each member's loss on its own rows, from one backbone forward of all their rows."""
+        return [
+            (member, loss_fn(member.task.problem_type, logits, labels))
+            for member, logits, labels in self._routed_forward(batches)
+        ]
+
+    def _routed_forward(
+        self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]
+    ) -> list[tuple[PackMember, torch.Tensor, torch.Tensor]]:
+        """(member, its logits, its labels) from one backbone forward of every member's rows."""
         pad_id = self.backbone.tokenizer.pad_token_id
         members = [member for member, _ in batches]
         inputs, labels = merge_batches([batch for _, batch in batches], pad_id, self.device)
@@ -264,10 +273,7 @@ class Pack:
             logits = self.model(**inputs, routes=routes)
         if not isinstance(logits, list):
             logits = [logits]
-        return [
-            (member, loss_fn(member.task.problem_type, member_logits, member_labels))
-            for member, member_logits, member_labels in zip(members, logits, labels, strict=True)
-        ]
+        return list(zip(members, logits, labels, strict=True))
 
     def _isolated_steps(
         self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]
@@ -356,22 +362,11 @@ class Pack:
 
     @torch.no_grad()
     def _eval_forward(self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]) -> None:
-        pad_id = self.backbone.tokenizer.pad_token_id
-        members = [member for member, _ in batches]
-        inputs, labels = merge_batches([batch for _, batch in batches], pad_id, self.device)
-        routes = [(m.key, len(y)) for m, y in zip(members, labels, strict=True)]
-        with autocast_context(self.device, bool(self.use_bf16)):
-            logits = self.model(**inputs, routes=routes)
-        if not isinstance(logits, list):
-            logits = [logits]
-        for member, member_logits, member_labels in zip(members, logits, labels, strict=True):
-            loss = float(loss_fn(member.task.problem_type, member_logits, member_labels))
-            output = (
-                member_logits.float().cpu().numpy(),
-                member_labels.cpu().numpy(),
-                loss * len(member_labels),
+        for member, logits, labels in self._routed_forward(batches):
+            loss = float(loss_fn(member.task.problem_type, logits, labels))
+            member._eval_outputs.append(
+                (logits.float().cpu().numpy(), labels.cpu().numpy(), loss * len(labels))
             )
-            member._eval_outputs.append(output)
 
     def _end_evaluation(self, member: PackMember) -> None:
         outputs = member._eval_outputs

@@ -12,24 +12,10 @@ from pelt_core import TrainConfig, get_method
 from pelt_core.data import TaskFields
 from pelt_core.methods import list_methods
 from pelt_core.pack import Pack, length_groups
+from pelt_core.testing import VOCAB
 from pelt_core.train import TrainingCancelled, TrainingError, train
 
-WORDS = [
-    "good",
-    "bad",
-    "great",
-    "awful",
-    "movie",
-    "film",
-    "the",
-    "a",
-    "is",
-    "was",
-    "not",
-    "very",
-    "fun",
-    "boring",
-]
+WORDS = VOCAB[-14:]  # the tiny vocabulary's real words ("good", "bad", ... "boring")
 
 
 def sentences(n: int, seed: int, classes: int = 2) -> datasets.Dataset:
