@@ -230,15 +230,21 @@ class Pack:
             for group in member.optimizer.param_groups:
                 group["lr"] = member.lr_at(member.step)
         self.model.train()
+        finite, failed = [], False
         try:
-            finite = []
             for group in length_groups([batch for _, batch in batches], self.forward_tokens):
                 losses = self._forward_losses([batches[i] for i in group])
                 group_finite = [(m, loss) for m, loss in losses if self._check_finite(m, loss)]
                 if group_finite:  # each forward's backward at once: one forward's activations alive at a time
                     torch.stack([loss for _, loss in group_finite]).sum().backward()
                 finite += group_finite
-        except Exception:  # whose forward broke? each member alone tells (the others' steps still count)
+        except Exception:
+            failed = True
+        if failed:  # whose forward broke? each member alone tells (the others' steps still count); retried
+            # outside the except block, so the failed attempt's tensors (its traceback) are freed first
+            finite = losses = group_finite = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
             for member, _ in batches:
                 member.optimizer.zero_grad(set_to_none=True)
                 member.error = None if isinstance(member.error, TrainingError) else member.error
