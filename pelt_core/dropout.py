@@ -58,9 +58,8 @@ def _cheap(x: torch.Tensor, p: float) -> bool:
     return x.device.type == "cpu" and round(p * RESOLUTION) < RESOLUTION
 
 
-RowGenerators = list[
-    tuple[int, "torch.Generator | None"]
-]  # (rows, generator) per consecutive slice of a batch
+# (rows, generator) per consecutive slice of a batch
+RowGenerators = list[tuple[int, "torch.Generator | None"]]
 
 
 def dropout(
@@ -144,8 +143,8 @@ def attention_with_dropout(
     """softmax(q kᵀ · scale + mask) with dropout, times v: what `scaled_dot_product_attention` computes.
 
     query (B, H, Q, D), key/value (B, H, K, D) (GQA heads already repeated); attention_mask broadcastable
-    to (B, H, Q, K), boolean (True = attend) or additive; returns (B, H, Q, D); `generators`: as `dropout`. A row with nothing to attend
-    to gets uniform weights instead of NaN (padding rows only; their outputs are never read)."""
+    to (B, H, Q, K), boolean (True = attend) or additive; returns (B, H, Q, D); `generators`: as `dropout`. A row with nothing
+    to attend to gets uniform weights instead of NaN (padding rows only; their outputs are never read)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     # scores and softmax in fp32 whatever the inputs (bf16 autocast, a bf16 backbone), as sdpa's math path does
     scores = torch.matmul(query, key.transpose(-1, -2)).float().mul_(scale)

@@ -378,7 +378,7 @@ class PeltModel(nn.Module):
     @staticmethod
     def _split_rows(routes: list[Route], tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each route's rows as views (`split`: one gradient join in backward, not one per route)."""
-        return tensor.split([route.rows.stop - route.rows.start for route in routes])
+        return tensor.split([route.size for route in routes])
 
     def _resolve_routes(self, routes: list[tuple[str, int]] | None, batch: int) -> list[Route]:
         """(name, rows) pairs as consecutive row slices of the batch, checked against the deltas held."""
@@ -392,12 +392,10 @@ class PeltModel(nn.Module):
         for name, count in routes:
             if name not in self.deltas:
                 raise KeyError(f"no delta named {name!r}; this model holds {', '.join(self.deltas)}")
-            resolved.append(Route(self.deltas[name], slice(start, start + count), full=False))
+            resolved.append(Route(self.deltas[name], slice(start, start + count)))
             start += count
         if start != batch:
             raise ValueError(f"routes cover {start} rows but the batch has {batch}")
-        if len(resolved) == 1:
-            resolved[0].full = True
         return resolved
 
     def merged_backbone(self, name: str | None = None) -> nn.Module:

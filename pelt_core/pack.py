@@ -1,10 +1,10 @@
 """A pack: several jobs train together through one frozen backbone, one forward and one backward per step.
 
 Each step takes every training member's next micro-batch (its own K-shot sample, seed, batch size and
-schedule), puts the rows into as few batches as keep padding small (`length_groups`), runs them through
-the shared backbone with every row going through its own job's modules (`pelt_core.runtime` routes), takes
-each job's loss on its own rows, sums them for one backward, then steps each job's own optimizer with its
-own learning rate and gradient clipping. Members that reached an evaluation point evaluate their dev split
+schedule), puts the rows into as few forwards as keep padding and activations small (`length_groups`),
+runs them through the shared backbone with every row going through its own job's modules
+(`pelt_core.runtime` routes), takes each job's loss on its own rows and sums a forward's losses for one
+backward, then steps each job's own optimizer with its own learning rate and gradient clipping. Members that reached an evaluation point evaluate their dev split
 in shared no-grad passes of the same step, one chunk per step, while the others go on training.
 
 Members join (`Pack.join`) and leave between steps: a job leaves when it finishes, is stopped, or fails
@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
 from pelt_core.backbones import Backbone
 from pelt_core.config import TrainConfig
@@ -95,7 +96,6 @@ class PackMember:
     _batches: Iterator[list[int]] | None = None
     _eval_chunks: list[list[int]] | None = None  # what is left of the running evaluation
     _eval_outputs: list[tuple[np.ndarray, np.ndarray, float]] = field(default_factory=list)
-    _eval_chunks_done: int = 0  # outputs of the running evaluation before this step
 
     @property
     def done(self) -> bool:
@@ -230,19 +230,8 @@ class Pack:
             for group in member.optimizer.param_groups:
                 group["lr"] = member.lr_at(member.step)
         self.model.train()
-        finite, failed = [], False
-        try:
-            for group in length_groups([batch for _, batch in batches], self.forward_tokens):
-                losses = self._forward_losses([batches[i] for i in group])
-                group_finite = [(m, loss) for m, loss in losses if self._check_finite(m, loss)]
-                if group_finite:  # each forward's backward at once: one forward's activations alive at a time
-                    torch.stack([loss for _, loss in group_finite]).sum().backward()
-                finite += group_finite
-        except Exception:
-            failed = True
-        if failed:  # whose forward broke? each member alone tells (the others' steps still count); retried
-            # outside the except block, so the failed attempt's tensors (its traceback) are freed first
-            finite = losses = group_finite = None
+        finite = self._fused_step(batches)
+        if finite is None:  # whose forward broke? each member alone tells (the others' steps still count)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             for member, _ in batches:
@@ -257,6 +246,24 @@ class Pack:
                 self._optimizer_step(member, loss, next(b for m, b in batches if m is member))
             except Exception as exc:
                 member.error = exc
+
+    def _fused_step(
+        self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]
+    ) -> list[tuple[PackMember, torch.Tensor]] | None:
+        """Forward and backward of every member's rows, a length group at a time (one forward's activations
+        alive at a time); the members with a finite loss, or None when a forward or backward raised (whose
+        fault is not known). Returning frees the failed attempt's tensors before any retry."""
+        finite = []
+        try:
+            for group in length_groups([batch for _, batch in batches], self.forward_tokens):
+                losses = self._forward_losses([batches[i] for i in group])
+                group_finite = [(m, loss) for m, loss in losses if self._check_finite(m, loss)]
+                if group_finite:
+                    torch.stack([loss for _, loss in group_finite]).sum().backward()
+                finite += group_finite
+        except Exception:
+            return None
+        return finite
 
     def _forward_losses(
         self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]
@@ -334,7 +341,7 @@ class Pack:
             order = length_grouped_batches(
                 member.eval_set.lengths, member.config.eval_batch_size, 0, shuffle=False
             )
-            member._eval_chunks, member._eval_outputs, member._eval_chunks_done = order, [], 0
+            member._eval_chunks, member._eval_outputs = order, []
         elif finished:
             self._finish(member)
 
@@ -346,20 +353,22 @@ class Pack:
         pad_id = self.backbone.tokenizer.pad_token_id
         batches = [(m, collate(m.eval_set, m._eval_chunks.pop(0), pad_id)) for m in members]
         self.model.eval()
+        outputs = []
         try:
             for group in length_groups([b for _, b in batches], self.forward_tokens * EVAL_FORWARD_FACTOR):
-                self._eval_forward([batches[i] for i in group])
+                outputs += self._eval_forward([batches[i] for i in group])
         except Exception:
+            outputs = []
             for member, batch in batches:
-                member._eval_outputs = member._eval_outputs[: member._eval_chunks_done]
                 try:
-                    self._eval_forward([(member, batch)])
+                    outputs += self._eval_forward([(member, batch)])
                 except Exception as exc:
                     member.error = exc
+        for member, output in outputs:
+            member._eval_outputs.append(output)
         elapsed = time.perf_counter() - started
         for member in members:
             member.eval_seconds += elapsed
-            member._eval_chunks_done = len(member._eval_outputs)
             if not member._eval_chunks and not member.done:
                 try:
                     self._end_evaluation(member)
@@ -367,12 +376,15 @@ class Pack:
                     member.error = exc
 
     @torch.no_grad()
-    def _eval_forward(self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]) -> None:
+    def _eval_forward(
+        self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]
+    ) -> list[tuple[PackMember, tuple[np.ndarray, np.ndarray, float]]]:
+        """(member, (its logits, its labels, its summed loss)) from one no-grad forward."""
+        outputs = []
         for member, logits, labels in self._routed_forward(batches):
             loss = float(loss_fn(member.task.problem_type, logits, labels))
-            member._eval_outputs.append(
-                (logits.float().cpu().numpy(), labels.cpu().numpy(), loss * len(labels))
-            )
+            outputs.append((member, (logits.float().cpu().numpy(), labels.cpu().numpy(), loss * len(labels))))
+        return outputs
 
     def _end_evaluation(self, member: PackMember) -> None:
         outputs = member._eval_outputs
@@ -453,13 +465,7 @@ def merge_batches(
     for name in ("input_ids", "attention_mask", "token_type_ids"):
         if name not in batches[0]:
             continue
-        pieces = []
-        for batch in batches:
-            tensor = batch[name]
-            fill = 0
-            if name == "input_ids":  # the pad id: what the collated batch padded with, or 0 if it did not pad
-                padded = (batch["attention_mask"] == 0).nonzero()
-                fill = int(tensor[padded[0, 0], padded[0, 1]]) if len(padded) else 0
-            pieces.append(torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=fill))
-        merged[name] = torch.cat(pieces).to(device) if len(pieces) > 1 else pieces[0].to(device)
+        fill = pad_id if name == "input_ids" else 0
+        pieces = [F.pad(batch[name], (0, width - batch[name].shape[1]), value=fill) for batch in batches]
+        merged[name] = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).to(device)
     return merged, [batch["labels"].to(device) for batch in batches]

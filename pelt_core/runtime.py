@@ -31,11 +31,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class Route:
-    """One job's rows of the batch: `rows` of the batch go through `delta`; `full` when it holds them all."""
+    """One job's rows of the batch: `rows` of the batch go through `delta`."""
 
     delta: JobDelta
     rows: slice
-    full: bool
+
+    @property
+    def size(self) -> int:
+        return self.rows.stop - self.rows.start
 
 
 class Runtime:
@@ -73,7 +76,7 @@ class Runtime:
                 "this backbone is already running a PELT forward (one forward at a time per backbone)"
             )
         self.routes, self.padding_mask = routes, padding_mask
-        self.sizes = [route.rows.stop - route.rows.start for route in routes]
+        self.sizes = [route.size for route in routes]
         try:
             for route in routes:
                 route.delta.begin_forward()
@@ -90,7 +93,7 @@ class Runtime:
         routes = self.routes
         if not routes or any(route.delta.generator is None for route in routes):
             return None
-        return [(route.rows.stop - route.rows.start, route.delta.generator) for route in routes]
+        return [(route.size, route.delta.generator) for route in routes]
 
     def split(self, tensor: torch.Tensor | None) -> tuple[torch.Tensor, ...] | list[None]:
         """Each route's rows of a batch-first tensor, as views. `split` (not one slice per route): its
@@ -273,8 +276,8 @@ def _install_attention(model: nn.Module) -> None:
                 key, value, attention_mask = runtime.extend_with_prefix(
                     module, query, key, value, attention_mask, is_eager=False
                 )
-                generators = runtime.row_generators() if (kwargs.get("dropout") or 0.0) > 0.0 else None
-                if _cheap_dropout_applies(query, kwargs, generators):
+                if _cheap_dropout_applies(query, kwargs):
+                    generators = runtime.row_generators()
                     return _sdpa_with_cheap_dropout(
                         module, query, key, value, attention_mask, generators=generators, **kwargs
                     )
@@ -302,7 +305,7 @@ def _install_attention(model: nn.Module) -> None:
     model.config._attn_implementation = f"pelt_{current}"
 
 
-def _cheap_dropout_applies(query: torch.Tensor, kwargs: dict, generators: RowGenerators | None) -> bool:
+def _cheap_dropout_applies(query: torch.Tensor, kwargs: dict) -> bool:
     """Attention dropout on the CPU, with nothing sdpa-specific asked for (paged cache, position bias).
     Elsewhere sdpa's fused kernel keeps its own dropout, from torch's generator (not the jobs' own)."""
     return (

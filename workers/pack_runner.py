@@ -91,14 +91,15 @@ class PackRunner:
         packs: dict[bool, Pack] = {}
         entries: dict[int, _Entry] = {}  # id(member) -> its entry
         try:
-            self._step_until_empty(packs, entries)
-        finally:  # whatever ends this thread, no job waits for it
+            self._step_until_empty(packs, entries)  # leaves `_thread` None (under the lock) when done
+        except BaseException:  # the thread dies: no job may wait for it
             with self._lock:
                 waiting, self._pending = [*entries.values(), *self._pending], []
                 self._thread = None
             for entry in waiting:
                 if not entry.ended.is_set():
                     entry.end(error=RuntimeError(f"{self.name}: the pack's thread stopped"))
+            raise
 
     def _step_until_empty(self, packs: dict[bool, Pack], entries: dict[int, _Entry]) -> None:
         while True:

@@ -93,17 +93,16 @@ class WorkerConfig:
     )
     slots: int = 1  # jobs run at once, each in its own thread, sharing this process and its backbones
     pack_size: int = 1  # > 1: the worker has this many places, and jobs on one backbone train as a pack
-
-    @property
-    def places(self) -> int:
-        """Jobs the worker runs at once: its pack places, or its job slots when it does not pack."""
-        return self.pack_size if self.pack_size > 1 else self.slots
-
     heartbeat_seconds: float = 15.0  # how often the lease is renewed and progress reported
     lease_seconds: float = 60.0  # after this long without a heartbeat getting through, assume the lease lost
     max_backbones: int = 2  # warm backbones kept per worker (least recently used dropped first)
     namespace: str | None = None  # Ray namespace of the node's backbone host
     work_dir: str | None = None  # scratch folder for delta files before the sink stores them
+
+    @property
+    def places(self) -> int:
+        """Jobs the worker runs at once: its pack places, or its job slots when it does not pack."""
+        return self.pack_size if self.pack_size > 1 else self.slots
 
 
 class _Attempt:

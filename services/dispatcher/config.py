@@ -6,9 +6,6 @@ from dataclasses import dataclass, field
 
 DEFAULT_PACK_SIZE = 1  # jobs a worker trains together by default (1: no packs)
 MAX_PACK_SIZE = 64
-PACK_SIZE_HELP = (
-    "jobs a worker trains together through one backbone pass per step (same backbone; methods mixed)"
-)
 
 
 @dataclass(frozen=True)
