@@ -43,7 +43,8 @@ from services.registry import (
     TaskRecord,
     UnknownBackboneError,
 )
-from services.registry.validation import check_json_numbers
+from services.registry.models import DEFAULT_JOB_DEVICE
+from services.registry.validation import check_device, check_json_numbers
 from services.settings import Settings, get_settings
 from services.uploads import TaskUploads, Upload
 
@@ -219,10 +220,13 @@ class PeltOperations:
         priority: int = 0,
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
+        device: str = DEFAULT_JOB_DEVICE,
     ) -> JobRecord:
+        """Queue one job (`Registry.submit_job`); `device`: any, cpu or gpu, where it may run."""
         self.registry.get_task(task)  # unknown task: that error first, before any backbone is loaded
         self.registry.get_method(method)
         check_json_numbers(hyperparameters)  # a JSON request's numbers are numbers, never text to parse
+        check_device(device)  # before ensure_backbone, which may register a packaged backbone
         self.ensure_backbone(backbone)
         return self.registry.submit_job(
             task,
@@ -234,6 +238,7 @@ class PeltOperations:
             priority=priority,
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
+            device=device,
         )
 
     def submit_sweep(
@@ -248,13 +253,16 @@ class PeltOperations:
         priority: int = 0,
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
+        device: str = DEFAULT_JOB_DEVICE,
     ) -> SweepRecord:
+        """Queue a sweep (`Registry.submit_sweep`); `device` applies to every job."""
         self.registry.get_task(task)
         for method in methods:
             self.registry.get_method(method)
         check_json_numbers(hyperparameters)
         for values in (method_hyperparameters or {}).values():
             check_json_numbers(values)
+        check_device(device)
         self.ensure_backbone(backbone)
         return self.registry.submit_sweep(
             task,
@@ -267,6 +275,7 @@ class PeltOperations:
             priority=priority,
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
+            device=device,
         )
 
     def get_job(self, job_id: int) -> JobRecord:

@@ -32,6 +32,11 @@ DEFAULT_BACKBONE = "all-minilm-l6-v2"
 Seed = Annotated[int, Field(ge=SEED.low, le=SEED.high)]
 KShot = Annotated[int, Field(ge=TRAIN_RANGES["k_shot"].low, le=TRAIN_RANGES["k_shot"].high)]
 MAX_LENGTH = TRAIN_RANGES["max_length"]
+# where a job may run; services.registry.models.JOB_DEVICES (kept here too, so that the client does not
+# import SQLAlchemy; tests/api/test_api.py keeps the two equal)
+JOB_DEVICES = ("any", "cpu", "gpu")
+JobDevice = Literal[JOB_DEVICES]  # a Literal of each name in the tuple
+DEVICE_HELP = "where the job may run: any (default: whichever worker is free), cpu or gpu"
 
 
 class Request(BaseModel):
@@ -97,7 +102,12 @@ class JobIn(Request):
     k_shot: KShot | None = None
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     max_attempts: int | None = Field(default=None, ge=1, le=100)
-    idempotency_key: str | None = Field(default=None, max_length=200)
+    idempotency_key: str | None = Field(
+        default=None,
+        max_length=200,
+        description="the same key returns the job it made (whatever its device: placement, not identity)",
+    )
+    device: JobDevice = Field(default="any", description=DEVICE_HELP)
 
 
 class SweepIn(Request):
@@ -113,6 +123,7 @@ class SweepIn(Request):
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     max_attempts: int | None = Field(default=None, ge=1, le=100)
     idempotency_key: str | None = Field(default=None, max_length=200)
+    device: JobDevice = Field(default="any", description=f"{DEVICE_HELP}; applies to every job")
 
 
 class ComposeIn(Request):
@@ -191,6 +202,7 @@ class JobOut(Response):
     seed: int
     k_shot: int | None
     priority: int
+    device: str = Field(default="any", description="where the job may run: any, cpu or gpu")
     status: str
     attempts: int
     max_attempts: int
@@ -242,7 +254,15 @@ class ResultOut(Response):
     total_params: int | None
     trainable_percent: float
     train_seconds: float
-    peak_memory_bytes: int | None
+    peak_memory_bytes: int | None = Field(
+        description="the peak memory of the job's process on its device (on a GPU: of its pack of jobs)"
+    )
+    job_memory_bytes: int | None = Field(
+        default=None, description="the job's own parameters, gradients and optimizer state on its device"
+    )
+    device: str | None = Field(
+        default=None, description='where it trained, e.g. "cpu" or "cuda:0 (NVIDIA H100 80GB HBM3)"'
+    )
     delta_uri: str | None
     delta_sha256: str | None
     mlflow_run_id: str | None

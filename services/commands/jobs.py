@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import click
 
-from services.api.schemas import DEFAULT_BACKBONE
+from services.api.schemas import DEFAULT_BACKBONE, JOB_DEVICES
 from services.client import PeltClient
 from services.commands.common import client_errors, parse_ints, parse_set_options, print_table
+
+device_option = click.option(
+    "--device",
+    type=click.Choice(JOB_DEVICES),
+    default="any",
+    show_default=True,
+    help="where the job may run: any (whichever worker is free), cpu or gpu",
+)
 
 
 @click.command("submit")
@@ -23,6 +31,7 @@ from services.commands.common import client_errors, parse_ints, parse_set_option
     help="hyperparameter or method override: lr=1e-3, epochs=5, r=16, ...",
 )
 @click.option("--priority", default=0, show_default=True)
+@device_option
 @click.option("--watch", is_flag=True, help="then show its progress until it ends")
 @client_errors
 def submit_command(
@@ -33,6 +42,7 @@ def submit_command(
     k_shot: int | None,
     assignments: tuple[str, ...],
     priority: int,
+    device: str,
     watch: bool,
 ) -> None:
     """Queue one job; prints its id."""
@@ -45,8 +55,10 @@ def submit_command(
             k_shot=k_shot,
             hyperparameters=parse_set_options(assignments),
             priority=priority,
+            device=device,
         )
-        click.echo(f"job {job.id} queued: {job.task} / {job.method} on {job.backbone}")
+        where = "" if job.device == "any" else f" ({job.device} only)"
+        click.echo(f"job {job.id} queued: {job.task} / {job.method} on {job.backbone}{where}")
         if watch:
             _watch(client, [job.id])
 
@@ -61,6 +73,7 @@ def submit_command(
 @click.option("--backbone", default=DEFAULT_BACKBONE, show_default=True)
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="applies to every job")
 @click.option("--priority", default=0, show_default=True)
+@device_option
 @click.option("--watch", is_flag=True, help="then show the jobs' progress until they end")
 @client_errors
 def sweep_command(
@@ -71,6 +84,7 @@ def sweep_command(
     backbone: str,
     assignments: tuple[str, ...],
     priority: int,
+    device: str,
     watch: bool,
 ) -> None:
     """Queue methods × seeds × K values for a task."""
@@ -83,6 +97,7 @@ def sweep_command(
             k_values=parse_ints(k_values, "--k", allow_full=True),
             hyperparameters=parse_set_options(assignments),
             priority=priority,
+            device=device,
         )
         click.echo(
             f"sweep {sweep.id}: {len(sweep.job_ids)} jobs queued ({sweep.job_ids[0]}..{sweep.job_ids[-1]})"
@@ -116,7 +131,9 @@ def jobs_command(
         }
         for j in jobs
     ]
-    print_table(rows, ["id", "task", "method", "seed", "k_shot", "status", "attempts", "progress", "error"])
+    print_table(
+        rows, ["id", "task", "method", "seed", "k_shot", "device", "status", "attempts", "progress", "error"]
+    )
 
 
 @click.command("watch")
@@ -141,6 +158,10 @@ def _watch(client: PeltClient, ids: list[int]) -> None:
         if job.status == "succeeded":
             result = client.result(job.id)
             line += f", {client.task(job.task).metric} {result.primary_metric:.4f}"
+            if result.device:
+                line += f" on {result.device}"
+            if result.job_memory_bytes is not None:
+                line += f" ({result.job_memory_bytes / 2**20:.1f} MiB of job memory)"
         elif job.last_error:
             line += f": {job.last_error.splitlines()[-1][:200]}"
         click.echo(line)

@@ -52,6 +52,8 @@ class JobStatus(enum.StrEnum):
 TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 SOURCE_KINDS = ("files", "datasets")
 TOKEN_SCOPES = ("read", "write", "admin")  # each scope includes the ones before it
+JOB_DEVICES = ("any", "cpu", "gpu")  # what a job needs to run on; `any`: either
+DEFAULT_JOB_DEVICE = "any"
 
 
 def _in(column: str, values: tuple[str, ...] | list[str]) -> str:
@@ -177,7 +179,8 @@ class Sweep(Base):
 
 
 class Job(Base):
-    """One training run: the durable queue entry, its lease and its state."""
+    """One training run: the durable queue entry, its lease and its state. `device` is where it may run
+    (JOB_DEVICES: `any`, `cpu`, `gpu`): placement, which workers may claim it, not part of what it is."""
 
     __tablename__ = "jobs"
     __table_args__ = (
@@ -185,7 +188,9 @@ class Job(Base):
         CheckConstraint("attempts >= 0", name="attempts"),
         CheckConstraint("max_attempts >= 1", name="max_attempts"),
         CheckConstraint("progress IS NULL OR (progress >= 0 AND progress <= 1)", name="progress"),
-        Index("ix_jobs_queue", "status", "priority", "created_at"),
+        CheckConstraint(_in("device", JOB_DEVICES), name="device"),
+        # queue order first; `device` last, so a claim's device filter is checked in the index
+        Index("ix_jobs_queue", "status", "priority", "created_at", "device"),
         Index("ix_jobs_lease", "status", "lease_expires_at"),
         Index("ix_jobs_task_k", "task_id", "k_shot"),
         Index("ix_jobs_submitted_by_status", "submitted_by", "status"),
@@ -203,6 +208,9 @@ class Job(Base):
     seed: Mapped[int] = mapped_column(Integer)
     k_shot: Mapped[int | None] = mapped_column(Integer)
     priority: Mapped[int] = mapped_column(Integer, default=0)
+    device: Mapped[str] = mapped_column(
+        String(8), default=DEFAULT_JOB_DEVICE, server_default=DEFAULT_JOB_DEVICE
+    )
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer)
@@ -230,7 +238,9 @@ class Job(Base):
 
 
 class Result(Base):
-    """What a succeeded job produced (at most one per job)."""
+    """What a succeeded job produced (at most one per job). `device`: where it trained, as the worker
+    describes it ("cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"); `job_memory_bytes`: the job's own parameters,
+    gradients and optimizer state there (`peak_memory_bytes`: the process's or its pack's peak)."""
 
     __tablename__ = "results"
     __table_args__ = (CheckConstraint("trainable_params >= 0", name="trainable_params"),)
@@ -244,6 +254,8 @@ class Result(Base):
     trainable_percent: Mapped[float] = mapped_column(Float)
     train_seconds: Mapped[float] = mapped_column(Float)
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    device: Mapped[str | None] = mapped_column(String(200))
+    job_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     delta_uri: Mapped[str | None] = mapped_column(Text)
     delta_sha256: Mapped[str | None] = mapped_column(String(64))
     mlflow_run_id: Mapped[str | None] = mapped_column(String(100))
@@ -304,6 +316,8 @@ class AuditEvent(Base):
 
 
 __all__ = [
+    "DEFAULT_JOB_DEVICE",
+    "JOB_DEVICES",
     "SOURCE_KINDS",
     "TERMINAL_STATUSES",
     "TOKEN_SCOPES",

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -21,7 +21,7 @@ from services.registry.errors import (
     RegistryValidationError,
     UnknownSweepError,
 )
-from services.registry.models import Backbone, Job, JobStatus, Result, Sweep
+from services.registry.models import JOB_DEVICES, Backbone, Job, JobStatus, Result, Sweep
 from services.registry.records import JobRecord, ResultRecord
 from services.registry.rows import (
     audit,
@@ -32,7 +32,7 @@ from services.registry.rows import (
     transition,
     worker_ever_held,
 )
-from services.registry.validation import check_int, check_progress, check_result
+from services.registry.validation import check_devices, check_int, check_progress, check_result
 
 log = logging.getLogger("pelt.registry")
 
@@ -41,13 +41,21 @@ class JobQueue(RegistryCore):
     """The durable queue's operations: one part of `Registry`."""
 
     def claim_job(
-        self, worker_id: str, lease_seconds: float | None = None, backbones: Iterable[str] | None = None
+        self,
+        worker_id: str,
+        lease_seconds: float | None = None,
+        backbones: Iterable[str] | None = None,
+        devices: Iterable[str] | None = None,
     ) -> JobRecord | None:
         """Take the next runnable job (highest priority, then oldest) for `worker_id`, or None.
 
         Expired leases are taken back first. `backbones`: only jobs on these backbones (the ones
-        the worker holds). Jobs waiting out a retry backoff (`not_before`) are skipped."""
-        claimed = self.claim_jobs(worker_id, 1, lease_seconds=lease_seconds, backbones=backbones)
+        the worker holds). `devices`: only jobs whose device is one of these (`any`, `cpu`, `gpu`; a
+        GPU worker that also takes unplaced jobs passes ["any", "gpu"]); None: any job; empty: none.
+        Jobs waiting out a retry backoff (`not_before`) are skipped."""
+        claimed = self.claim_jobs(
+            worker_id, 1, lease_seconds=lease_seconds, backbones=backbones, devices=devices
+        )
         return claimed[0] if claimed else None
 
     def claim_jobs(
@@ -57,12 +65,14 @@ class JobQueue(RegistryCore):
         *,
         lease_seconds: float | None = None,
         backbones: Iterable[str] | None = None,
+        devices: Iterable[str] | None = None,
     ) -> list[JobRecord]:
         """Take up to `limit` runnable jobs at once (see claim_job), in queue order."""
         check_worker(worker_id)
         check_int(limit, "limit", minimum=1, maximum=10_000)
         lease = self._lease(lease_seconds)
         backbone_names = None if backbones is None else sorted(set(backbones))
+        device_names = check_devices(devices)
         with self._writing() as session:
             now = self._now()
             if self._next_reap is None or now >= self._next_reap:
@@ -81,6 +91,8 @@ class JobQueue(RegistryCore):
                 query = query.where(
                     Job.backbone_id.in_(select(Backbone.id).where(Backbone.name.in_(backbone_names)))
                 )
+            if device_names is not None:
+                query = query.where(Job.device.in_(device_names))
             jobs = list(session.scalars(query))
             for job in jobs:
                 job.attempts += 1
@@ -101,6 +113,20 @@ class JobQueue(RegistryCore):
                 )
             self._cache_names(session, jobs)
         return [self._job_record(job) for job in jobs]  # built after the commit: the write turn is short
+
+    def queued_by_device(self) -> dict[str, int]:
+        """How many queued jobs wait for each device: {"any": n, "cpu": n, "gpu": n}, zeros included (one
+        query). Jobs waiting out a retry backoff count too: they are runnable soon, and a dispatcher
+        sizing its workers should see them."""
+        with self._reading() as session:
+            query = (
+                select(Job.device, func.count())
+                .where(Job.status == JobStatus.QUEUED.value)
+                .group_by(Job.device)
+            )
+            counts = dict.fromkeys(JOB_DEVICES, 0)
+            counts.update({device: count for device, count in session.execute(query)})
+            return counts
 
     def heartbeat(
         self,
@@ -135,8 +161,9 @@ class JobQueue(RegistryCore):
         lapsed may still complete a job that has not ended (the work is done; the job's current
         holder learns at its next heartbeat). Completing a cancelled or failed job is a JobStateError.
         `result`: metrics (with the task's metric), trainable_params, trainable_percent or
-        total_params, train_seconds, and optionally peak_memory_bytes, delta_uri, delta_sha256,
-        mlflow_run_id, mlflow_model_version, primary_metric."""
+        total_params, train_seconds, and optionally peak_memory_bytes, job_memory_bytes, device (where it
+        trained, e.g. "cuda:0 (NVIDIA H100 80GB HBM3)"), delta_uri, delta_sha256, mlflow_run_id,
+        mlflow_model_version, primary_metric."""
         check_worker(worker_id)
 
         def write() -> ResultRecord:

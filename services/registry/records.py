@@ -107,7 +107,8 @@ class BackboneRecord:
 class JobRecord:
     """One job. `attempts` counts the times it was started (claimed); the worker runs
     `method_spec` (overrides applied) with `train_config` (a resolved pelt_core.TrainConfig dict).
-    `method_fingerprint`: the version of the method's preset it came from (before overrides)."""
+    `method_fingerprint`: the version of the method's preset it came from (before overrides).
+    `device`: where it may run, `any`, `cpu` or `gpu` (which workers may claim it)."""
 
     id: int
     task: str
@@ -121,6 +122,7 @@ class JobRecord:
     seed: int
     k_shot: int | None
     priority: int
+    device: str  # any, cpu or gpu (models.JOB_DEVICES)
     status: models.JobStatus
     attempts: int
     max_attempts: int
@@ -156,6 +158,7 @@ class JobRecord:
             seed=row.seed,
             k_shot=row.k_shot,
             priority=row.priority,
+            device=row.device,
             status=models.JobStatus(row.status),
             attempts=row.attempts,
             max_attempts=row.max_attempts,
@@ -213,7 +216,9 @@ class SweepRecord:
 
 @dataclass(frozen=True)
 class ResultRecord:
-    """What a succeeded job produced."""
+    """What a succeeded job produced. `device`: where it trained ("cpu", "cuda:0 (NVIDIA H100 80GB
+    HBM3)"; None when the worker did not say); `job_memory_bytes`: the job's own parameters, gradients
+    and optimizer state there; `peak_memory_bytes`: the peak of its process (on a GPU, of its pack)."""
 
     id: int
     job_id: int
@@ -224,6 +229,8 @@ class ResultRecord:
     trainable_percent: float
     train_seconds: float
     peak_memory_bytes: int | None
+    job_memory_bytes: int | None
+    device: str | None
     delta_uri: str | None
     delta_sha256: str | None
     mlflow_run_id: str | None
@@ -244,6 +251,8 @@ class ResultRecord:
             trainable_percent=row.trainable_percent,
             train_seconds=row.train_seconds,
             peak_memory_bytes=row.peak_memory_bytes,
+            job_memory_bytes=row.job_memory_bytes,
+            device=row.device,
             delta_uri=row.delta_uri,
             delta_sha256=row.delta_sha256,
             mlflow_run_id=row.mlflow_run_id,

@@ -25,6 +25,7 @@ from services.registry.errors import (
     UnknownTaskError,
 )
 from services.registry.models import (
+    DEFAULT_JOB_DEVICE,
     TERMINAL_STATUSES,
     AuditEvent,
     Backbone,
@@ -147,11 +148,12 @@ def queue_jobs(
     max_attempts: int,
     now: datetime,
     reason: str,
+    device: str = DEFAULT_JOB_DEVICE,
     sweep_id: int | None = None,
     idempotency_key: str | None = None,
 ) -> list[Job]:
-    """Add the planned jobs as queued, each with its first event (`reason`), submitted by the current
-    actor; returns the flushed rows (ids set). The events go in one multi-row insert (big sweeps)."""
+    """Add the planned jobs as queued on `device`, each with its first event (`reason`), submitted by the
+    current actor; returns the flushed rows (ids set). The events go in one multi-row insert (big sweeps)."""
     jobs = [
         Job(
             task_id=task_id,
@@ -165,6 +167,7 @@ def queue_jobs(
             seed=plan.seed,
             k_shot=plan.k_shot,
             priority=priority,
+            device=device,
             status=JobStatus.QUEUED.value,
             attempts=0,
             max_attempts=max_attempts,

@@ -1,5 +1,9 @@
 """The Registry's submits: one job or a sweep (methods × seeds × K values), validated before anything is
-written, idempotent by key, capped per actor."""
+written, idempotent by key, capped per actor.
+
+A job's `device` (`any`, `cpu`, `gpu`) is placement, not part of what the job is: an idempotent retry
+compares the task, method, backbone, seed, K and hyperparameters only, so resubmitting under the same key
+with another device returns the jobs already made, on the device they were first given."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from services.registry.errors import (
     RegistryValidationError,
     UnknownSweepError,
 )
-from services.registry.models import ApiToken, Backbone, Job, JobStatus, Sweep, Task
+from services.registry.models import DEFAULT_JOB_DEVICE, ApiToken, Backbone, Job, JobStatus, Sweep, Task
 from services.registry.records import JobRecord, SweepRecord
 from services.registry.rows import (
     PlannedJob,
@@ -39,6 +43,7 @@ from services.registry.task_data import held_out_rows
 from services.registry.validation import (
     canonical_hyperparameters,
     check_against_backbone,
+    check_device,
     check_int,
     check_key,
     check_name,
@@ -92,13 +97,17 @@ class Submissions(RegistryCore):
         priority: int = 0,
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
+        device: str = DEFAULT_JOB_DEVICE,
     ) -> JobRecord:
         """Validate, then queue one job. Hyperparameters are flat `key: value` pairs: training ones
         (learning_rate/lr, epochs, batch_size, …) and method-spec overrides (r, bottleneck, q.size, …).
-        The same idempotency key returns the job it made (a different request under it is an error)."""
+        `device`: where it may run, `any` (default), `cpu` or `gpu`; only workers with that device claim it.
+        The same idempotency key returns the job it made (a different request under it is an error; a
+        different `device` is not: placement is not part of a job's identity, see the module's doc)."""
         seed, k_shot, priority, max_attempts, key = self._check_job_args(
             seed, k_shot, priority, max_attempts, idempotency_key
         )
+        device = check_device(device)
         split = split_hyperparameters(hyperparameters)
 
         def write() -> JobRecord:
@@ -123,6 +132,7 @@ class Submissions(RegistryCore):
                     max_attempts=max_attempts,
                     now=now,
                     reason="submitted",
+                    device=device,
                     idempotency_key=key,
                 )
                 names = {"task": task_row.name, "method": plan.method.name, "backbone": backbone_row.name}
@@ -144,16 +154,19 @@ class Submissions(RegistryCore):
         priority: int = 0,
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
+        device: str = DEFAULT_JOB_DEVICE,
     ) -> SweepRecord:
         """Queue methods × seeds × K values for one task in one transaction (all jobs or none).
 
         `k_values` entries of None mean the full training set. `hyperparameters` apply to every
         method; `method_hyperparameters[method]` add to or override them for one method (e.g. a rank
-        that only LoRA has). The same idempotency key returns the sweep it made."""
+        that only LoRA has). `device` (`any`, `cpu`, `gpu`) applies to every job. The same idempotency
+        key returns the sweep it made, whatever `device` the retry names."""
         request = self._check_sweep_request(methods, seeds, k_values, hyperparameters, method_hyperparameters)
         _, _, priority, max_attempts, key = self._check_job_args(
             0, None, priority, max_attempts, idempotency_key
         )
+        device = check_device(device)
 
         def write() -> SweepRecord:
             with self._writing() as session:
@@ -180,7 +193,16 @@ class Submissions(RegistryCore):
                         return SweepRecord.of(existing, sweep_job_ids(session, existing.id))
                 self._check_queue_quota(session, len(planned))
                 return self._queue_sweep(
-                    session, request, planned, task_row, backbone_row, priority, max_attempts, key, now
+                    session,
+                    request,
+                    planned,
+                    task_row,
+                    backbone_row,
+                    priority,
+                    max_attempts,
+                    device,
+                    key,
+                    now,
                 )
 
         return retry_once_on_conflict(write)
@@ -305,6 +327,7 @@ class Submissions(RegistryCore):
         backbone: Backbone,
         priority: int,
         max_attempts: int,
+        device: str,
         key: str | None,
         now: datetime,
     ) -> SweepRecord:
@@ -328,6 +351,7 @@ class Submissions(RegistryCore):
             max_attempts=max_attempts,
             now=now,
             reason=f"submitted by sweep {sweep.id}",
+            device=device,
             sweep_id=sweep.id,
         )
         job_ids = [job.id for job in jobs]
@@ -369,7 +393,8 @@ class Submissions(RegistryCore):
 
 
 def _check_same_job(existing: Job, plan: PlannedJob, task: Task, backbone: Backbone, key: str) -> None:
-    """IdempotencyConflictError unless the job made under `key` was this same request."""
+    """IdempotencyConflictError unless the job made under `key` was this same request (its device is
+    placement, not identity: not compared)."""
     request = (task.id, plan.method.id, backbone.id, plan.seed, plan.k_shot, jsonable(plan.hyperparameters))
     found = (
         existing.task_id,
@@ -386,7 +411,8 @@ def _check_same_job(existing: Job, plan: PlannedJob, task: Task, backbone: Backb
 def _check_same_sweep(
     existing: Sweep, task: Task, backbone: Backbone, request: _SweepRequest, key: str
 ) -> None:
-    """IdempotencyConflictError unless the sweep made under `key` was this same request."""
+    """IdempotencyConflictError unless the sweep made under `key` was this same request (device not
+    compared, as for a job)."""
     found = {
         "methods": existing.methods,
         "seeds": existing.seeds,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +26,11 @@ from pelt_core.vocabulary import (
     check_task_metric,
 )
 from services.registry.errors import RegistryValidationError
+from services.registry.models import JOB_DEVICES
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
 MAX_KEY_LENGTH = 200
+MAX_RESULT_DEVICE_LENGTH = 200
 SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -69,6 +71,22 @@ def check_key(value: object, field: str = "idempotency_key") -> str | None:
             field, f"must be a non-empty string of at most {MAX_KEY_LENGTH} characters"
         )
     return value
+
+
+def check_device(value: object, field: str = "device") -> str:
+    """A job's device: `any` (either), `cpu` or `gpu` (models.JOB_DEVICES)."""
+    if not isinstance(value, str) or value not in JOB_DEVICES:
+        raise RegistryValidationError(field, f"must be one of {', '.join(JOB_DEVICES)}, got {value!r}")
+    return value
+
+
+def check_devices(values: Iterable[str] | None, field: str = "devices") -> list[str] | None:
+    """The devices a worker can run jobs for (None: every job), each one of models.JOB_DEVICES."""
+    if values is None:
+        return None
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise RegistryValidationError(field, f"expected a list of {', '.join(JOB_DEVICES)}, got {values!r}")
+    return sorted({check_device(value, f"{field}[]") for value in values})
 
 
 # --- tasks ---------------------------------------------------------------------------------------
@@ -414,6 +432,8 @@ RESULT_FIELDS = (
     "trainable_percent",
     "train_seconds",
     "peak_memory_bytes",
+    "job_memory_bytes",
+    "device",
     "delta_uri",
     "delta_sha256",
     "mlflow_run_id",
@@ -422,7 +442,9 @@ RESULT_FIELDS = (
 
 
 def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
-    """A worker's result: metrics (with the task's primary metric), sizes, time, delta and MLflow ids."""
+    """A worker's result: metrics (with the task's primary metric), sizes, time, memory, the device it
+    trained on (text of at most 200 characters, e.g. "cuda:0 (NVIDIA H100 80GB HBM3)"), delta and MLflow
+    ids."""
     if not isinstance(result, Mapping):
         raise RegistryValidationError("result", f"expected a mapping, got {type(result).__name__}")
     unknown = sorted(set(result) - set(RESULT_FIELDS))
@@ -463,6 +485,14 @@ def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
     for name in ("delta_uri", "mlflow_run_id"):
         if result.get(name) is not None and not isinstance(result[name], str):
             raise RegistryValidationError(f"result.{name}", f"must be a string, got {result[name]!r}")
+    device = result.get("device")
+    if device is not None and (
+        not isinstance(device, str) or not device.strip() or len(device) > MAX_RESULT_DEVICE_LENGTH
+    ):
+        raise RegistryValidationError(
+            "result.device",
+            f"must be a non-empty string of at most {MAX_RESULT_DEVICE_LENGTH} characters, got {device!r:.80}",
+        )
     return {
         "metrics": dict(metrics),
         "primary_metric": primary,
@@ -471,6 +501,8 @@ def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
         "trainable_percent": percent,
         "train_seconds": seconds,
         "peak_memory_bytes": _count(result.get("peak_memory_bytes"), "result.peak_memory_bytes"),
+        "job_memory_bytes": _count(result.get("job_memory_bytes"), "result.job_memory_bytes"),
+        "device": device,
         "delta_uri": result.get("delta_uri"),
         "delta_sha256": sha.lower() if isinstance(sha, str) else None,
         "mlflow_run_id": result.get("mlflow_run_id"),
@@ -529,6 +561,8 @@ __all__ = [
     "TaskDefinition",
     "canonical_hyperparameters",
     "check_against_backbone",
+    "check_device",
+    "check_devices",
     "check_int",
     "check_json_numbers",
     "check_key",

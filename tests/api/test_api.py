@@ -253,6 +253,125 @@ def test_an_unknown_request_field_is_refused_not_ignored(client, toy_task, api):
     assert api.registry.list_jobs() == []
 
 
+# --- devices --------------------------------------------------------------------------------------
+
+H100 = "cuda:0 (NVIDIA H100 80GB HBM3)"
+
+
+def test_a_job_names_the_device_it_needs_any_by_default(client, toy_task):
+    assert client.submit(toy_task, "lora", backbone=BACKBONE).device == "any"
+    job = client.submit(toy_task, "lora", backbone=BACKBONE, seed=1, device="gpu")
+    assert (job.device, client.job(job.id).device) == ("gpu", "gpu")
+    sweep = client.sweep(toy_task, ["lora", "bitfit"], backbone=BACKBONE, device="cpu")
+    assert {j.device for j in client.jobs(sweep_id=sweep.id)} == {"cpu"}
+
+
+@pytest.mark.parametrize("device", ["tpu", "GPU", "cuda:0", ""])
+def test_an_unknown_device_is_422_naming_the_field_and_writes_nothing(client, toy_task, api, device):
+    words = "'any', 'cpu' or 'gpu'"
+    refused(lambda: client.submit(toy_task, "lora", backbone=BACKBONE, device=device), 422, "device", words)
+    refused(lambda: client.sweep(toy_task, ["lora"], backbone=BACKBONE, device=device), 422, "device", words)
+    assert api.registry.list_jobs() == []
+
+
+def test_the_api_and_the_registry_know_the_same_devices():
+    from typing import get_args
+
+    from services.api.schemas import JOB_DEVICES, JobDevice
+    from services.registry.models import JOB_DEVICES as REGISTRY_DEVICES
+
+    assert JOB_DEVICES == REGISTRY_DEVICES == get_args(JobDevice)
+
+
+def test_a_retried_submit_with_another_device_returns_the_job_already_made(client, toy_task, api):
+    first = client.submit(toy_task, "lora", backbone=BACKBONE, device="cpu", idempotency_key="k-1")
+    again = client.submit(toy_task, "lora", backbone=BACKBONE, device="gpu", idempotency_key="k-1")
+    assert (again.id, again.device) == (first.id, "cpu")
+    assert len(api.registry.list_jobs()) == 1
+
+
+def complete_on_a_gpu(api: Api, job_id: int) -> None:
+    claimed = api.registry.claim_job("gpu-worker", devices=["any", "gpu"])
+    assert claimed is not None and claimed.id == job_id
+    result = {"metrics": {"accuracy": 0.8}, "trainable_params": 10, "trainable_percent": 0.1}
+    result |= {"train_seconds": 1.0, "device": H100, "job_memory_bytes": 3 * 2**20}
+    api.registry.complete_job(job_id, "gpu-worker", {**result, "peak_memory_bytes": 2**30})
+
+
+def test_a_result_says_where_the_job_trained_and_its_own_memory(client, toy_task, api):
+    job = client.submit(toy_task, "lora", backbone=BACKBONE, device="gpu")
+    assert api.registry.queued_by_device() == {"any": 0, "cpu": 0, "gpu": 1}
+    complete_on_a_gpu(api, job.id)
+    result = client.result(job.id)
+    assert (result.device, result.job_memory_bytes, result.peak_memory_bytes) == (H100, 3 * 2**20, 2**30)
+    raw = client.http.get(f"/v1/jobs/{job.id}/result").json()
+    assert (raw["device"], raw["job_memory_bytes"]) == (H100, 3 * 2**20)
+
+
+def test_pelt_submit_sweep_and_jobs_take_and_show_the_device(api, toy_task, monkeypatch):
+    from click.testing import CliRunner
+
+    from services.commands import jobs
+
+    monkeypatch.setattr(jobs, "PeltClient", api.client)
+    runner = CliRunner()
+    submitted = runner.invoke(
+        jobs.submit_command, [toy_task, "lora", "--backbone", BACKBONE, "--device", "gpu"]
+    )
+    assert submitted.exit_code == 0, submitted.output
+    assert submitted.output.strip().endswith("on tiny-bert (gpu only)")
+    swept = runner.invoke(
+        jobs.sweep_command, [toy_task, "--methods", "lora,bitfit", "--backbone", BACKBONE, "--device", "cpu"]
+    )
+    assert swept.exit_code == 0, swept.output
+    assert [job.device for job in api.registry.list_jobs()] == ["gpu", "cpu", "cpu"]
+
+    listing = runner.invoke(jobs.jobs_command, [])
+    assert listing.exit_code == 0, listing.output
+    header, *rows = listing.output.splitlines()
+    assert "device" in header.split()
+    assert [row.split()[header.split().index("device")] for row in rows if row.split()[0].isdigit()] == [
+        "gpu",
+        "cpu",
+        "cpu",
+    ]
+
+
+@pytest.mark.parametrize("command", ["submit", "sweep"])
+def test_pelt_submit_and_sweep_refuse_an_unknown_device_naming_the_choices(
+    api, toy_task, monkeypatch, command
+):
+    from click.testing import CliRunner
+
+    from services.commands import jobs
+
+    monkeypatch.setattr(jobs, "PeltClient", api.client)
+    arguments = {
+        "submit": (jobs.submit_command, [toy_task, "lora"]),
+        "sweep": (jobs.sweep_command, [toy_task, "--methods", "lora"]),
+    }
+    function, args = arguments[command]
+    result = CliRunner().invoke(function, [*args, "--backbone", BACKBONE, "--device", "tpu"])
+    assert result.exit_code == 2
+    assert "'tpu' is not one of 'any', 'cpu', 'gpu'" in result.output
+    assert api.registry.list_jobs() == []
+
+
+def test_pelt_watch_says_where_a_succeeded_job_trained(api, toy_task, monkeypatch):
+    from click.testing import CliRunner
+
+    from services.commands import jobs
+
+    monkeypatch.setattr(jobs, "PeltClient", api.client)
+    job = api.registry.submit_job(toy_task, "lora", BACKBONE, device="gpu")
+    complete_on_a_gpu(api, job.id)
+    watched = CliRunner().invoke(jobs.watch_command, [str(job.id)])
+    assert watched.exit_code == 0, watched.output
+    assert (
+        f"job {job.id} lora: succeeded, accuracy 0.8000 on {H100} (3.0 MiB of job memory)" in watched.output
+    )
+
+
 def test_a_sweep_queues_methods_times_seeds_times_k_and_cancels_as_one(client, toy_task):
     sweep = client.sweep(
         toy_task,

@@ -13,6 +13,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from click.testing import CliRunner
 from sqlalchemy import Column, Connection, Integer, MetaData, Table, inspect, select, text
+from sqlalchemy.exc import IntegrityError
 
 import pelt_core
 from services.registry import Registry, SchemaOutOfDateError, db, presets
@@ -261,3 +262,42 @@ def test_0008_downgrade_gives_a_later_built_in_the_spec_its_jobs_ran_or_drops_an
         *before,
         ("lora_r2", True, job.method_spec, job.method_spec["description"]),
     ]
+
+
+# --- 0009: jobs name their device, results where they trained ----------------------------------
+
+
+def _columns(url: str, table: str) -> set[str]:
+    with db.connect(url) as engine:
+        return {column["name"] for column in inspect(engine).get_columns(table)}
+
+
+def _queue_index(url: str) -> list[str]:
+    with db.connect(url) as engine:
+        (index,) = [i for i in inspect(engine).get_indexes("jobs") if i["name"] == "ix_jobs_queue"]
+        return list(index["column_names"])
+
+
+def test_0009_puts_existing_jobs_on_any_device_refuses_unknown_ones_and_downgrades(db_url: str) -> None:
+    job_ids = _succeeded_jobs_written_at_0007(db_url)
+    db.upgrade(db_url, "0009")
+    assert _queue_index(db_url) == ["status", "priority", "created_at", "device"]
+    with db.connect(db_url) as engine:
+        with engine.connect() as connection:
+            jobs = Table("jobs", MetaData(), autoload_with=connection)
+            results = Table("results", MetaData(), autoload_with=connection)
+            assert set(connection.execute(select(jobs.c.id, jobs.c.device))) == {
+                (job_id, "any") for job_id in job_ids.values()
+            }
+            assert set(connection.execute(select(results.c.device, results.c.job_memory_bytes))) == {
+                (None, None)
+            }
+        with engine.begin() as connection:
+            connection.execute(jobs.update().where(jobs.c.id == job_ids["lora"]).values(device="gpu"))
+        with pytest.raises(IntegrityError), engine.begin() as connection:
+            connection.execute(jobs.update().values(device="tpu"))  # the CHECK, not only the code
+
+    db.downgrade(db_url, "0008")
+    assert "device" not in _columns(db_url, "jobs")
+    assert {"device", "job_memory_bytes"} & _columns(db_url, "results") == set()
+    assert _queue_index(db_url) == ["status", "priority", "created_at"]

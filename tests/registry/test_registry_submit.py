@@ -83,6 +83,9 @@ def test_a_submitted_job_is_queued_with_its_resolved_training_config_and_method_
         ({"seed": -1}, "seed", "must be in [0, 2**31 - 1]"),
         ({"seed": 1.5}, "seed", "must be a whole number"),
         ({"max_attempts": 0}, "max_attempts", "must be >= 1"),
+        ({"device": "tpu"}, "device", "must be one of any, cpu, gpu, got 'tpu'"),
+        ({"device": "GPU"}, "device", "must be one of any, cpu, gpu, got 'GPU'"),
+        ({"device": None}, "device", "must be one of any, cpu, gpu, got None"),
     ],
 )
 def test_bad_input_is_refused_naming_the_field_and_nothing_is_written(
@@ -135,6 +138,51 @@ def test_reusing_an_idempotency_key_for_a_different_job_is_refused(ready: Regist
         ready.submit_job("sst2", "lora", "tiny-bert", seed=2, idempotency_key="req-1")
     assert refused.value.field == "idempotency_key"
     assert ready.job_counts()["queued"] == 1
+
+
+# --- devices -------------------------------------------------------------------------------------
+
+
+def test_a_job_runs_on_any_device_unless_it_names_one(ready: Registry) -> None:
+    assert ready.submit_job("sst2", "lora", "tiny-bert").device == "any"
+    for seed, device in enumerate(["any", "cpu", "gpu"], start=1):
+        job = ready.submit_job("sst2", "lora", "tiny-bert", seed=seed, device=device)
+        assert job.device == device
+        assert ready.get_job(job.id).device == device
+
+
+def test_every_job_of_a_sweep_gets_its_device(ready: Registry) -> None:
+    sweep = ready.submit_sweep("sst2", ["lora", "bitfit"], [0, 1], [8], "tiny-bert", device="gpu")
+    assert {job.device for job in ready.list_jobs(sweep_id=sweep.id)} == {"gpu"}
+    other = ready.submit_sweep("sst2", ["lora"], [0], [8], "tiny-bert")
+    assert [job.device for job in ready.list_jobs(sweep_id=other.id)] == ["any"]
+
+
+def test_a_sweep_naming_an_unknown_device_writes_nothing(ready: Registry) -> None:
+    before = row_counts(ready)
+    with pytest.raises(RegistryValidationError, match=r"^device: must be one of any, cpu, gpu") as refused:
+        ready.submit_sweep("sst2", ["lora"], [0], [8], "tiny-bert", device="cuda")
+    assert refused.value.field == "device"
+    assert row_counts(ready) == before
+
+
+def test_the_device_is_placement_not_identity_a_retry_with_another_device_returns_the_same_job(
+    ready: Registry,
+) -> None:
+    first = ready.submit_job("sst2", "lora", "tiny-bert", seed=1, device="cpu", idempotency_key="req-1")
+    again = ready.submit_job("sst2", "lora", "tiny-bert", seed=1, device="gpu", idempotency_key="req-1")
+    assert (again.id, again.device) == (first.id, "cpu")  # the job as first made, not moved
+    assert ready.job_counts()["queued"] == 1
+
+
+def test_a_sweep_retried_with_another_device_returns_the_same_sweep(ready: Registry) -> None:
+    first = ready.submit_sweep("sst2", ["lora"], [0, 1], [8], "tiny-bert", idempotency_key="s-1")
+    again = ready.submit_sweep(
+        "sst2", ["lora"], [0, 1], [8], "tiny-bert", device="gpu", idempotency_key="s-1"
+    )
+    assert (again.id, again.job_ids) == (first.id, first.job_ids)
+    assert {job.device for job in ready.list_jobs(sweep_id=first.id)} == {"any"}
+    assert ready.job_counts()["queued"] == 2
 
 
 # --- sweeps --------------------------------------------------------------------------------------
