@@ -391,6 +391,18 @@ class Backbone:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where its weights are (and so where its jobs train)."""
+        return next(self.model.parameters()).device
+
+    def to(self, device: str | torch.device) -> Backbone:
+        """Move the weights to `device` (once per process: a GPU worker's copy); returns self."""
+        from pelt_core.devices import resolve_device
+
+        self.model.to(resolve_device(device))
+        return self
+
     def layers(self) -> list[nn.Module]:
         return list(self.model.get_submodule(self.arch.layers_path))
 
@@ -424,10 +436,16 @@ class Backbone:
         dtype: str = "float32",
         attn_implementation: str = "sdpa",
         max_parameters: int | None = None,
+        device: str | torch.device = "cpu",
     ) -> Backbone:
-        """Load a packaged model by alias, a local model directory or a .gguf file, offline. Its config
-        is checked first (`read_backbone_config`, `check_backbone_config`, `check_weight_files`):
-        nothing is built for a model out of range or above `max_parameters` (estimated)."""
+        """Load a packaged model by alias, a local model directory or a .gguf file, offline, onto `device`
+        (`pelt_core.devices.resolve_device`: cpu, cuda, cuda:N or auto). Its config is checked first
+        (`read_backbone_config`, `check_backbone_config`, `check_weight_files`): nothing is built for a
+        model out of range or above `max_parameters` (estimated). The content hash is the checkpoint's,
+        whatever the dtype or device it is held in."""
+        from pelt_core.devices import resolve_device
+
+        target = resolve_device(device)  # an unusable device is refused before anything loads
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -461,4 +479,5 @@ class Backbone:
             model.to(torch.bfloat16)
         elif dtype != "float32":
             raise BackboneError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        model.to(target)
         return cls(model, tokenizer, canonical, content_hash=content_hash, source=path)

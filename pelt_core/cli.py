@@ -116,6 +116,12 @@ def methods_command(backbone: str, as_json: bool) -> None:
 @click.option(
     "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Where the delta is written."
 )
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="Where to train: auto (a GPU if torch sees one, else the CPU), cpu, cuda or cuda:N.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def train_command(
     backbone,
@@ -127,6 +133,7 @@ def train_command(
     label_field,
     problem_type,
     out_dir,
+    device,
     quiet,
 ) -> None:
     """Train one PELT job locally and write its delta; the last line printed is the metrics as JSON."""
@@ -134,6 +141,7 @@ def train_command(
 
     from pelt_core.backbones import Backbone, BackboneError
     from pelt_core.data import DataError, infer_task_fields, load_split
+    from pelt_core.devices import DeviceError, DeviceOutOfMemory
     from pelt_core.train import TrainingError, train
 
     try:
@@ -143,12 +151,12 @@ def train_command(
         train_data = load_split(train_path)
         eval_data = load_split(validation_path) if validation_path else None
         task = infer_task_fields(train_data, text_fields or None, label_field, problem_type)
-        loaded = Backbone.load(backbone, dtype=config.backbone_dtype)
+        loaded = Backbone.load(backbone, dtype=config.backbone_dtype, device=device)
         if (
             "max_length" in train_overrides
         ):  # given: refused above the backbone's positions (else cut to them)
             check_against_backbone({"max_length": config.max_length}, {}, loaded.facts)
-    except (SpecError, ConfigError, DataError, BackboneError, LimitError) as exc:
+    except (SpecError, ConfigError, DataError, BackboneError, LimitError, DeviceError) as exc:
         _fail(str(exc))
 
     bar = None if quiet else tqdm(total=0, unit="step", file=sys.stderr, dynamic_ncols=True)
@@ -172,7 +180,13 @@ def train_command(
             progress=progress,
             on_epoch_end=lambda r: click.echo(json.dumps(r), err=True),
         )
-    except (TrainingError, DataError, SpecError, ConfigError) as exc:  # SpecError: a rank above the backbone
+    except (
+        TrainingError,
+        DataError,
+        SpecError,
+        ConfigError,
+        DeviceOutOfMemory,
+    ) as exc:  # SpecError: a rank above the backbone
         _fail(str(exc))
     finally:
         if bar is not None:
@@ -195,10 +209,13 @@ def _save_delta_folder(
     summary = {
         "method": spec.name,
         "backbone": backbone.name,
+        "device": str(backbone.device),
+        "bf16": result.bf16,
         "metrics": result.metrics,
         "steps": result.steps,
         "train_seconds": round(result.train_seconds, 2),
         "tokens_per_second": round(result.tokens_per_second, 1),
+        "peak_memory_bytes": result.peak_memory_bytes,
         "pelt_parameters": result.parameter_counts["pelt"],
         "trainable_percent": result.trainable_percent,
         "gates": result.gate_values,

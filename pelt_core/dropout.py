@@ -10,7 +10,8 @@ mask costs about a sixth, and attention with dropout runs as plain matmul → so
 Semantics stay those of `torch.nn.Dropout`: each element is kept with probability 1 - p and scaled by
 1 / (1 - p), p rounded to a multiple of 1/65536 (0.1 → 0.100006); attention applies the 1 / (1 - p) to
 its output instead of to the weights (the same product, on a smaller tensor). `torch.manual_seed` makes it
-reproducible. Other devices use torch's own dropout (already fast there).
+reproducible. Other devices use torch's own dropout (already fast there), except for jobs with their own
+generators (a pack's members, on any device): their masks come from `keep_mask` with their generator.
 """
 
 from __future__ import annotations

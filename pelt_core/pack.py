@@ -36,6 +36,7 @@ from pelt_core.data import (
     length_grouped_batches,
     sample_k_shot,
 )
+from pelt_core.devices import DeviceOutOfMemory, free_cached_memory, is_out_of_memory, reset_peak_memory
 from pelt_core.metrics import compute_metrics
 from pelt_core.model import JobDelta, PeltModel
 from pelt_core.spec import MethodSpec
@@ -62,6 +63,8 @@ PADDING_SLACK = 1.25
 # 1024 (activations outgrowing the caches; benchmarks/bench_packs.py, AMD EPYC); a GPU wants big matrices.
 FORWARD_TOKENS = {"cpu": 1024, "cuda": 65536}
 EVAL_FORWARD_FACTOR = 4
+# After a step runs out of device memory, forwards hold half as many tokens (not fewer than this) from then on.
+MIN_FORWARD_TOKENS = 256
 DROPOUT_SEED_OFFSET = 7_919  # a job's dropout generator: seeded from its seed, apart from its init seed
 
 
@@ -136,7 +139,9 @@ class Pack:
         self.use_bf16: bool | None = None  # decided by the first member; every member must agree
         self.steps = 0  # pack steps taken
         self.job_steps = 0  # steps its members took, counted per member (> steps: they shared passes)
+        self.out_of_memory = 0  # steps that ran out of device memory together (then redone in smaller pieces)
         self._joined = 0
+        self._fused_out_of_memory = False
 
     def __len__(self) -> int:
         return len(self.members)
@@ -196,6 +201,8 @@ class Pack:
             on_epoch_end=on_epoch_end,
         )
         self._joined += 1
+        if not self.members:  # a pack's peak memory is measured from when it starts (on a GPU)
+            reset_peak_memory(self.device)
         self.use_bf16 = use_bf16
         self.model.deltas[member.key] = delta
         self.members.append(member)
@@ -232,8 +239,8 @@ class Pack:
         self.model.train()
         finite = self._fused_step(batches)
         if finite is None:  # whose forward broke? each member alone tells (the others' steps still count)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            if self._fused_out_of_memory:  # the rows did not fit together: smaller forwards from now on
+                self._shrink_forwards()
             for member, _ in batches:
                 member.optimizer.zero_grad(set_to_none=True)
                 member.error = None if isinstance(member.error, TrainingError) else member.error
@@ -245,7 +252,7 @@ class Pack:
             try:  # its clipping, optimizer, progress callback: its own failures
                 self._optimizer_step(member, loss, next(b for m, b in batches if m is member))
             except Exception as exc:
-                member.error = exc
+                member.error = self._own_error(exc, "optimizer step")
 
     def _fused_step(
         self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]
@@ -254,6 +261,7 @@ class Pack:
         alive at a time); the members with a finite loss, or None when a forward or backward raised (whose
         fault is not known). Returning frees the failed attempt's tensors before any retry."""
         finite = []
+        self._fused_out_of_memory = False
         try:
             for group in length_groups([batch for _, batch in batches], self.forward_tokens):
                 losses = self._forward_losses([batches[i] for i in group])
@@ -261,7 +269,8 @@ class Pack:
                 if group_finite:
                     torch.stack([loss for _, loss in group_finite]).sum().backward()
                 finite += group_finite
-        except Exception:
+        except Exception as exc:
+            self._fused_out_of_memory = is_out_of_memory(exc)
             return None
         return finite
 
@@ -302,8 +311,28 @@ class Pack:
                     finite.append((member, loss))
             except Exception as exc:
                 member.optimizer.zero_grad(set_to_none=True)
-                member.error = exc
+                member.error = self._own_error(exc, "training step")
         return finite
+
+    def _shrink_forwards(self) -> None:
+        """A shared pass ran out of device memory: free the cache, and let forwards hold half as many tokens
+        from now on (jobs stay in the pack; their steps run in more, smaller pieces)."""
+        free_cached_memory(self.device)
+        self.out_of_memory += 1
+        self.forward_tokens = max(MIN_FORWARD_TOKENS, self.forward_tokens // 2)
+
+    def _own_error(self, exc: Exception, doing: str) -> Exception:
+        """A member's own failure as its job reports it: running out of device memory becomes a
+        DeviceOutOfMemory (the job may fit elsewhere: the service retries it), anything else stays."""
+        if not is_out_of_memory(exc):
+            return exc
+        free_cached_memory(self.device)
+        return DeviceOutOfMemory(
+            f"out of memory on {self.device} in a {doing} of its own (pack of {len(self.members)} "
+            f"job(s), forwards of at most {self.forward_tokens} padded tokens): "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; a smaller batch_size or "
+            "max_length, bf16, or a smaller pack would fit"
+        )
 
     def _check_finite(self, member: PackMember, loss: torch.Tensor) -> bool:
         if torch.isfinite(loss):
@@ -357,13 +386,15 @@ class Pack:
         try:
             for group in length_groups([b for _, b in batches], self.forward_tokens * EVAL_FORWARD_FACTOR):
                 outputs += self._eval_forward([batches[i] for i in group])
-        except Exception:
+        except Exception as exc:
             outputs = []
+            if is_out_of_memory(exc):
+                self._shrink_forwards()
             for member, batch in batches:
                 try:
                     outputs += self._eval_forward([(member, batch)])
                 except Exception as exc:
-                    member.error = exc
+                    member.error = self._own_error(exc, "evaluation pass")
         for member, output in outputs:
             member._eval_outputs.append(output)
         elapsed = time.perf_counter() - started
@@ -413,6 +444,7 @@ class Pack:
             member.train_seconds,
             member.eval_seconds,
             bool(self.use_bf16),
+            member.optimizer,
         )
 
     def leave(self, member: PackMember) -> None:

@@ -276,8 +276,8 @@ def _install_attention(model: nn.Module) -> None:
                 key, value, attention_mask = runtime.extend_with_prefix(
                     module, query, key, value, attention_mask, is_eager=False
                 )
-                if _cheap_dropout_applies(query, kwargs):
-                    generators = runtime.row_generators()
+                generators = runtime.row_generators()
+                if _cheap_dropout_applies(query, kwargs, generators):
                     return _sdpa_with_cheap_dropout(
                         module, query, key, value, attention_mask, generators=generators, **kwargs
                     )
@@ -305,12 +305,13 @@ def _install_attention(model: nn.Module) -> None:
     model.config._attn_implementation = f"pelt_{current}"
 
 
-def _cheap_dropout_applies(query: torch.Tensor, kwargs: dict) -> bool:
-    """Attention dropout on the CPU, with nothing sdpa-specific asked for (paged cache, position bias).
-    Elsewhere sdpa's fused kernel keeps its own dropout, from torch's generator (not the jobs' own)."""
+def _cheap_dropout_applies(query: torch.Tensor, kwargs: dict, generators: RowGenerators | None) -> bool:
+    """Attention dropout with nothing sdpa-specific asked for (paged cache, position bias), on the CPU, or on
+    any device when the jobs have their own dropout generators (a pack: on a GPU, sdpa's fused kernel would
+    draw every job's mask from the device's one generator, so a job's masks would depend on its pack-mates)."""
     return (
         (kwargs.get("dropout") or 0.0) > 0.0
-        and query.device.type == "cpu"
+        and (query.device.type == "cpu" or generators is not None)
         and not any(kwargs.get(name) is not None for name in ("cache", "position_bias", "softcap"))
     )
 
@@ -327,8 +328,8 @@ def _sdpa_with_cheap_dropout(
     generators: RowGenerators | None = None,
     **_,
 ):
-    """transformers' sdpa attention while training on the CPU: the same inputs and result, with
-    pelt_core.dropout's keep mask instead of sdpa's math fallback (which draws one number per weight)."""
+    """transformers' sdpa attention while training on the CPU or in a pack: the same inputs and result, with
+    pelt_core.dropout's keep mask (each job's from its own generator) instead of sdpa's math fallback (which draws one number per weight)."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     groups = getattr(module, "num_key_value_groups", 1)

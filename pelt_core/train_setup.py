@@ -53,7 +53,11 @@ class TrainResult:
     eval_seconds: float = 0.0
     train_tokens: int = 0
     tokens_per_second: float = 0.0
-    peak_memory_bytes: int = 0
+    peak_memory_bytes: int = (
+        0  # the process's peak on its device (on a GPU: its pack's, since the pack started)
+    )
+    job_memory_bytes: int = 0  # this job's own parameters, gradients and optimizer state on the device
+    device: str = "cpu"  # where it trained, e.g. "cpu" or "cuda:0 (NVIDIA H100 80GB HBM3)"
     parameter_counts: dict[str, int] = field(default_factory=dict)
     trainable_percent: float = 0.0
     gate_values: dict[str, float] = field(default_factory=dict)
@@ -141,6 +145,24 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def job_memory_bytes(delta: JobDelta, optimizer: torch.optim.Optimizer) -> int:
+    """A job's own bytes on its device: its delta's tensors, a gradient per trainable one (alive during each
+    step) and the optimizer's state (AdamW: two moments per trainable value). The shared backbone and the
+    activations are not counted."""
+    tensors = [*delta.parameters(), *delta.buffers()]
+    tensors += [p for p in delta.parameters() if p.requires_grad]  # their gradients' size
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def device_label(device: torch.device) -> str:
+    """ "cpu", or a GPU's index and name: "cuda:0 (NVIDIA H100 80GB HBM3)"."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
 def finished_result(
     delta: JobDelta,
     task: TaskFields,
@@ -151,10 +173,12 @@ def finished_result(
     train_seconds: float,
     eval_seconds: float,
     bf16: bool,
+    optimizer: torch.optim.Optimizer,
 ) -> TrainResult:
     """A finished run's result: the last evaluation's metrics, the delta's sizes and gates, speed, memory."""
     metrics = {k: v for k, v in history[-1].items() if k not in ("epoch", "step")} if history else {}
     counts = delta.parameter_counts()
+    device = next(delta.parameters()).device
     return TrainResult(
         delta=delta,
         task=task,
@@ -165,7 +189,9 @@ def finished_result(
         eval_seconds=eval_seconds,
         train_tokens=tokens,
         tokens_per_second=tokens / max(train_seconds, 1e-9),
-        peak_memory_bytes=peak_memory_bytes(next(delta.parameters()).device),
+        peak_memory_bytes=peak_memory_bytes(device),
+        job_memory_bytes=job_memory_bytes(delta, optimizer),
+        device=device_label(device),
         parameter_counts=counts,
         trainable_percent=100.0 * counts["pelt"] / backbone.num_parameters,
         gate_values=delta.gate_values(),

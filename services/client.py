@@ -211,9 +211,11 @@ class PeltClient:
         priority: int = 0,
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
+        device: str = "any",
     ) -> JobOut:
         """Queue one job. hyperparameters: training settings (lr, epochs, batch_size, ...) and method
-        overrides (r, bottleneck, prefix_length, q.size, ...)."""
+        overrides (r, bottleneck, prefix_length, q.size, ...). device: where it may run, "any" (whichever
+        worker is free), "cpu" or "gpu"; another value is a 422 naming `device`."""
         body = {
             "task": task,
             "method": method,
@@ -224,6 +226,7 @@ class PeltClient:
             "priority": priority,
             "max_attempts": max_attempts,
             "idempotency_key": idempotency_key,
+            **_placement(device),
         }
         return JobOut.model_validate(self._post("/v1/jobs", body))
 
@@ -240,8 +243,10 @@ class PeltClient:
         priority: int = 0,
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
+        device: str = "any",
     ) -> SweepOut:
-        """Queue methods × seeds × K values (None: the full training set) in one go."""
+        """Queue methods × seeds × K values (None: the full training set) in one go; `device` ("any",
+        "cpu" or "gpu") applies to every job."""
         body = {
             "task": task,
             "methods": list(methods),
@@ -253,6 +258,7 @@ class PeltClient:
             "priority": priority,
             "max_attempts": max_attempts,
             "idempotency_key": idempotency_key,
+            **_placement(device),
         }
         return SweepOut.model_validate(self._post("/v1/sweeps", body))
 
@@ -407,26 +413,30 @@ class PeltClient:
         method: str | None = None,
         backbone: Any = None,
         fold: bool = False,
+        device: str = "auto",
     ) -> PulledModel:
         """Download a delta (the task's best by default) and load it onto its backbone, here: a
         PulledModel ready for `predict(texts)`, its `info` the version's VersionOut. backbone: a loaded
         pelt_core Backbone to reuse, else the manifest's backbone is loaded by name (a packaged alias, or
-        a folder that exists here too)."""
+        a folder that exists here too) onto `device` (auto: a GPU when torch sees one; cpu, cuda, cuda:N).
+        Deltas are stored as fp32 CPU tensors: one trained on any device loads on any other."""
         with tempfile.TemporaryDirectory(prefix="pelt-pull-") as scratch:
             info = self.download(task, scratch, version=version, alias=alias, method=method)
             return load_pulled(
-                info, Path(scratch), lambda manifest: self._backbone(manifest, backbone), fold=fold
+                info, Path(scratch), lambda manifest: self._backbone(manifest, backbone, device), fold=fold
             )
 
-    def _backbone(self, manifest: Mapping[str, Any], given: Any) -> Any:
+    def _backbone(self, manifest: Mapping[str, Any], given: Any, device: str) -> Any:
         if given is not None:
             return given
-        wanted = manifest["backbone"]
-        if wanted["content_hash"] not in self._backbones:
-            from pelt_core.backbones import Backbone
+        from pelt_core.backbones import Backbone
+        from pelt_core.devices import resolve_device
 
-            self._backbones[wanted["content_hash"]] = Backbone.load(wanted["name"])
-        return self._backbones[wanted["content_hash"]]
+        wanted = manifest["backbone"]
+        key = f"{wanted['content_hash']}@{resolve_device(device)}"
+        if key not in self._backbones:
+            self._backbones[key] = Backbone.load(wanted["name"], device=device)
+        return self._backbones[key]
 
     def compose(
         self,
@@ -471,6 +481,12 @@ def _default_token(settings: Settings, url: str) -> str | None:
         return path.read_text().strip() or None
     except OSError:
         return None
+
+
+def _placement(device: str) -> dict[str, str]:
+    """A submit's `device`, left out when it is the default ("any"), so that the request also suits a
+    service older than devices (it refuses unknown fields)."""
+    return {} if device == "any" else {"device": device}
 
 
 def _job_ids(jobs: Any) -> list[int]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from pelt_core.devices import resolve_device
 from services.client import PeltClient
 from services.settings import Settings, get_settings
 from tests.api.conftest import BACKBONE
@@ -117,6 +118,9 @@ def test_register_sweep_wait_leaderboard_pull_and_compose_over_http(
     model = client.pull("toy")  # the best delta, by task name, on its backbone, here
     predictions = model.predict(["w1 w2 w3 w4 w5 good great", "w1 w2 w3 w4 w5 bad awful"])
     assert_predictions(predictions, 2)
+    assert model.backbone.device == resolve_device("auto")  # a GPU where torch sees one
+    on_cpu = client.pull("toy", device="cpu").predict(texts := ["w1 w2 good great", "w1 bad awful"])
+    assert [p["label"] for p in on_cpu] == [p["label"] for p in model.predict(texts)]
 
     pulled_dir = tmp_path / "pulled"
     assert "sha256" in cli(server, "pull", "toy", "-o", str(pulled_dir), "--method", "lora")

@@ -1,0 +1,112 @@
+"""pelt on a GPU: packs, deltas across devices, bf16 storage, a GPU worker. Skipped where torch sees no GPU.
+
+Run them on a machine with a GPU with `pytest -m gpu tests/gpu` (benchmarks/README.md, "GPU benchmark", says
+how they were run on a lent GPU). Every path here also has a CPU test that always runs (tests/core/test_devices.py,
+tests/core/test_pack.py, tests/workers/test_worker.py)."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+
+from pelt_core import TrainConfig
+from pelt_core.delta import load_delta, save_delta
+from pelt_core.methods import list_methods
+from pelt_core.model import PeltModel, predict
+from tests.core.test_pack import WORDS, assert_same_delta, job, run_pack, train_alone
+from tests.workers.test_worker import RecordingLease, job_spec
+from workers.backbone_store import LocalBackbones
+from workers.job import LocalDeltaSink
+from workers.worker import PeltWorker, WorkerConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU is visible to torch here"),
+]
+
+
+@pytest.fixture
+def on_gpu(make_backbone):
+    """make_backbone, then the backbone moved onto the GPU."""
+
+    def make(family: str = "bert", **config):
+        return make_backbone(family, **config).to("cuda")
+
+    return make
+
+
+def test_every_preset_in_a_mixed_pack_on_the_gpu_ends_as_it_would_alone_there(family, on_gpu):
+    backbone = on_gpu(family)
+    specs = [job(method, i) for i, method in enumerate(list_methods())]
+    alone = [train_alone(backbone, spec) for spec in specs]
+    packed = run_pack(backbone, specs)
+    for member, expected in zip(packed, alone, strict=True):
+        assert member.error is None, member.method.name
+        assert_same_delta(member.result, expected)
+        assert member.result.device.startswith("cuda:")
+        assert member.result.peak_memory_bytes > member.result.job_memory_bytes > 0
+
+
+def test_with_dropout_on_a_gpu_jobs_masks_come_from_its_own_generator(on_gpu):
+    """Attention dropout too: on a GPU, sdpa's kernel would draw from the device's one generator. The mates'
+    one-word rows never widen job 0's batches, so only their masks could move job 0."""
+    backbone = on_gpu(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    first = job("lora", 0)
+    one_word = datasets.Dataset.from_list([{"sentence": w, "label": i % 2} for i, w in enumerate(WORDS * 3)])
+    mate = job("pfeiffer", 1) | {"train_data": one_word, "eval_data": one_word}
+    bigger_mate = mate | {
+        "config": TrainConfig(**{**mate["config"].to_dict(), "batch_size": 9, "head_dropout": 0.2})
+    }
+    beside_mate, _ = run_pack(backbone, [first, mate])
+    beside_bigger, _ = run_pack(backbone, [first, bigger_mate])
+    assert_same_delta(beside_bigger.result, beside_mate.result)
+
+
+@pytest.mark.parametrize(("trained_on", "loaded_on"), [("cuda", "cpu"), ("cpu", "cuda")])
+def test_a_delta_trained_on_one_device_loads_and_predicts_the_same_on_the_other(
+    make_backbone, tmp_path, trained_on, loaded_on
+):
+    spec = job("unipelt", 0)
+    trained_backbone = make_backbone("bert").to(trained_on)
+    result = train_alone(trained_backbone, spec)
+    saved = save_delta(result.delta, trained_backbone, tmp_path / "delta")
+    texts = [" ".join(WORDS[i : i + 4]) for i in range(8)]
+    expected = predict(PeltModel(trained_backbone, {"delta": result.delta}).eval(), texts)
+
+    other = make_backbone("bert").to(loaded_on)
+    loaded = load_delta(saved.path, other, expected_sha256=saved.sha256).to(other.device)
+    got = predict(PeltModel(other, {"delta": loaded}).eval(), texts)
+
+    assert [row["label"] for row in got] == [row["label"] for row in expected]
+    assert [row["score"] for row in got] == pytest.approx([row["score"] for row in expected], abs=1e-4)
+
+
+def test_a_backbone_held_in_bf16_on_the_gpu_trains_fp32_deltas_under_autocast(on_gpu):
+    backbone = on_gpu()
+    backbone.model.to(torch.bfloat16)
+    spec = job("lora", 0)
+    spec["config"] = TrainConfig(**{**spec["config"].to_dict(), "bf16": "true", "backbone_dtype": "bfloat16"})
+    result = train_alone(backbone, spec)
+
+    assert result.bf16 and result.metrics["loss"] == pytest.approx(result.metrics["loss"])  # finite
+    assert all(p.dtype == torch.float32 for p in result.delta.parameters())
+
+
+def test_a_gpu_worker_holds_its_backbone_on_its_gpu_and_records_where_the_job_trained(
+    tiny_backbone, toy_data, tmp_path
+):
+    lease = RecordingLease(1)
+    worker = PeltWorker(
+        "w1",
+        WorkerConfig(threads=None, heartbeat_seconds=0.05, lease_seconds=5, pack_size=4, device="cuda"),
+        backbones=LocalBackbones(),
+    )
+    outcome = worker.run(job_spec(tiny_backbone, toy_data, steps=20), lease, LocalDeltaSink(tmp_path))
+
+    assert outcome.status == "succeeded", outcome.error
+    result = lease.calls[-1][1]
+    assert result["device"].startswith("cuda:") and result["job_memory_bytes"] > 0
+    assert worker.info()["device"] == "cuda"
+    (warm,) = worker._backbones.values()
+    assert warm.backbone.device.type == "cuda"
