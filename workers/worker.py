@@ -16,6 +16,11 @@ share the process (one Python/torch/transformers/Ray runtime instead of one per 
 Either way a job's initialisation (seeded under a lock) and its dropout masks (its own generator) come from
 its seed, whatever else runs in the process.
 
+Devices: a CPU worker's backbones are views of the node's shared copy. A GPU worker (`WorkerConfig.device`
+"cuda"; the dispatcher starts one per GPU, Ray sets which GPU it sees) copies each backbone it warms once onto
+its GPU and trains its jobs as a pack there; a job that runs out of GPU memory even alone fails as retryable
+(`pelt_core.devices.DeviceOutOfMemory`), its pack-mates go on.
+
 Threads: torch's intra-op thread count is per process, and each training thread runs its ops with that
 many threads (OpenMP gives every calling thread its own team), so a worker sets it to `WorkerConfig.threads`
 (one slot's CPUs, or the whole pack's) and the dispatcher reserves that many CPUs per slot (per pack).
@@ -57,6 +62,7 @@ from pelt_core.config import ConfigError, TrainConfig
 from pelt_core.data import DataError, TaskFields, hold_out_dev_split, load_split
 from pelt_core.delta import save_delta
 from pelt_core.delta_format import DeltaError
+from pelt_core.devices import DeviceOutOfMemory
 from pelt_core.methods import get_method
 from pelt_core.spec import SpecError
 from pelt_core.train import Progress, TrainingCancelled, TrainingError, train
@@ -98,6 +104,9 @@ class WorkerConfig:
     max_backbones: int = 2  # warm backbones kept per worker (least recently used dropped first)
     namespace: str | None = None  # Ray namespace of the node's backbone host
     work_dir: str | None = None  # scratch folder for delta files before the sink stores them
+    # where its jobs train: "cpu" (weights are views of the node's shared copy), or "cuda"/"cuda:N"/"auto"
+    # (each warm backbone copied once onto this process's GPU: one worker per GPU holds one copy)
+    device: str = "cpu"
 
     @property
     def places(self) -> int:
@@ -211,6 +220,9 @@ class PeltWorker:
             torch.set_num_threads(self.config.threads)
         if self.config.places > 1:
             _import_eagerly()
+        from pelt_core.devices import resolve_device
+
+        self.device = resolve_device(self.config.device)  # a GPU worker on a node without one fails here
         if backbones is None:
             from workers.backbone_store import NodeBackbones
 
@@ -240,6 +252,7 @@ class PeltWorker:
                 "pid": os.getpid(),
                 "slots": self.config.places,
                 "pack_size": self.config.pack_size,
+                "device": self.device.type,
                 "packs": [w.runner.describe() for w in self._backbones.values() if w.runner is not None],
                 "jobs": [
                     {"job_id": a.job_id, "owner": a.owner, "backbone": a.backbone, "progress": a.progress}
@@ -364,8 +377,9 @@ class PeltWorker:
         except Exception as exc:
             beat.finish()
             permanent = isinstance(exc, PERMANENT_ERRORS)
-            error = f"{type(exc).__name__}: {exc}" if permanent else traceback.format_exc()
-            if not permanent:  # the registry keeps the message for the job, the traceback for admins
+            explained = permanent or isinstance(exc, DeviceOutOfMemory)  # its message says it all
+            error = f"{type(exc).__name__}: {exc}" if explained else traceback.format_exc()
+            if not explained:  # the registry keeps the message for the job, the traceback for admins
                 log.error("job %s on %s failed", job.job_id, attempt.owner, exc_info=exc)
             if attempt.reason == "lease_lost":
                 return ended("lease_lost", error=error)
@@ -445,6 +459,8 @@ class PeltWorker:
                     self._backbones.move_to_end(key)
                     return self._backbones[key]
             warm = _Warm(*self._source(name, dtype))
+            if warm.backbone.device != self.device:  # a GPU worker: its own copy, once, on its GPU
+                warm.backbone.to(self.device)
             if self.config.places > 1:  # its jobs may tokenize at the same moment
                 from workers.backbone_store import SerializedTokenizer
 
@@ -510,6 +526,8 @@ def result_fields(result: Any, backbone: Backbone) -> dict[str, Any]:
         "trainable_percent": float(result.trainable_percent),
         "train_seconds": float(result.train_seconds),
         "peak_memory_bytes": int(result.peak_memory_bytes),
+        "job_memory_bytes": int(result.job_memory_bytes),
+        "device": result.device,
     }
 
 

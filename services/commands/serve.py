@@ -43,13 +43,22 @@ def serve_command(
     upgrade: bool | None,
     jobs_per_worker: int,
     pack_size: int,
+    gpus_per_worker: float,
+    gpu_pack_size: int,
+    cpus_per_gpu_worker: float,
     drain: bool,
 ) -> None:
     """Run the service: HTTP API + dispatcher + Ray + registry + MLflow store (embedded by default)."""
     from services.api.server import ApiServer, token_path
     from services.filemodes import private_files
 
-    dispatcher_config = config_from_options(jobs_per_worker=jobs_per_worker, pack_size=pack_size)
+    dispatcher_config = config_from_options(
+        jobs_per_worker=jobs_per_worker,
+        pack_size=pack_size,
+        gpus_per_worker=gpus_per_worker,
+        gpu_pack_size=gpu_pack_size,
+        cpus_per_gpu_worker=cpus_per_gpu_worker,
+    )
     private_files()  # what the service and its local Ray write is for its user only (0600 / 0700)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     service = ApiServer(
@@ -77,6 +86,8 @@ def serve_command(
         f"  ray:          {settings.ray_address or 'local (127.0.0.1)'}"
         f"{'' if dispatcher else ' (no dispatcher here)'}"
     )
+    if dispatcher:
+        click.echo(f"  workers:      {_workers_line(dispatcher_config)}")
     if service.token:
         click.echo(f"  API token:    in {token_path(settings)} (clients on this machine read it)")
     click.echo("stop with Ctrl-C", err=True)
@@ -85,6 +96,20 @@ def serve_command(
     finally:
         summary = service.stop(drain=drain)
         click.echo(f"pelt stopped{'' if summary is None else f': {summary}'}")
+
+
+def _workers_line(config) -> str:
+    """Which workers the dispatcher will start: on GPUs when Ray sees some (and GPU workers are on)."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+    cpu = f"CPU workers of {config.cpus_per_actor:g} CPU(s)"
+    if not gpus or not config.gpus_per_worker:
+        return f"{cpu}{'' if gpus else ' (Ray sees no GPU)'}"
+    return (
+        f"GPU workers of {config.gpus_per_worker:g} GPU(s) (packs of up to {config.gpu_pack_size}) on "
+        f"{gpus:g} GPU(s) for `any`/`gpu` jobs; {cpu} for `cpu` jobs"
+    )
 
 
 __all__ = ["serve_command"]

@@ -12,7 +12,14 @@ import contextlib
 import logging
 from typing import Any
 
-from services.dispatcher.slots import WORKER_PREFIX, SlotJob, WorkerSlots, owner_worker, running_jobs
+from services.dispatcher.slots import (
+    WORKER_PREFIX,
+    SlotJob,
+    WorkerSlots,
+    owner_worker,
+    running_jobs,
+    worker_kind,
+)
 from services.registry import JobStateError, LeaseLostError, Registry
 
 log = logging.getLogger("pelt.dispatcher")
@@ -40,7 +47,9 @@ def live_workers(registry: Registry, namespace: str) -> dict[str, WorkerSlots]:
     for name, (actor, info) in infos.items():
         packed = int(info.get("pack_size", 1)) > 1
         slots = int(info.get("slots", 1))
-        worker = WorkerSlots(name, info["node_id"], actor, slots=slots, ready=True, packed=packed)
+        worker = WorkerSlots(
+            name, info["node_id"], actor, slots=slots, ready=True, packed=packed, device=worker_kind(name)
+        )
         worker.backbones = {sources[src] for src, _ in info["backbones"] if src in sources}
         for entry in running_jobs(info, name):  # busy slots, whatever the registry says, until freed
             _, slot = owner_worker(entry.get("owner") or "")

@@ -7,7 +7,12 @@ import signal
 import threading
 from typing import Any
 
-from services.dispatcher.config import DEFAULT_PACK_SIZE, MAX_PACK_SIZE, DispatcherConfig
+from services.dispatcher.config import (
+    DEFAULT_GPU_PACK_SIZE,
+    DEFAULT_PACK_SIZE,
+    MAX_PACK_SIZE,
+    DispatcherConfig,
+)
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.ray_cluster import connect_ray
 from services.registry import Registry
@@ -59,16 +64,49 @@ def serve(
 
 
 def pack_size_option() -> Any:
-    """The `--pack-size` option of `pelt dispatcher` and `pelt serve`."""
+    """The worker options `pelt dispatcher` and `pelt serve` share: `--pack-size` and the GPU workers'
+    `--gpus-per-worker`, `--gpu-pack-size`, `--cpus-per-gpu-worker`."""
     import click
 
-    return click.option(
-        "--pack-size",
-        type=click.IntRange(1, MAX_PACK_SIZE),
-        default=DEFAULT_PACK_SIZE,
-        show_default=True,
-        help="jobs a worker trains together through one backbone pass per step (same backbone; methods mixed)",
-    )
+    options = [
+        click.option(
+            "--pack-size",
+            type=click.IntRange(1, MAX_PACK_SIZE),
+            default=DEFAULT_PACK_SIZE,
+            show_default=True,
+            help="jobs a CPU worker trains together through one backbone pass per step (same backbone; "
+            "methods mixed)",
+        ),
+        click.option(
+            "--gpus-per-worker",
+            type=click.FloatRange(min=0),
+            default=1.0,
+            show_default=True,
+            help="GPUs each GPU worker asks Ray for, on nodes with GPUs (a fraction: workers share a GPU, "
+            "each with its own backbone copy; 0: no GPU workers)",
+        ),
+        click.option(
+            "--gpu-pack-size",
+            type=click.IntRange(1, MAX_PACK_SIZE),
+            default=DEFAULT_GPU_PACK_SIZE,
+            show_default=True,
+            help="jobs a GPU worker trains together as one pack on its GPU",
+        ),
+        click.option(
+            "--cpus-per-gpu-worker",
+            type=click.FloatRange(min=0, min_open=True),
+            default=1.0,
+            show_default=True,
+            help="Ray CPUs each GPU worker reserves (its torch threads, rounded)",
+        ),
+    ]
+
+    def decorate(command: Any) -> Any:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
 
 
 def config_from_options(**options: Any) -> DispatcherConfig:
@@ -105,7 +143,8 @@ def _command() -> Any:
         "--max-workers-per-node",
         type=int,
         default=None,
-        help="default: CPUs // (cpus-per-worker * jobs-per-worker); with packs: CPUs // cpus-per-worker",
+        help="default: CPUs // (cpus-per-worker * jobs-per-worker); with packs: CPUs // cpus-per-worker "
+        "(GPU workers: GPUs // gpus-per-worker)",
     )
     @click.option("--num-cpus", type=int, default=None, help="CPUs of a local Ray (without PELT_RAY_ADDRESS)")
     @click.option("--heartbeat-seconds", type=float, default=None, help="default: PELT_HEARTBEAT_SECONDS")
@@ -125,6 +164,9 @@ def _command() -> Any:
         cpus_per_worker: float,
         jobs_per_worker: int,
         pack_size: int,
+        gpus_per_worker: float,
+        gpu_pack_size: int,
+        cpus_per_gpu_worker: float,
         max_workers_per_node: int | None,
         num_cpus: int | None,
         heartbeat_seconds: float | None,
@@ -139,6 +181,9 @@ def _command() -> Any:
             cpus_per_worker=cpus_per_worker,
             jobs_per_worker=jobs_per_worker,
             pack_size=pack_size,
+            gpus_per_worker=gpus_per_worker,
+            gpu_pack_size=gpu_pack_size,
+            cpus_per_gpu_worker=cpus_per_gpu_worker,
             max_workers_per_node=max_workers_per_node,
             heartbeat_seconds=heartbeat_seconds,
         )

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 DEFAULT_PACK_SIZE = 1  # jobs a worker trains together by default (1: no packs)
 MAX_PACK_SIZE = 64
+# A GPU worker trains its jobs as one pack through its GPU's copy of the backbone: 16 small jobs keep a GPU
+# busier than one (see benchmarks/bench_gpu.py); a pass that runs out of memory splits its forwards.
+DEFAULT_GPU_PACK_SIZE = 16
+DEVICE_KINDS = ("cpu", "gpu")  # the kinds of worker; a job's `device` is one of these or "any"
 
 
 @dataclass(frozen=True)
@@ -18,6 +22,13 @@ class DispatcherConfig:
     # > 1: a worker trains up to this many jobs on one backbone together, one backbone pass per step
     # (its places), on one compute stream of cpus_per_worker CPUs; excludes jobs_per_worker > 1
     pack_size: int = DEFAULT_PACK_SIZE
+    # GPU workers, on nodes whose Ray resources include GPUs: each asks Ray for this many GPUs (a fraction:
+    # several workers share one GPU, each with its own copy of its backbones; 0: no GPU workers), trains a
+    # pack of up to gpu_pack_size jobs, and reserves cpus_per_gpu_worker CPUs (its torch threads).
+    gpus_per_worker: float = 1.0
+    gpu_pack_size: int = DEFAULT_GPU_PACK_SIZE
+    cpus_per_gpu_worker: float = 1.0
+    gpu_device: str = "cuda"  # the torch device a GPU worker trains on (Ray sets which GPU it sees)
     max_workers_per_node: int | None = None  # default: the node's CPUs // cpus_per_actor
     poll_seconds: float = 0.5  # loop period: collect outcomes, push cancels, claim for idle workers
     heartbeat_seconds: float | None = None  # default: settings.heartbeat_seconds
@@ -37,6 +48,19 @@ class DispatcherConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.pack_size <= MAX_PACK_SIZE:
             raise ValueError(f"--pack-size must be between 1 and {MAX_PACK_SIZE}, got {self.pack_size}")
+        if not 1 <= self.gpu_pack_size <= MAX_PACK_SIZE:
+            raise ValueError(
+                f"--gpu-pack-size must be between 1 and {MAX_PACK_SIZE}, got {self.gpu_pack_size}"
+            )
+        if self.gpus_per_worker < 0 or (
+            self.gpus_per_worker > 1 and not float(self.gpus_per_worker).is_integer()
+        ):
+            raise ValueError(
+                "--gpus-per-worker must be 0 (no GPU workers), a fraction of one GPU, or a whole number, "
+                f"got {self.gpus_per_worker}"
+            )
+        if self.cpus_per_gpu_worker <= 0:
+            raise ValueError(f"--cpus-per-gpu-worker must be above 0, got {self.cpus_per_gpu_worker}")
         if self.packs and self.jobs_per_worker > 1:
             raise ValueError(
                 "choose --pack-size or --jobs-per-worker: a worker either packs its jobs "
@@ -57,3 +81,11 @@ class DispatcherConfig:
     def cpus_per_actor(self) -> float:
         """Ray CPUs a worker actor reserves: one compute stream per pack, one per job slot otherwise."""
         return self.cpus_per_worker if self.packs else self.cpus_per_worker * self.jobs_per_worker
+
+    def places(self, kind: str) -> int:
+        """Jobs a worker of this kind (cpu or gpu) runs at once: a GPU worker's pack places."""
+        return self.gpu_pack_size if kind == "gpu" else self.places_per_worker
+
+    def pack_size_of(self, kind: str) -> int:
+        """The pack size of a worker of this kind (1: it does not pack)."""
+        return self.gpu_pack_size if kind == "gpu" else self.pack_size

@@ -70,6 +70,7 @@ class Dispatcher:
         self.specs = JobSpecs(self.registry)
         self._cancels_at = 0.0
         self._reaped_at = 0.0
+        self._warned_no_gpu = False
         self._thread: threading.Thread | None = None
         self._halt = threading.Event()
         self._closed = False
@@ -365,27 +366,56 @@ class Dispatcher:
     # --- placement ---------------------------------------------------------------------------------
 
     def _assign(self) -> None:
-        """Hand queued jobs to free slots: warm workers first take jobs on the backbones they hold; more
-        workers start while nodes have room; new workers take anything; and only when no node has room
-        do warm workers switch to another backbone. A pack worker that runs jobs takes only jobs on
-        their backbone (a pack never mixes backbones), so it neither counts as new nor switches."""
-        open_ = [w for w in self.workers.values() if w.ready and w.free_slots()]
-        if not open_ and not sum(self.nodes.room(self.workers.values()).values()):
+        """Hand queued jobs to free places, for each kind of worker in turn (GPU workers first): see
+        `_assign_kind`. A job's `device` says which kinds may run it: gpu jobs only GPU workers, cpu jobs
+        only CPU workers, and "any" job the GPU workers where some node has a GPU, else the CPU workers."""
+        kinds = ("gpu", "cpu") if self.nodes.has_gpus else ("cpu",)
+        open_ = {
+            k: [w for w in self.workers.values() if w.ready and w.free_slots() and w.device == k]
+            for k in kinds
+        }
+        room = sum(sum(self.nodes.room(self.workers.values(), kind).values()) for kind in kinds)
+        if not any(open_.values()) and not room:
             return
-        queued = self.registry.job_counts()["queued"]  # one read; claims (writes) only when there is work
-        if not queued:
-            return
+        queued = self.registry.queued_by_device()  # one read; claims (writes) only when there is work
+        self._warn_if_no_gpu(queued)
+        for kind in kinds:
+            waiting = sum(queued.get(device, 0) for device in self._claim_devices(kind))
+            if waiting:
+                self._assign_kind(kind, open_[kind], waiting)
+
+    def _claim_devices(self, kind: str) -> tuple[str, ...]:
+        """The job devices a worker of this kind takes."""
+        if kind == "gpu":
+            return ("gpu", "any")
+        return ("cpu",) if self.nodes.has_gpus else ("cpu", "any")
+
+    def _warn_if_no_gpu(self, queued: dict[str, int]) -> None:
+        """Say (once while it lasts) that jobs wait for a GPU the cluster does not offer."""
+        stuck = queued.get("gpu", 0) if not self.nodes.has_gpus else 0
+        if stuck and not self._warned_no_gpu:
+            log.warning(
+                "%d queued job(s) need a GPU, and no node of the cluster offers one to pelt (no GPU resource "
+                "in Ray, or --gpus-per-worker 0): they wait until a GPU node joins",
+                stuck,
+            )
+        self._warned_no_gpu = bool(stuck)
+
+    def _assign_kind(self, kind: str, open_: list[WorkerSlots], queued: int) -> None:
+        """Hand `queued` jobs this kind may run to its free places: warm workers first take jobs on the
+        backbones they hold; more workers start while nodes have room; new workers take anything; and only
+        when no node has room do warm workers switch to another backbone. A pack worker that runs jobs takes
+        only jobs on their backbone (a pack never mixes backbones), so it neither counts as new nor switches."""
+        of_kind = [w for w in self.workers.values() if w.device == kind]
         for worker in [w for w in open_ if w.claim_backbones() is not None]:  # 1. warm: backbones it holds
             while worker.free_slots() and queued > 0 and self._claim_for(worker, worker.claim_backbones()):
                 queued -= 1
         open_ = [w for w in open_ if w.free_slots()]
-        starting = sum(w.slots for w in self.workers.values() if not w.ready)
+        starting = sum(w.slots for w in of_kind if not w.ready)
         fresh = [w for w in open_ if w.claim_backbones() is None]
         waiting = queued - sum(len(w.free_slots()) for w in fresh) - starting
-        for _ in range(
-            max(0, -(-waiting // self.config.places_per_worker))
-        ):  # 2. more workers, room allowing
-            node_id = self.nodes.roomiest(self.workers.values())
+        for _ in range(max(0, -(-waiting // self.config.places(kind)))):  # 2. more workers, room allowing
+            node_id = self.nodes.roomiest(self.workers.values(), kind)
             if node_id is None:
                 break
             worker = start_worker(
@@ -393,12 +423,13 @@ class Dispatcher:
                 self.config,
                 heartbeat_seconds=self.heartbeat_seconds,
                 lease_seconds=self.lease_seconds,
+                kind=kind,
             )
             self.workers[worker.worker_id] = worker
         for worker in fresh:  # 3. new workers take anything
             if not self._fill_anywhere(worker):
                 return  # nothing runnable left
-        if self.nodes.roomiest(self.workers.values()) is None:  # 4. no room: warm workers switch backbones
+        if self.nodes.roomiest(self.workers.values(), kind) is None:  # 4. no room: warm workers switch
             for worker in [w for w in open_ if w.backbones and not (w.packed and w.jobs)]:
                 if not self._fill_anywhere(worker):
                     return
@@ -419,7 +450,12 @@ class Dispatcher:
             return False
         slot = worker.free_slots()[0]
         owner = worker.owner(slot)
-        record = self.registry.claim_job(owner, lease_seconds=self.lease_seconds, backbones=backbones)
+        record = self.registry.claim_job(
+            owner,
+            lease_seconds=self.lease_seconds,
+            backbones=backbones,
+            devices=self._claim_devices(worker.device),
+        )
         if record is None:
             return False
         try:
@@ -451,6 +487,7 @@ class Dispatcher:
         return [
             {
                 "worker_id": w.worker_id,
+                "device": w.device,
                 "node_id": w.node_id,
                 "ready": w.ready,
                 "slots": w.slots,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WORKER_PREFIX = "pelt-worker."  # actor names of the workers (and so of their jobs' lease owners)
+GPU_WORKER_PREFIX = f"{WORKER_PREFIX}gpu."  # a GPU worker's name says so (a restarted dispatcher reads it)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class WorkerSlots:
     poll_ref: Any = None  # a pending info() call (startup, or watching adopted jobs)
     backbones: set[str] = field(default_factory=set)  # registry backbone names it keeps warm
     packed: bool = False  # trains its jobs as one pack (its slots are the pack's places)
+    device: str = "cpu"  # the kind of worker: "cpu", or "gpu" (holds its backbones on a GPU)
 
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.slots) if slot not in self.jobs]
@@ -52,6 +54,11 @@ class WorkerSlots:
 
     def owner(self, slot: int) -> str:
         return slot_owner(self.worker_id, slot, self.slots)
+
+
+def worker_kind(worker_id: str) -> str:
+    """ "gpu" for a GPU worker's actor name (or a lease owner of one), else "cpu"."""
+    return "gpu" if worker_id.startswith(GPU_WORKER_PREFIX) else "cpu"
 
 
 def slot_owner(worker_id: str, slot: int, slots: int) -> str:

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pelt_core.delta import load_delta
 from pelt_core.delta_format import read_manifest
+from pelt_core.devices import DeviceError, DeviceOutOfMemory
 from tests.workers.conftest import UNENDING, wait_for
 from workers.backbone_store import LocalBackbones
 from workers.job import JobSpec, LeaseLost, LocalDeltaSink, TaskSpec
@@ -137,6 +139,7 @@ def test_a_job_reports_progress_stores_its_delta_and_records_the_result(
     assert (last["step"], last["total"]) == (60, 60) and last["tokens_per_second"] > 0
     result = lease.calls[-1][1]
     assert result["metrics"]["accuracy"] >= 0 and result["total_params"] > result["trainable_params"] > 0
+    assert result["device"] == "cpu" and result["job_memory_bytes"] > 0
     folder = Path(result["delta_uri"].removeprefix("file://"))
     assert folder == (tmp_path / "deltas" / "toy" / "job-1").resolve()
     assert hashlib.sha256((folder / "delta.safetensors").read_bytes()).hexdigest() == result["delta_sha256"]
@@ -206,6 +209,33 @@ def test_bad_data_fails_the_job_without_a_retry(worker, tiny_backbone, toy_data,
     assert (outcome.status, outcome.retryable) == ("failed", False)
     ((error, retryable),) = [args for name, args in lease.calls if name == "fail"]
     assert "review" in error and retryable is False
+
+
+def test_a_job_out_of_device_memory_goes_back_to_the_queue_with_the_reason_not_a_traceback(
+    worker, tiny_backbone, toy_data, tmp_path, monkeypatch
+):
+    import workers.worker
+
+    def runs_out_of_memory(*args: Any, **kwargs: Any) -> None:
+        raise DeviceOutOfMemory("out of memory on cuda:0 in a training step of its own (pack of 9 job(s))")
+
+    monkeypatch.setattr(workers.worker, "train", runs_out_of_memory)
+    lease = RecordingLease(1)
+    outcome = worker.run(job_spec(tiny_backbone, toy_data), lease, LocalDeltaSink(tmp_path))
+
+    assert (outcome.status, outcome.retryable) == ("failed", True)
+    ((error, retryable),) = [args for name, args in lease.calls if name == "fail"]
+    assert retryable is True
+    assert (
+        error == "DeviceOutOfMemory: out of memory on cuda:0 in a training step of its own (pack of 9 job(s))"
+    )
+    assert worker.info()["device"] == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_a_gpu_worker_started_where_no_gpu_is_visible_fails_at_once_saying_so():
+    with pytest.raises(DeviceError, match="no CUDA GPU is visible"):
+        PeltWorker("w1", WorkerConfig(device="cuda"), backbones=LocalBackbones())
 
 
 def test_a_different_backbone_than_the_registered_one_fails_the_job(
