@@ -27,11 +27,14 @@ def serve(
     num_cpus: int | None = None,
     drain: bool = False,
     delta_store: str = "local",
+    handover: bool = False,
 ) -> None:
-    """Run a dispatcher until SIGTERM/SIGINT, then shut it down (the `pelt dispatcher` command).
+    """Run a dispatcher until SIGTERM/SIGINT, then shut it down (the `pelt dispatcher` command): it leads
+    the namespace, or stands by while another dispatcher leads and takes over when that one stops.
 
     delta_store: "local" (LocalDeltaSink under PELT_DATA_DIR/deltas) or "mlflow" (MlflowDeltaStore on
-    PELT_MLFLOW_TRACKING_URI, its schema created or upgraded first)."""
+    PELT_MLFLOW_TRACKING_URI, its schema created or upgraded first). handover: on SIGTERM leave the workers
+    and their jobs running for the next leader (a standby takes over at once) instead of stopping them."""
     settings = get_settings()
     config = config or DispatcherConfig()
     started = connect_ray(settings, namespace=config.namespace, num_cpus=num_cpus)
@@ -48,13 +51,18 @@ def serve(
         raise ValueError(f"delta_store must be local or mlflow, got {delta_store!r}")
     dispatcher = Dispatcher(registry, sink, config=config, settings=settings).start()
     print(
-        f"dispatcher running (namespace {config.namespace}, Ray {'started here' if started else 'joined'})",
+        f"dispatcher running as {dispatcher.role} (namespace {config.namespace}, "
+        f"Ray {'started here' if started else 'joined'})",
         flush=True,
     )
     try:
         stop.wait()
     finally:
-        summary = dispatcher.shutdown(drain=drain)
+        if handover:
+            dispatcher.detach()
+            summary = {"stats": dict(dispatcher.stats), "handed_over": True}
+        else:
+            summary = dispatcher.shutdown(drain=drain)
         registry.close()
         print(f"dispatcher stopped: {summary}", flush=True)
         if started:
@@ -152,6 +160,12 @@ def _command() -> Any:
         "--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them"
     )
     @click.option(
+        "--handover",
+        is_flag=True,
+        help="on SIGTERM leave the workers and their jobs running for the next leading dispatcher "
+        "(a standby takes over at once) instead of giving the jobs back and stopping the workers",
+    )
+    @click.option(
         "--delta-store",
         type=click.Choice(["local", "mlflow"]),
         default="local",
@@ -171,9 +185,11 @@ def _command() -> Any:
         num_cpus: int | None,
         heartbeat_seconds: float | None,
         drain: bool,
+        handover: bool,
         delta_store: str,
     ) -> None:
-        """Drain the job queue into Ray workers (joins PELT_RAY_ADDRESS or starts a local Ray)."""
+        """Drain the job queue into Ray workers (joins PELT_RAY_ADDRESS or starts a local Ray). One dispatcher
+        leads a namespace; a second one started against the same registry stands by and takes over."""
         from services.filemodes import private_files
 
         config = config_from_options(
@@ -189,7 +205,14 @@ def _command() -> Any:
         )
         private_files()  # what the dispatcher and its local Ray write is for its user only (0600 / 0700)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        serve(database_url, config=config, num_cpus=num_cpus, drain=drain, delta_store=delta_store)
+        serve(
+            database_url,
+            config=config,
+            num_cpus=num_cpus,
+            drain=drain,
+            delta_store=delta_store,
+            handover=handover,
+        )
 
     return dispatcher_command
 

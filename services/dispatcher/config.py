@@ -40,6 +40,10 @@ class DispatcherConfig:
         10.0  # no new worker on a node for this long after one died or failed there
     )
     reap_seconds: float = 5.0  # how often expired leases are taken back (also when the queue is empty)
+    # One dispatcher leads a namespace (services/dispatcher/leadership.py): it renews its hold every third of
+    # this; a standby asks every standby_poll_seconds and takes over this long after the leader stopped.
+    leader_seconds: float = 15.0
+    standby_poll_seconds: float = 2.0
     # Environment of the worker processes. MALLOC_ARENA_MAX=1: a worker trains in a thread of its actor
     # (so `stop` and `info` can answer meanwhile), and glibc would give that thread its own arenas,
     # which keep up to a step's worth of freed activations (~0.5 GB per SmolLM2 job at batch 16).
@@ -58,6 +62,11 @@ class DispatcherConfig:
             raise ValueError(
                 "--gpus-per-worker must be 0 (no GPU workers), a fraction of one GPU, or a whole number, "
                 f"got {self.gpus_per_worker}"
+            )
+        if not 0 < self.standby_poll_seconds < self.leader_seconds <= 3600:
+            raise ValueError(
+                f"leader_seconds ({self.leader_seconds}) must be in (standby_poll_seconds "
+                f"({self.standby_poll_seconds}), 3600]"
             )
         if self.cpus_per_gpu_worker <= 0:
             raise ValueError(f"--cpus-per-gpu-worker must be above 0, got {self.cpus_per_gpu_worker}")

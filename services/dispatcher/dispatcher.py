@@ -2,9 +2,11 @@
 its spec and a `RegistryLease`, and watches for outcomes, cancel requests, dead workers and expired
 leases, one round every `poll_seconds` (see the package docstring for the whole picture).
 
-`start()` reconciles with what runs and starts the loop in a thread; `step()` runs one round (tests may
-drive it by hand); `shutdown()` gives unstarted and running jobs back and stops the workers; `detach()`
-stops this dispatcher only, leaving the workers running for the next one.
+`start()` leads the namespace if no other dispatcher does (`services.dispatcher.leadership`: else it stands by
+and takes over when the leader stops), reconciles with what runs and starts the loop in a thread; `step()`
+runs one round (tests may drive it by hand); `shutdown()` gives unstarted and running jobs back and stops
+the workers; `detach()` stops this dispatcher only, leaving the workers running for the next one (a standby
+takes over at once).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from services.dispatcher.adoption import live_workers, settle_running_jobs
 from services.dispatcher.config import DispatcherConfig
 from services.dispatcher.job_specs import JobSpecs
+from services.dispatcher.leadership import LeaderLock
 from services.dispatcher.lease import RegistryLease
 from services.dispatcher.placement import Nodes, start_worker
 from services.dispatcher.ray_cluster import connect_ray
@@ -71,6 +74,7 @@ class Dispatcher:
         self._cancels_at = 0.0
         self._reaped_at = 0.0
         self._warned_no_gpu = False
+        self.lock = LeaderLock(self.registry, self.config.namespace, self.config.leader_seconds)
         self._thread: threading.Thread | None = None
         self._halt = threading.Event()
         self._closed = False
@@ -78,20 +82,37 @@ class Dispatcher:
     # --- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> Dispatcher:
-        """Reconcile with the workers and jobs already running, then run the loop in a thread."""
+        """Lead the namespace if no other dispatcher does, reconcile with the workers and jobs already
+        running, and run the loop in a thread; or, while another dispatcher leads, stand by in that thread
+        and take over (reconcile, loop) when it stops."""
         import ray
 
         if not ray.is_initialized():
             connect_ray(self.settings, namespace=self.config.namespace)
-        self.reconcile()
+        if self.lock.try_acquire():
+            self.reconcile()
         self._halt.clear()
         self._thread = threading.Thread(target=self._loop, name="pelt-dispatcher", daemon=True)
         self._thread.start()
         return self
 
+    @property
+    def role(self) -> str:
+        """ "leader" (it claims and runs jobs) or "standby" (it waits to take over)."""
+        return "leader" if self.lock.leading else "standby"
+
     def _loop(self) -> None:
         while not self._halt.is_set():
             try:
+                if not self.lock.leading:
+                    if not self.lock.try_acquire():
+                        self._halt.wait(self.config.standby_poll_seconds)
+                        continue
+                    self.reconcile()  # the workers and jobs of the dispatcher that led before
+                if not self.lock.still_leading():
+                    self.workers.clear()  # the new leader adopts them: nothing here touches them any more
+                    self.stats["leadership_lost"] += 1
+                    continue
                 self.step(wait=self.config.poll_seconds)
             except Exception:
                 log.exception("dispatcher round failed; retrying")
@@ -104,17 +125,23 @@ class Dispatcher:
         self._thread = None
 
     def detach(self) -> None:
-        """Stop this dispatcher, leaving workers and their jobs running (a successor adopts them)."""
+        """Stop this dispatcher, leaving workers and their jobs running (a successor adopts them; a
+        standby takes over at once)."""
         self._stop_loop()
         self.workers.clear()
+        self.lock.release()
         self._close_registry()
 
     def shutdown(
         self, *, drain: bool = False, timeout: float = 60.0, kill_workers: bool = True
     ) -> dict[str, Any]:
         """Stop claiming; give running jobs back to the queue (or, with `drain`, let them finish) and
-        stop the workers and backbone hosts. Jobs still held after `timeout` are released here."""
+        stop the workers and backbone hosts. Jobs still held after `timeout` are released here. A standby
+        only stops (the workers are the leader's)."""
         self._stop_loop()
+        if not self.lock.leading:
+            self._close_registry()
+            return {"stats": dict(self.stats), "released_by_dispatcher": [], "role": "standby"}
         if not drain:
             for worker in self.workers.values():
                 for job in worker.jobs.values():
@@ -130,9 +157,10 @@ class Dispatcher:
                 with contextlib.suppress(LeaseLostError, JobStateError):
                     self.registry.release_job(job.job_id, job.owner, "the dispatcher shut down")
                     released.append(job.job_id)
-        summary = {"stats": dict(self.stats), "released_by_dispatcher": released}
+        summary = {"stats": dict(self.stats), "released_by_dispatcher": released, "role": "leader"}
         if kill_workers:
             self._kill_workers_and_hosts()
+        self.lock.release()
         self._close_registry()
         return summary
 

@@ -300,6 +300,18 @@ class ApiToken(Base):
     last_used_at: Mapped[datetime | None]
 
 
+class DispatcherLeader(Base):
+    """Which dispatcher leads a Ray namespace: the one holding an unexpired row (renewed while it leads).
+    Every other dispatcher of the namespace waits as a standby and takes over once the row expires."""
+
+    __tablename__ = "dispatcher_leaders"
+
+    namespace: Mapped[str] = mapped_column(String(200), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))  # "<host>:<pid>:<random>" of the leading dispatcher
+    acquired_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+
+
 class AuditEvent(Base):
     """Who did what: a submit, cancel, composition, registration or token change, written in the same
     transaction as the action (`actor`: the API token's name, `cli:<user>` for commands run next to the
@@ -325,6 +337,7 @@ __all__ = [
     "AuditEvent",
     "Backbone",
     "Base",
+    "DispatcherLeader",
     "Job",
     "JobEvent",
     "JobStatus",

@@ -8,6 +8,7 @@ It is put together from one part per subject, each a module of its own:
     queue.py       JobQueue: claim, heartbeat, complete, fail, release, cancel, reap expired leases
     results.py     JobResults: jobs, counts, events, results and leaderboards
     tokens.py      TokensAndAudit: API tokens and the audit trail
+    leadership.py  Leadership: which dispatcher leads a Ray namespace (the others stand by)
     rows.py        the row-level helpers they share (look-ups, get-or-create, queue_jobs, transition)
 
 Job lifecycle (every status change writes a job event in the same transaction):
@@ -26,13 +27,14 @@ failed. A retry waits `retry_backoff_seconds * 2**(attempts-1)` (capped). Claims
 from __future__ import annotations
 
 from services.registry.catalog import Catalog
+from services.registry.leadership import Leadership
 from services.registry.queue import JobQueue
 from services.registry.results import JobResults
 from services.registry.submitting import Submissions
 from services.registry.tokens import TokensAndAudit
 
 
-class Registry(Catalog, Submissions, JobQueue, JobResults, TokensAndAudit):
+class Registry(Catalog, Submissions, JobQueue, JobResults, TokensAndAudit, Leadership):
     """Tasks, methods, backbones, the durable job queue, results and leaderboards.
 
     `Registry(url)` opens (and owns) an engine; `Registry(engine)` uses the caller's. Start-up refuses

@@ -21,6 +21,7 @@ from pelt_core.limits import MAX_TRAIN_STEPS
 from pelt_core.testing import VOCAB
 from services.registry import Registry, upgrade
 from services.registry.testing import sqlite_url, write_jsonl
+from tests.workers.hold import Hold
 
 BACKBONE = "tiny-bert"
 TASK = "toy"
@@ -131,3 +132,29 @@ def step_of(registry: Registry, job_id: int) -> int:
 
 def ended(registry: Registry, job_ids: list[int]) -> bool:
     return all(registry.get_job(job_id).status in ("succeeded", "failed", "cancelled") for job_id in job_ids)
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A local Ray as the service starts it in embedded mode (4 logical CPUs on this small machine)."""
+    import ray
+
+    from services.dispatcher import connect_ray
+    from services.settings import Settings
+
+    started = connect_ray(Settings(ray_address=None), namespace="pelt-tests", num_cpus=4, log_to_driver=False)
+    assert started
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest) -> str:
+    """A Ray namespace of the test's own (its workers and backbone hosts)."""
+    return f"t-{request.node.name[:40]}"
+
+
+@pytest.fixture
+def hold(tmp_path: Path) -> Hold:
+    """Holds each job at its store step until the test releases it (tests/workers/hold.py)."""
+    return Hold(tmp_path / "hold")

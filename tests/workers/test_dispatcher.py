@@ -15,14 +15,13 @@ import hashlib
 import os
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from services.dispatcher import WORKER_PREFIX, Dispatcher, DispatcherConfig, connect_ray
+from services.dispatcher import WORKER_PREFIX, Dispatcher, DispatcherConfig
 from services.dispatcher.config import DEFAULT_PACK_SIZE, MAX_PACK_SIZE
 from services.dispatcher.placement import Nodes, start_worker
 from services.dispatcher.slots import SlotJob, WorkerSlots
@@ -33,25 +32,6 @@ from tests.workers.hold import Hold
 from workers.job import LocalDeltaSink
 
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    """A local Ray as the service starts it in embedded mode (4 logical CPUs on this small machine)."""
-    started = connect_ray(Settings(ray_address=None), namespace="pelt-tests", num_cpus=4, log_to_driver=False)
-    assert started
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture
-def namespace(request: pytest.FixtureRequest) -> str:
-    return f"t-{request.node.name[:40]}"
-
-
-@pytest.fixture
-def hold(tmp_path: Path) -> Hold:
-    return Hold(tmp_path / "hold")
 
 
 def dispatcher_for(
