@@ -8,7 +8,8 @@ and prints one JSON object on the last line of stdout.
 - peft: PEFT's sequence-classification example notebooks (examples/sequence_classification/LoRA.ipynb,
   prefix_tuning.ipynb): AutoModelForSequenceClassification + get_peft_model, tokenised without padding,
   DataLoader(shuffle=True) with `tokenizer.pad(padding="longest")`, torch AdamW, linear schedule with 6%
-  warmup, a plain torch loop in fp32.
+  warmup, a plain torch loop in fp32 (on `--device`, by default the CPU; `--max-steps` ends it early). LoRA
+  targets the attention's query and value maps of BERT (query, value) and Llama (q_proj, v_proj) models.
 - adapters: AdapterHub's quick start (notebooks/01_Adapter_Training.ipynb): AutoAdapterModel, add_adapter,
   add_classification_head, train_adapter, AdapterTrainer with TrainingArguments, inputs tokenised with
   padding="max_length" (the notebook pads every row to max_length).
@@ -73,15 +74,19 @@ def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
     return float((logits.argmax(-1) == labels).mean())
 
 
+# the attention's query and value maps, as PEFT's examples target them, by model family
+LORA_TARGETS = {"bert": ["query", "value"], "llama": ["q_proj", "v_proj"]}
+
+
 def run_peft(args, path, tokenizer, train_rows, dev_rows) -> dict:
     from peft import LoraConfig, PrefixTuningConfig, get_peft_model
     from torch.utils.data import DataLoader
-    from transformers import AutoModelForSequenceClassification, get_linear_schedule_with_warmup
+    from transformers import AutoConfig, AutoModelForSequenceClassification, get_linear_schedule_with_warmup
 
     if args.method == "lora":
-        config = LoraConfig(
-            task_type="SEQ_CLS", r=8, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"]
-        )
+        model_type = AutoConfig.from_pretrained(path).model_type
+        targets = LORA_TARGETS["llama" if model_type in ("llama", "mistral", "qwen2") else "bert"]
+        config = LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
     elif args.method == "prefix":
         config = PrefixTuningConfig(
             task_type="SEQ_CLS", num_virtual_tokens=10, prefix_projection=True, encoder_hidden_size=512
@@ -90,7 +95,10 @@ def run_peft(args, path, tokenizer, train_rows, dev_rows) -> dict:
         raise SystemExit(f"peft peer has no method {args.method!r}")
     torch.manual_seed(args.seed)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-    model = get_peft_model(model, config)
+    if model.config.pad_token_id is None:  # a decoder finds each row's last token by its pad id
+        model.config.pad_token_id = tokenizer.pad_token_id
+    device = torch.device(args.device)
+    model = get_peft_model(model, config).to(device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     train_set = tokenize(tokenizer, train_rows, args.fields, args.max_length, padding=False)
@@ -103,23 +111,27 @@ def run_peft(args, path, tokenizer, train_rows, dev_rows) -> dict:
     dev_loader = DataLoader(dev_set, shuffle=False, collate_fn=counter, batch_size=args.eval_batch_size)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    total = len(train_loader) * args.epochs
+    total = args.max_steps or len(train_loader) * args.epochs
     scheduler = get_linear_schedule_with_warmup(optimizer, int(args.warmup_ratio * total), total)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     model.train()
     steps = 0
     started = time.perf_counter()
-    for _ in range(args.epochs):
+    while steps < total and len(train_loader):  # `epochs` passes over the data, or `max_steps` steps
         for batch in train_loader:
             with autocast:
-                loss = model(**batch).loss
+                loss = model(**batch.to(device)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
             steps += 1
+            if steps == total:
+                break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     train_seconds = time.perf_counter() - started
 
     counter.active = False
@@ -129,7 +141,7 @@ def run_peft(args, path, tokenizer, train_rows, dev_rows) -> dict:
         for batch in dev_loader:
             gold = batch.pop("labels")
             with autocast:
-                logits.append(model(**batch).logits.float().numpy())
+                logits.append(model(**batch.to(device)).logits.float().cpu().numpy())
             labels.append(gold.numpy())
     metric = accuracy(np.concatenate(logits), np.concatenate(labels))
     return {
@@ -260,6 +272,8 @@ def main() -> None:
     )
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (the quick starts train in fp32)")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="peft only: where to train (cpu, cuda, cuda:N)")
+    parser.add_argument("--max-steps", type=int, default=0, help="peft only: stop after N steps (0: epochs)")
     args = parser.parse_args()
     args.fields = args.fields.split(",")
     if args.threads:
@@ -270,6 +284,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token is None:  # decoders such as Llama ship without one
+        tokenizer.pad_token = tokenizer.eos_token
     train_rows, dev_rows = read_jsonl(args.train), read_jsonl(args.dev)
     run = run_peft if args.lib == "peft" else run_adapters
     result = run(args, args.model, tokenizer, train_rows, dev_rows)
