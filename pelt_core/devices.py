@@ -62,6 +62,11 @@ def describe_device(device: torch.device) -> dict[str, Any]:
     }
 
 
+# what torch's allocators say when they are out of memory (CPU: "can't allocate memory", older builds "not
+# enough memory"; CUDA raises torch.OutOfMemoryError, whose message says "out of memory")
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "not enough memory")
+
+
 class DeviceOutOfMemory(RuntimeError):
     """A job's step did not fit in its device's memory. Not the job's fault for good: it may fit in a
     smaller pack or on another worker, so the service gives it back to the queue (a retryable failure)."""
@@ -69,10 +74,11 @@ class DeviceOutOfMemory(RuntimeError):
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether `exc` is an allocator's out-of-memory error (torch.OutOfMemoryError on CUDA; the CPU's
-    allocator raises a RuntimeError whose message says it)."""
+    allocator raises a RuntimeError: "DefaultCPUAllocator: can't allocate memory: you tried to allocate …")."""
     if isinstance(exc, DeviceOutOfMemory | torch.OutOfMemoryError):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    message = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(words in message for words in OUT_OF_MEMORY_WORDS)
 
 
 def free_cached_memory(device: torch.device) -> None:

@@ -237,10 +237,16 @@ class Pack:
             for group in member.optimizer.param_groups:
                 group["lr"] = member.lr_at(member.step)
         self.model.train()
+        dropout_states = [
+            m.delta.generator.get_state() if m.delta.generator is not None else None for m in members
+        ]
         finite = self._fused_step(batches)
         if finite is None:  # whose forward broke? each member alone tells (the others' steps still count)
             if self._fused_out_of_memory:  # the rows did not fit together: smaller forwards from now on
                 self._shrink_forwards()
+            for member, state in zip(members, dropout_states, strict=True):
+                if state is not None:  # the redone step draws the masks the failed one drew
+                    member.delta.generator.set_state(state)
             for member, _ in batches:
                 member.optimizer.zero_grad(set_to_none=True)
                 member.error = None if isinstance(member.error, TrainingError) else member.error
@@ -327,11 +333,12 @@ class Pack:
         if not is_out_of_memory(exc):
             return exc
         free_cached_memory(self.device)
+        packed = len(self.members) > 1
         return DeviceOutOfMemory(
             f"out of memory on {self.device} in a {doing} of its own (pack of {len(self.members)} "
             f"job(s), forwards of at most {self.forward_tokens} padded tokens): "
             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; a smaller batch_size or "
-            "max_length, bf16, or a smaller pack would fit"
+            f"max_length, bf16{', or a smaller pack' if packed else ''} would fit"
         )
 
     def _check_finite(self, member: PackMember, loss: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ MAX_LENGTH = TRAIN_RANGES["max_length"]
 # import SQLAlchemy; tests/api/test_api.py keeps the two equal)
 JOB_DEVICES = ("any", "cpu", "gpu")
 JobDevice = Literal[JOB_DEVICES]  # a Literal of each name in the tuple
-DEVICE_HELP = "where the job may run: any (default: whichever worker is free), cpu or gpu"
+DEVICE_HELP = "where the job may run: any (default: a GPU worker where the cluster has GPUs, else a CPU worker), cpu or gpu"
 
 
 class Request(BaseModel):

@@ -13,7 +13,7 @@ device_option = click.option(
     type=click.Choice(JOB_DEVICES),
     default="any",
     show_default=True,
-    help="where the job may run: any (whichever worker is free), cpu or gpu",
+    help="where the job may run: any (a GPU worker where the cluster has GPUs, else a CPU worker), cpu or gpu",
 )
 
 

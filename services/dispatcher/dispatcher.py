@@ -75,6 +75,7 @@ class Dispatcher:
         self._reaped_at = 0.0
         self._warned_no_gpu = False
         self.lock = LeaderLock(self.registry, self.config.namespace, self.config.leader_seconds)
+        self._reconciled = False
         self._thread: threading.Thread | None = None
         self._halt = threading.Event()
         self._closed = False
@@ -89,8 +90,14 @@ class Dispatcher:
 
         if not ray.is_initialized():
             connect_ray(self.settings, namespace=self.config.namespace)
+        import workers.worker  # noqa: F401 - torch and transformers now, not in the middle of a round
+
         if self.lock.try_acquire():
-            self.reconcile()
+            try:
+                self.reconcile()
+            except BaseException:
+                self.lock.release()
+                raise
         self._halt.clear()
         self._thread = threading.Thread(target=self._loop, name="pelt-dispatcher", daemon=True)
         self._thread.start()
@@ -108,11 +115,13 @@ class Dispatcher:
                     if not self.lock.try_acquire():
                         self._halt.wait(self.config.standby_poll_seconds)
                         continue
-                    self.reconcile()  # the workers and jobs of the dispatcher that led before
+                    self._reconciled = False
                 if not self.lock.still_leading():
                     self.workers.clear()  # the new leader adopts them: nothing here touches them any more
                     self.stats["leadership_lost"] += 1
                     continue
+                if not self._reconciled:  # the workers and jobs of the dispatcher that led before (retried)
+                    self.reconcile()
                 self.step(wait=self.config.poll_seconds)
             except Exception:
                 log.exception("dispatcher round failed; retrying")
@@ -148,9 +157,13 @@ class Dispatcher:
                     worker.actor.stop.remote(job.job_id, "release")
         deadline = time.monotonic() + timeout
         while any(w.jobs for w in self.workers.values()) and time.monotonic() < deadline:
+            if not self.lock.still_leading():  # a standby took over while we waited: its workers now
+                return self._stepped_down()
             self._collect(wait=0.2)
             self._watch_adopted()
             time.sleep(0.05)  # (the halted loop's waits return at once)
+        if not self.lock.still_leading(force=True):  # never stop workers another leader runs
+            return self._stepped_down()
         released = []
         for worker in self.workers.values():
             for job in worker.jobs.values():  # did not answer in time: give the job back ourselves
@@ -163,6 +176,13 @@ class Dispatcher:
         self.lock.release()
         self._close_registry()
         return summary
+
+    def _stepped_down(self) -> dict[str, Any]:
+        """End a shutdown that lost the namespace meanwhile: the new leader owns the workers and jobs."""
+        self.workers.clear()
+        self.stats["leadership_lost"] += 1
+        self._close_registry()
+        return {"stats": dict(self.stats), "released_by_dispatcher": [], "role": "stepped down"}
 
     def _kill_workers_and_hosts(self) -> None:
         import ray
@@ -189,6 +209,7 @@ class Dispatcher:
         that is not running them: never started) and left to lease expiry (their worker is gone)."""
         adopted = live_workers(self.registry, self.config.namespace)
         self.workers.update(adopted)
+        self._reconciled = True
         self.stats["workers_adopted"] += len(adopted)
         settled = settle_running_jobs(self.registry, self.workers)
         log.info("reconciled: %d worker(s) adopted, jobs %s", len(adopted), settled)
@@ -247,6 +268,13 @@ class Dispatcher:
                     self.config.worker_start_timeout,
                 )
                 self._drop(worker, kill=True)
+                self._start_failed(worker)
+
+    def _start_failed(self, worker: WorkerSlots) -> None:
+        if worker.device == "gpu":
+            self.nodes.gpu_worker_failed(worker.node_id)
+        else:
+            self.nodes.cool_down(worker.node_id)
 
     def _started(self, worker: WorkerSlots, ref: Any) -> None:
         import ray
@@ -257,7 +285,7 @@ class Dispatcher:
         except Exception as exc:
             log.error("worker %s failed to start: %s", worker.worker_id, exc)
             self._drop(worker)
-            self.nodes.cool_down(worker.node_id)
+            self._start_failed(worker)
             return
         worker.ready = True
         worker.node_id = info["node_id"] or worker.node_id
@@ -444,7 +472,7 @@ class Dispatcher:
         waiting = queued - sum(len(w.free_slots()) for w in fresh) - starting
         for _ in range(max(0, -(-waiting // self.config.places(kind)))):  # 2. more workers, room allowing
             node_id = self.nodes.roomiest(self.workers.values(), kind)
-            if node_id is None:
+            if node_id is None or not self.lock.may_act():
                 break
             worker = start_worker(
                 node_id,
@@ -474,7 +502,7 @@ class Dispatcher:
     def _claim_for(self, worker: WorkerSlots, backbones: list[str] | None) -> bool:
         """Claim a job (on one of `backbones`; None: any) for the worker's first free slot and start it
         there; False when none is runnable."""
-        if backbones is not None and not backbones:
+        if (backbones is not None and not backbones) or not self.lock.may_act():
             return False
         slot = worker.free_slots()[0]
         owner = worker.owner(slot)

@@ -34,20 +34,21 @@ class LeaderLock:
         self.leader_seconds = leader_seconds
         self.holder = f"{socket.gethostname()[:120]}:{os.getpid()}:{secrets.token_hex(4)}"
         self.leading = False
-        self._renewed_at = 0.0
+        self._renewed_at = 0.0  # when the last successful renewal (or acquisition) was sent
         self._told_standby = False
         self.asked = 0  # times it asked to lead
 
     def try_acquire(self) -> bool:
         """Lead now if the namespace is free (or its leader's row expired); False: stand by."""
         self.asked += 1
+        sent = time.monotonic()
         try:
             self.leading = self.registry.acquire_leadership(self.namespace, self.holder, self.leader_seconds)
         except Exception as exc:  # the registry is unreachable for now: stay a standby, ask again later
             log.warning("cannot ask the registry who leads namespace %s: %s", self.namespace, exc)
             self.leading = False
         if self.leading:
-            self._renewed_at = time.monotonic()
+            self._renewed_at = sent
             self._told_standby = False
             log.info("dispatcher %s leads namespace %s", self.holder, self.namespace)
         elif not self._told_standby:
@@ -61,29 +62,38 @@ class LeaderLock:
             )
         return self.leading
 
-    def still_leading(self) -> bool:
-        """Whether this dispatcher may act now: it renews its row when a third of the lease has passed;
-        False once the row is someone else's, or no renewal got through for most of the lease."""
+    def may_act(self) -> bool:
+        """Whether this leader may still claim a job, start a worker or stop one: its last renewal was sent
+        less than ACT_WITHOUT_RENEWAL of the lease ago (its row cannot have expired in the registry yet).
+        Checked before each such action, so a leader that stalled mid-round stops before a standby can
+        take over."""
+        return (
+            self.leading and time.monotonic() - self._renewed_at < self.leader_seconds * ACT_WITHOUT_RENEWAL
+        )
+
+    def still_leading(self, force: bool = False) -> bool:
+        """Whether this dispatcher leads now: it renews its row when a third of the lease has passed (or at
+        once with `force`: before stopping workers); False once the row is someone else's, or no renewal got
+        through for most of the lease."""
         if not self.leading:
             return False
-        since = time.monotonic() - self._renewed_at
-        if since < self.leader_seconds / 3:
+        if not force and time.monotonic() - self._renewed_at < self.leader_seconds / 3:
             return True
+        sent = time.monotonic()
         try:
             renewed = self.registry.renew_leadership(self.namespace, self.holder, self.leader_seconds)
         except Exception as exc:
             log.warning(
                 "cannot renew the leadership of namespace %s (%.0f s since the last): %s",
                 self.namespace,
-                since,
+                time.monotonic() - self._renewed_at,
                 exc,
             )
-            renewed = since < self.leader_seconds * ACT_WITHOUT_RENEWAL
-            if not renewed:
+            if not self.may_act():
                 self.leading = False
-            return renewed
+            return self.leading
         if renewed:
-            self._renewed_at = time.monotonic()
+            self._renewed_at = sent
             return True
         self.leading = False
         log.error(

@@ -24,6 +24,7 @@ from services.dispatcher.config import DispatcherConfig
 from services.dispatcher.slots import GPU_WORKER_PREFIX, WORKER_PREFIX, WorkerSlots
 
 log = logging.getLogger("pelt.dispatcher")
+GPU_START_FAILURES = 3  # GPU workers that may fail to start on a node before its GPUs are left alone
 
 
 class Nodes:
@@ -37,6 +38,7 @@ class Nodes:
         self._read_at = 0.0
         self._too_small: set[str] = set()  # nodes warned about: fewer CPUs than one worker needs
         self._cooldown: dict[str, float] = {}  # node id -> no new workers there before this time
+        self._gpu_failures: Counter[str] = Counter()  # node id -> GPU workers that failed to start there
 
     def refresh(self) -> bool:
         """Read the alive nodes from Ray, unless they were read less than `node_refresh_seconds` ago;
@@ -54,9 +56,13 @@ class Nodes:
                 continue
             cpus = node.get("Resources", {}).get("CPU", 0)
             gpu_workers = self._gpu_workers(node.get("Resources", {}).get("GPU", 0), cpus)
+            if gpu_workers and self._gpu_failures[node["NodeID"]] >= GPU_START_FAILURES:
+                gpu_workers = (
+                    0  # its GPUs are not usable by pelt (e.g. a CPU build of torch): CPU workers only
+                )
             gpu_capacity[node["NodeID"]] = gpu_workers
             cpus -= gpu_workers * self.config.cpus_per_gpu_worker
-            workers = int(cpus // per_worker)
+            workers = math.floor(cpus / per_worker + 1e-9)
             if not workers and cpus and node["NodeID"] not in self._too_small:
                 self._too_small.add(node["NodeID"])
                 log.warning(
@@ -85,6 +91,19 @@ class Nodes:
     def has_gpus(self) -> bool:
         """Whether some alive node has room for a GPU worker (GPUs, and --gpus-per-worker above 0)."""
         return any(self.gpu_capacity.values())
+
+    def gpu_worker_failed(self, node_id: str) -> None:
+        """A GPU worker failed to start on the node; after GPU_START_FAILURES of them its GPUs are left
+        alone (it gets CPU workers only, and `any` jobs go to CPU workers if no other node has GPUs)."""
+        self._gpu_failures[node_id] += 1
+        if self._gpu_failures[node_id] == GPU_START_FAILURES:
+            log.error(
+                "%d GPU workers failed to start on node %s (a CPU build of torch, or no driver?): its GPUs "
+                "are left alone from now on; see the workers' errors above",
+                GPU_START_FAILURES,
+                node_id[:12],
+            )
+        self.cool_down(node_id)
 
     def cool_down(self, node_id: str) -> None:
         """A worker died or could not start there: the node may be going away; look again soon."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import datasets
 import pytest
 import torch
 from click.testing import CliRunner
@@ -16,7 +17,7 @@ from pelt_core.devices import DeviceError, DeviceOutOfMemory, is_out_of_memory, 
 from pelt_core.pack import MIN_FORWARD_TOKENS, Pack
 from pelt_core.runtime import _cheap_dropout_applies
 from pelt_core.train import TrainingError
-from tests.core.test_pack import assert_same_delta, job, run_pack, train_alone
+from tests.core.test_pack import WORDS, assert_same_delta, job, run_pack, train_alone
 from tests.workers.conftest import save_tiny_bert
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -144,6 +145,27 @@ def test_a_shared_step_out_of_memory_is_redone_one_job_at_a_time_then_forwards_h
     assert pack.forward_tokens == max(MIN_FORWARD_TOKENS, 1024 // 2)
 
 
+def test_a_step_redone_after_running_out_of_memory_draws_the_same_dropout_masks(make_backbone, monkeypatch):
+    backbone = make_backbone("bert", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    one_word = datasets.Dataset.from_list([{"sentence": w, "label": i % 2} for i, w in enumerate(WORDS * 3)])
+    specs = [job("lora", 0), job("pfeiffer", 1) | {"train_data": one_word, "eval_data": one_word}]
+    undisturbed = run_pack(backbone, specs)[0]
+    forward_losses, failed = Pack._forward_losses, []
+
+    def fails_once_together(pack, batches):
+        if len(batches) > 1 and not failed:
+            failed.append(True)
+            forward_losses(pack, batches)  # the masks are drawn, then the step runs out of memory
+            raise out_of_memory()
+        return forward_losses(pack, batches)
+
+    monkeypatch.setattr(Pack, "_forward_losses", fails_once_together)
+    redone = run_pack(backbone, specs)[0]
+
+    assert failed
+    assert_same_delta(redone.result, undisturbed.result)
+
+
 def _recording_init(init, record: dict):
     def recording(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -181,10 +203,11 @@ def test_a_job_whose_own_step_runs_out_of_memory_leaves_as_retryable_and_its_mat
 
 
 def test_out_of_memory_errors_are_told_apart_from_other_failures():
+    with pytest.raises(RuntimeError) as cpu_allocator:  # what torch's CPU allocator really raises
+        torch.empty(1 << 60, dtype=torch.uint8)
+
+    assert is_out_of_memory(cpu_allocator.value)
     assert is_out_of_memory(out_of_memory())
-    assert is_out_of_memory(
-        RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate; out of memory")
-    )
     assert is_out_of_memory(DeviceOutOfMemory("x"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError("out of memory"))

@@ -37,16 +37,19 @@ ray = pytest.importorskip("ray")
 def dispatcher_for(
     registry: Registry, tmp_path: Path, namespace: str, hold: Hold | None = None, **config
 ) -> Dispatcher:
-    """A dispatcher storing deltas under tmp_path/deltas; with `hold`, every attempt waits there for the test."""
+    """A dispatcher storing deltas under tmp_path/deltas; with `hold`, every attempt waits there for the test.
+    It leads its namespace if no other dispatcher does (so a test may drive its rounds by hand)."""
     settings = Settings(data_dir=tmp_path / "data", ray_address=None)
     values = {"namespace": namespace, "heartbeat_seconds": 1.0, "poll_seconds": 0.2, **config}
     sink = LocalDeltaSink(tmp_path / "deltas")
-    return Dispatcher(
+    dispatcher = Dispatcher(
         registry,
         sink if hold is None else hold.sink(sink),
         config=DispatcherConfig(**values),
         settings=settings,
     )
+    dispatcher.lock.try_acquire()
+    return dispatcher
 
 
 def final_progress(registry: Registry, job_id: int) -> dict[str, Any] | None:

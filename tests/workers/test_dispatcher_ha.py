@@ -3,9 +3,12 @@ the leader dies; no job runs twice and no worker is fought over."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from services.registry import JobStatus, Registry
+from services.registry.models import DispatcherLeader
 from tests.workers.conftest import ended, submit, wait_for
 from tests.workers.test_dispatcher import delta_folders, dispatcher_for
 
@@ -16,7 +19,9 @@ def pairs(jobs: list[int]) -> list[list[int]]:
     return [[a, b] for i, a in enumerate(jobs) for b in jobs[i + 1 :]]
 
 
-FAST_TAKEOVER = {"leader_seconds": 3.0, "standby_poll_seconds": 0.3, "max_workers_per_node": 2}
+# a standby takes over 10 s after the leader stopped; a leader renews every 3.3 s and acts up to 8 s after a
+# renewal was sent, so a slow round on a loaded machine does not hand the namespace over by itself
+FAST_TAKEOVER = {"leader_seconds": 10.0, "standby_poll_seconds": 0.3, "max_workers_per_node": 2}
 
 
 def test_a_standby_takes_over_a_dead_leaders_workers_and_every_job_ends_once(
@@ -33,7 +38,7 @@ def test_a_standby_takes_over_a_dead_leaders_workers_and_every_job_ends_once(
         owners = {job_id: registry.get_job(job_id).lease_owner for job_id in running}
         assert standby.workers == {} and standby.stats["dispatched"] == 0  # a standby touches nothing
 
-        leader._stop_loop()  # the leader dies: no shutdown, no release; its row expires after 3 s
+        leader._stop_loop()  # the leader dies: no shutdown, no release; its row expires after 10 s
         wait_for(lambda: standby.role == "leader", 60, "the standby to take over")
         assert sorted(j.job_id for w in standby.workers.values() for j in w.jobs.values()) == sorted(running)
         hold.release()
@@ -50,14 +55,22 @@ def test_a_standby_takes_over_a_dead_leaders_workers_and_every_job_ends_once(
     assert len(delta_folders(tmp_path)) == 3
 
 
+def take_over(registry: Registry, namespace: str, holder: str) -> None:
+    """Give the namespace's row to `holder` in one transaction (as a standby does once the row expired)."""
+    with registry._writing() as session:
+        row = session.get(DispatcherLeader, namespace)
+        row.holder, row.expires_at = holder, registry._now() + timedelta(seconds=60)
+
+
 def test_a_leader_whose_hold_was_taken_stands_by_and_leaves_the_workers_alone(
     local_ray, registry: Registry, tmp_path, namespace
 ):
     stalled = dispatcher_for(registry, tmp_path, namespace, **FAST_TAKEOVER).start()
     try:
         assert stalled.role == "leader"
-        registry.release_leadership(namespace, stalled.lock.holder)  # as if it had stalled past its lease ...
-        assert registry.acquire_leadership(namespace, "another-dispatcher", ttl_seconds=60)  # ... and lost it
+        take_over(
+            registry, namespace, "another-dispatcher"
+        )  # as if it had stalled past its lease and lost it
         wait_for(lambda: stalled.role == "standby", 30, "the old leader to step down")
         (job,) = submit(registry, 1)
         asked = stalled.lock.asked
