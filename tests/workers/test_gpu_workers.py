@@ -12,7 +12,7 @@ import pytest
 
 from services.dispatcher import Dispatcher, DispatcherConfig
 from services.dispatcher.config import DEFAULT_GPU_PACK_SIZE
-from services.dispatcher.placement import Nodes, start_worker
+from services.dispatcher.placement import GPU_START_FAILURES, Nodes, start_worker
 from services.dispatcher.slots import GPU_WORKER_PREFIX, WORKER_PREFIX, WorkerSlots, worker_kind
 from services.registry import JobStatus, Registry
 from tests.workers.conftest import BACKBONE, SHORT, TASK
@@ -174,3 +174,18 @@ def test_workers_of_both_kinds_show_their_kind(registry, tmp_path):
     described: list[dict[str, Any]] = dispatcher.describe()
 
     assert sorted(w["device"] for w in described) == ["cpu", "gpu"]
+
+
+def test_a_node_whose_gpu_workers_keep_failing_to_start_gets_cpu_workers_only(monkeypatch, caplog):
+    nodes_with(monkeypatch, CPU=8.0, GPU=2.0)
+    nodes = Nodes(DispatcherConfig(node_cooldown_seconds=0.0))
+    nodes.refresh()
+    with caplog.at_level(logging.ERROR, logger="pelt.dispatcher"):
+        for _ in range(GPU_START_FAILURES):
+            assert nodes.has_gpus  # (a CPU build of torch on a GPU node: every GPU worker fails at start)
+            nodes.gpu_worker_failed(NODE)
+            nodes.refresh()
+
+    assert (nodes.gpu_capacity, nodes.capacity) == ({NODE: 0}, {NODE: 8})
+    assert not nodes.has_gpus  # `any` jobs go to CPU workers again
+    assert any("its GPUs are left alone" in r.getMessage() for r in caplog.records)
