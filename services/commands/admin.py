@@ -4,6 +4,7 @@ the API) and `pelt audit` (the audit trail, over the API with an admin token).""
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
@@ -36,17 +37,53 @@ def _cli_actor() -> str:
     help="read: every GET; write: read + submit, cancel, register tasks and methods, compose; "
     "admin: write + register backbones, full job errors, the audit trail",
 )
-def token_create(name: str, scope: str) -> None:
+@click.option(
+    "--secret-from-env",
+    "secret_variable",
+    metavar="VAR",
+    default=None,
+    help="use the secret in environment variable VAR instead of making one (a deployment's first token, "
+    "from its secret store): 'pelt_' and 43 or more of A-Z a-z 0-9 _ -; it is not printed",
+)
+@click.option(
+    "--if-none",
+    is_flag=True,
+    help="create it only when the registry has no token yet (revoked ones count), else do nothing: "
+    "for a deployment's start-up step, which runs again at every upgrade",
+)
+def token_create(name: str, scope: str, secret_variable: str | None, if_none: bool) -> None:
     """Create a token and print its secret (shown once)."""
-    from services.registry import Registry, RegistryValidationError, acting_as
+    from services.registry import AlreadyExistsError, Registry, RegistryValidationError, acting_as
 
+    given = _secret_from_environment(secret_variable) if secret_variable else None
+    skipped = f"the registry has API tokens already; token {name} not created"
     with Registry() as registry, acting_as(_cli_actor()):
+        if if_none and registry.list_api_tokens():
+            click.echo(skipped, err=True)
+            return
         try:
-            record, secret = registry.create_api_token(name, scope=scope)
+            chosen = {} if given is None else {"secret": given}
+            record, secret = registry.create_api_token(name, scope=scope, **chosen)
         except RegistryValidationError as exc:
+            if if_none and isinstance(exc, AlreadyExistsError) and exc.field == "name":
+                click.echo(skipped, err=True)  # another start-up step made it at the same moment
+                return
             raise click.ClickException(str(exc)) from None
+    if given is not None:
+        click.echo(
+            f"token {record.name} ({record.scope}) created with the secret in ${secret_variable}", err=True
+        )
+        return
     click.echo(f"token {record.name} ({record.scope}) created; its secret (shown only now):", err=True)
     click.echo(secret)
+
+
+def _secret_from_environment(variable: str) -> str:
+    """The secret in environment variable `variable`; a missing or empty one is an error naming it."""
+    secret = os.environ.get(variable, "").strip()
+    if not secret:
+        raise click.ClickException(f"--secret-from-env: environment variable {variable} is not set or empty")
+    return secret
 
 
 @token_group.command("list")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 import secrets
 from collections.abc import Mapping
 from datetime import timedelta
@@ -24,26 +25,38 @@ from services.registry.rows import audit
 from services.registry.validation import check_int, check_name
 
 TOKEN_PREFIX = "pelt_"
+# A secret chosen outside pelt (a deployment's first token) is as long as the ones pelt makes:
+# `pelt_` + secrets.token_urlsafe(32), 43 URL-safe characters (256 bits); `authenticate` reads up to 200.
+_GIVEN_SECRET_BODY = re.compile(r"[A-Za-z0-9_-]{43,195}")
 
 
 class TokensAndAudit(RegistryCore):
     """API tokens and the audit trail: one part of `Registry`."""
 
-    def create_api_token(self, name: str, scope: str = "write") -> tuple[ApiTokenRecord, str]:
+    def create_api_token(
+        self, name: str, scope: str = "write", secret: str | None = None
+    ) -> tuple[ApiTokenRecord, str]:
         """A new bearer token for the HTTP API: (its record, the secret). Only the secret's SHA-256 is
         stored, so the secret cannot be shown again. Names are unique, also among revoked tokens.
 
         scope: `read` (every GET), `write` (read + submit, cancel, register tasks and methods, compose)
-        or `admin` (write + register backbones, full job errors, the audit trail)."""
+        or `admin` (write + register backbones, full job errors, the audit trail). secret: one chosen
+        outside pelt (a deployment's first token, from its secret store; `check_given_secret`), else a
+        new random one."""
         check_name(name, "name")
         if scope not in TOKEN_SCOPES:
             raise RegistryValidationError("scope", f"must be one of {', '.join(TOKEN_SCOPES)}, got {scope!r}")
-        secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        if secret is None:
+            secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        else:
+            check_given_secret(secret)
 
         def write() -> ApiTokenRecord:
             with self._writing() as session:
                 if session.scalar(select(ApiToken.id).where(ApiToken.name == name)) is not None:
                     raise AlreadyExistsError("name", f"a token named {name!r} already exists")
+                if session.scalar(select(ApiToken.id).where(ApiToken.token_hash == token_hash(secret))):
+                    raise AlreadyExistsError("secret", "another token has this secret already")
                 row = ApiToken(
                     name=name,
                     scope=scope,
@@ -120,9 +133,23 @@ class TokensAndAudit(RegistryCore):
             return [AuditEventRecord.of(row) for row in session.scalars(query)]
 
 
+def check_given_secret(secret: object) -> None:
+    """Refuse a secret chosen outside pelt unless it is `pelt_` and 43 to 195 URL-safe characters
+    (A-Z a-z 0-9 _ -), as long as the ones pelt makes; the message never repeats the secret."""
+    body = (
+        secret[len(TOKEN_PREFIX) :] if isinstance(secret, str) and secret.startswith(TOKEN_PREFIX) else None
+    )
+    if body is None or not _GIVEN_SECRET_BODY.fullmatch(body):
+        raise RegistryValidationError(
+            "secret",
+            f"must be {TOKEN_PREFIX!r} followed by 43 to 195 of A-Z a-z 0-9 _ - (make one with: python3 -c "
+            f"\"import secrets; print('{TOKEN_PREFIX}' + secrets.token_urlsafe(32))\")",
+        )
+
+
 def token_hash(secret: str) -> str:
     """Tokens are 256-bit random strings, so a plain SHA-256 (no salt, no stretching) is enough."""
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-__all__ = ["TOKEN_PREFIX", "TokensAndAudit", "token_hash"]
+__all__ = ["TOKEN_PREFIX", "TokensAndAudit", "check_given_secret", "token_hash"]
