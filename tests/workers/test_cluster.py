@@ -2,7 +2,8 @@
 driven by the `pelt dispatcher` command in separate processes, as a deployment runs it
 (PELT_RAY_ADDRESS set): jobs run on both nodes; the non-head node is killed mid-job and its jobs run
 again, and finish, on the head node; the dispatcher is killed (SIGKILL) while jobs train and a new
-one adopts them; every job ends with one result and one delta.
+one, a standby until the dead one's leadership expires, adopts them; every job ends with one result and one
+delta.
 
 Each node has 4 logical CPUs (4 worker slots) and 4 jobs are queued, so the dispatcher puts 2 on each
 node and the head keeps 2 free slots for the jobs of the lost node. Every attempt is held in its worker
@@ -144,10 +145,10 @@ def test_jobs_survive_a_dispatcher_restart_and_the_loss_of_a_node(cluster, regis
         dispatchers[0].send_signal(signal.SIGKILL)  # the dispatcher dies mid-job; its detached workers go on
         dispatchers[0].wait(10)
         dispatchers.append(start_dispatcher(cluster.address, registry_url, tmp_path, "dispatcher-2", hold))
-        wait_for(
-            lambda: "dispatcher running" in (tmp_path / "dispatcher-2.log").read_text(),
-            90,
-            "the second dispatcher to start",
+        wait_for(  # a standby first, while the dead one's leadership lasts (15 s); then it leads and adopts
+            lambda: reconciled((tmp_path / "dispatcher-2.log").read_text()),
+            120,
+            "the second dispatcher to take over and adopt the running jobs",
         )
         hold.release()
         wait_for(lambda: ended(registry, job_ids), 150, "every job to finish")

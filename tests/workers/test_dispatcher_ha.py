@@ -39,7 +39,10 @@ def test_a_standby_takes_over_a_dead_leaders_workers_and_every_job_ends_once(
         assert standby.workers == {} and standby.stats["dispatched"] == 0  # a standby touches nothing
 
         leader._stop_loop()  # the leader dies: no shutdown, no release; its row expires after 10 s
-        wait_for(lambda: standby.role == "leader", 60, "the standby to take over")
+        wait_for(
+            lambda: standby.stats["workers_adopted"], 60, "the standby to take over and adopt the workers"
+        )
+        assert standby.role == "leader"
         assert sorted(j.job_id for w in standby.workers.values() for j in w.jobs.values()) == sorted(running)
         hold.release()
         wait_for(lambda: ended(registry, jobs), 300, "every job to finish")
