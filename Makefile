@@ -1,10 +1,13 @@
 # The two set-up commands of the README:  `make demo`  and  `make test`.
 # Both build the virtual environment first (deploy/install.sh: torch's CPU build first, pinned, then the rest).
+# `make test` also installs Debian's chromium for the page's browser tests (deploy/install-chromium.sh).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# the browser tests drive Debian's chromium, never a browser download
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 
 .PHONY: install demo test lint bench clean
 
@@ -24,6 +27,7 @@ lint: install
 test: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	bash deploy/install-chromium.sh
 	PELT_TEST_DATABASE_URL="$${PELT_TEST_DATABASE_URL:-$$(bash deploy/local-postgres.sh)}" \
 		$(PY) -m pytest $(PYTEST_ARGS)
 

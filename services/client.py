@@ -6,6 +6,7 @@
     sweep = client.sweep("sentiment", ["lora", "bitfit", "prefix"], seeds=[0, 1], k_values=[100])
     client.wait(sweep)                                      # progress bars until every job has ended
     client.leaderboard("sentiment")                         # a pandas DataFrame, best method first
+    client.plot_leaderboard("sentiment", "pareto.svg")      # or .png; view="metric-vs-k"
     model = client.pull("sentiment")                        # the best delta on its backbone
     model.predict(["a great film"])
 
@@ -363,6 +364,41 @@ class PeltClient:
         return LeaderboardOut.model_validate(
             self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot, backbone=backbone)
         )
+
+    def leaderboard_by_k(self, task: str, backbone: str | None = None) -> list[LeaderboardOut]:
+        """The task's leaderboard for each K its jobs used, K ascending (k_shot None: the full training
+        set, last); [] while no job has succeeded."""
+        found = self._get(f"/v1/tasks/{task}/leaderboard/by-k", backbone=backbone)
+        return [LeaderboardOut.model_validate(board) for board in found]
+
+    def plot_leaderboard(
+        self,
+        task: str,
+        path: str | Path | None = None,
+        view: str = "pareto",
+        k_shot: int | None = None,
+        backbone: str | None = None,
+        *,
+        format: str | None = None,
+    ) -> str | bytes:
+        """The task's leaderboard drawn by the service: view "pareto" (the metric against trainable
+        parameters, the Pareto frontier marked; only K = k_shot when given) or "metric-vs-k" (every K).
+        Returns the SVG text or the PNG bytes, and writes them to `path` when given; the format is the
+        path's suffix (.svg or .png), else `format` ("svg" by default). Nothing is written on an error."""
+        from services.plots import MEDIA_TYPES, check_view, format_of
+
+        check_view(view, k_shot)
+        fmt = format_of(path) if path is not None else (format or "svg")
+        if fmt not in MEDIA_TYPES or (format is not None and format != fmt):
+            raise ValueError(f"format {format!r} does not fit: a plot is svg or png (the path's suffix)")
+        response = self._request(
+            "GET",
+            f"/v1/tasks/{task}/plots/{view}.{fmt}",
+            params={k: v for k, v in {"k_shot": k_shot, "backbone": backbone}.items() if v is not None},
+        )
+        if path is not None:
+            Path(path).write_bytes(response.content)
+        return response.text if fmt == "svg" else response.content
 
     def versions(self, task: str) -> list[VersionOut]:
         """Every stored delta version of the task, newest first."""

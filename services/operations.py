@@ -323,6 +323,12 @@ class PeltOperations:
     ) -> list[LeaderboardRow]:
         return self.registry.leaderboard(task, k_shot, backbone=backbone)
 
+    def leaderboard_by_k(
+        self, task: str, backbone: str | None = None
+    ) -> dict[int | None, list[LeaderboardRow]]:
+        """The leaderboard of each K the task's succeeded jobs used (None: the full training set, last)."""
+        return self.registry.leaderboard_by_k(task, backbone=backbone)
+
     def audit_events(self, *, limit: int = 100, offset: int = 0) -> list[AuditEventRecord]:
         return self.registry.audit_events(limit=limit, offset=offset)
 

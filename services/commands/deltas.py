@@ -7,15 +7,36 @@ import click
 from pelt_core.vocabulary import COMPOSE_OPERATIONS
 from services.client import PeltClient
 from services.commands.common import client_errors, parse_set_options, print_table
+from services.plots import VIEWS, check_view, format_of
 
 
 @click.command("leaderboard")
 @click.argument("task")
 @click.option("--k-shot", type=int, default=None, help="only runs with this K")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="draw the leaderboard into this file instead (.svg or .png)",
+)
+@click.option(
+    "--view",
+    type=click.Choice(VIEWS),
+    default=None,
+    help="with --plot: pareto (metric against trainable %, the default) or metric-vs-k (every K)",
+)
 @client_errors
-def leaderboard_command(task: str, k_shot: int | None, as_json: bool) -> None:
-    """The methods on a task, best first: best and mean ± std of its metric, trainable %, runs."""
+def leaderboard_command(
+    task: str, k_shot: int | None, as_json: bool, plot: str | None, view: str | None
+) -> None:
+    """The methods on a task, best first: best and mean ± std of its metric, trainable %, runs; with
+    --plot, drawn into an SVG or PNG file instead."""
+    if plot is not None:
+        _plot(task, plot, view or "pareto", k_shot, as_json)
+        return
+    if view is not None:
+        raise click.UsageError("--view draws a plot: add --plot FILE (.svg or .png)")
     with PeltClient() as client:
         board = client.leaderboard_raw(task, k_shot)
     if as_json:
@@ -35,6 +56,20 @@ def leaderboard_command(task: str, k_shot: int | None, as_json: bool) -> None:
         for r in board.rows
     ]
     print_table(rows, ["rank", "method", "best", "mean ± std", "runs", "% params", "train s", "best_job_id"])
+
+
+def _plot(task: str, path: str, view: str, k_shot: int | None, as_json: bool) -> None:
+    """`--plot`: the view drawn by the service into `path`; bad options are refused before any request."""
+    if as_json:
+        raise click.UsageError("--plot and --json do not go together")
+    for check, option in ((lambda: format_of(path), "--plot"), (lambda: check_view(view, k_shot), "--view")):
+        try:
+            check()
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint=option) from None
+    with PeltClient() as client:
+        client.plot_leaderboard(task, path, view=view, k_shot=k_shot)
+    click.echo(f"{task}: {view}{'' if k_shot is None else f', K={k_shot}'} -> {path}")
 
 
 @click.command("pull")

@@ -80,6 +80,8 @@ def serve_command(
         else "/openapi.json with a token; PELT_API_DOCS=true for /docs"
     )
     click.echo(f"pelt serving on {service.url} (OpenAPI: {docs})")
+    paste = f"the token from {token_path(settings)}" if service.token else "a token from `pelt token create`"
+    click.echo(f"  page:         {service.url}/ (paste {paste})")
     click.echo(f"  registry:     {settings.database_url}")
     click.echo(f"  mlflow store: {settings.mlflow_tracking_uri}")
     click.echo(

@@ -102,10 +102,22 @@ def rank_methods(runs: Iterable[Run], direction: str, order_by: OrderBy = "best"
     return [replace(row, rank=position) for position, row in enumerate(rows, start=1)]
 
 
+def rank_by_k(
+    runs: Iterable[Run], direction: str, order_by: OrderBy = "best"
+) -> dict[int | None, list[LeaderboardRow]]:
+    """`rank_methods` for each K among the runs: K ascending, None (the full training set) last."""
+    by_k: dict[int | None, list[Run]] = {}
+    for run in runs:
+        by_k.setdefault(run.k_shot, []).append(run)
+    return {
+        k: rank_methods(by_k[k], direction, order_by) for k in sorted(by_k, key=lambda k: (k is None, k or 0))
+    }
+
+
 def _fingerprints(runs: list[Run]) -> list[str]:
     """The distinct preset versions of the runs, oldest job first."""
     ordered = sorted(runs, key=lambda run: run.job_id)
     return list(dict.fromkeys(run.method_fingerprint for run in ordered if run.method_fingerprint))
 
 
-__all__ = ["LeaderboardRow", "OrderBy", "Run", "rank_methods"]
+__all__ = ["LeaderboardRow", "OrderBy", "Run", "rank_by_k", "rank_methods"]

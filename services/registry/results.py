@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from services.registry import presets
 from services.registry.core import RegistryCore
 from services.registry.errors import RegistryValidationError
-from services.registry.leaderboard import LeaderboardRow, OrderBy, Run, rank_methods
+from services.registry.leaderboard import LeaderboardRow, OrderBy, Run, rank_by_k, rank_methods
 from services.registry.models import Job, JobEvent, JobStatus, Method, Result
 from services.registry.records import JobEventRecord, JobRecord, ResultRecord
 from services.registry.rows import find_backbone, find_job, find_task
@@ -120,6 +120,20 @@ class JobResults(RegistryCore):
         metric's direction; ties go to fewer trainable parameters."""
         if k_shot is not None:
             check_int(k_shot, "k_shot", minimum=1)
+        runs, direction = self._succeeded_runs(task, k_shot, backbone)
+        return rank_methods(runs, direction, order_by)
+
+    def leaderboard_by_k(
+        self, task: str, *, backbone: str | None = None, order_by: OrderBy = "best"
+    ) -> dict[int | None, list[LeaderboardRow]]:
+        """The task's leaderboard for each K its succeeded jobs used, in one read: K ascending, None (the
+        full training set) last; {} while no job has succeeded."""
+        runs, direction = self._succeeded_runs(task, None, backbone)
+        return rank_by_k(runs, direction, order_by)
+
+    def _succeeded_runs(self, task: str, k_shot: int | None, backbone: str | None) -> tuple[list[Run], str]:
+        """The task's succeeded jobs as leaderboard runs (only K = `k_shot` when given) and its metric's
+        direction; an unknown task or backbone raises its registry error."""
         with self._reading() as session:
             task_row = find_task(session, task)
             query = (
@@ -145,9 +159,7 @@ class JobResults(RegistryCore):
                 query = query.where(Job.k_shot == k_shot)
             if backbone is not None:
                 query = query.where(Job.backbone_id == find_backbone(session, backbone).id)
-            runs = [Run(*row) for row in session.execute(query)]
-            direction = task_row.metric_direction
-        return rank_methods(runs, direction, order_by)
+            return [Run(*row) for row in session.execute(query)], task_row.metric_direction
 
 
 __all__ = ["JobResults"]

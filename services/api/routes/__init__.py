@@ -13,7 +13,20 @@ from typing import Any
 from fastapi import Depends, FastAPI
 
 from services.api.dependencies import authenticated
-from services.api.routes import audit, backbones, deltas, health, jobs, leaderboard, methods, sweeps, tasks
+from services.api.routes import (
+    audit,
+    backbones,
+    deltas,
+    health,
+    jobs,
+    leaderboard,
+    methods,
+    page,
+    plots,
+    sweeps,
+    tasks,
+    whoami,
+)
 from services.api.schemas import ErrorOut
 
 API_PREFIX = "/v1"
@@ -24,18 +37,21 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 V1_ROUTERS = (
     tasks.router,
     leaderboard.router,
+    plots.router,
     methods.router,
     backbones.router,
     jobs.router,
     sweeps.router,
     deltas.router,
     audit.router,
+    whoami.router,
 )
 
 
 def include_routes(app: FastAPI) -> None:
-    """Add /health and every /v1 route to the app."""
+    """Add /health, the web page and every /v1 route to the app."""
     app.include_router(health.router)
+    app.include_router(page.router)  # the web page's static shell, public like /health
     for router in V1_ROUTERS:
         app.include_router(router, prefix=API_PREFIX, dependencies=[Depends(authenticated)], responses=ERRORS)
 

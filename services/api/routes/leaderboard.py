@@ -1,8 +1,9 @@
-"""/v1/tasks/{name}/leaderboard: the task's methods ranked by their best result."""
+"""/v1/tasks/{name}/leaderboard: the task's methods ranked by their best result, for one K or each K."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -11,23 +12,45 @@ from pelt_core.limits import INT32_MAX
 from services.api.bodies import BoundedJsonRoute
 from services.api.dependencies import READ, Name, Operations
 from services.api.schemas import LeaderboardOut, LeaderboardRowOut
+from services.operations import PeltOperations
 from services.redaction import public_uri
+from services.registry import LeaderboardRow, TaskRecord
 
 router = APIRouter(tags=["leaderboard"], route_class=BoundedJsonRoute)
 
+KShot = Annotated[int | None, Query(ge=1, le=INT32_MAX)]
+Backbone = Annotated[str | None, Query(max_length=100)]
+
 
 @router.get("/tasks/{name}/leaderboard", response_model=LeaderboardOut, dependencies=[READ])
-def leaderboard(
-    operations: Operations,
-    name: Name,
-    k_shot: Annotated[int | None, Query(ge=1, le=INT32_MAX)] = None,
-    backbone: Annotated[str | None, Query(max_length=100)] = None,
-) -> Any:
+def leaderboard(operations: Operations, name: Name, k_shot: KShot = None, backbone: Backbone = None) -> Any:
     """One row per method over the task's succeeded jobs, best first (only K = k_shot when given)."""
+    return board(operations, name, k_shot, backbone)
+
+
+@router.get("/tasks/{name}/leaderboard/by-k", response_model=list[LeaderboardOut], dependencies=[READ])
+def leaderboard_by_k(operations: Operations, name: Name, backbone: Backbone = None) -> Any:
+    """The leaderboard of each K the task's succeeded jobs used, K ascending; `k_shot` null here is the
+    runs on the full training set (last). An empty list while no job has succeeded."""
+    return boards_by_k(operations, name, backbone)
+
+
+def board(operations: PeltOperations, name: str, k_shot: int | None, backbone: str | None) -> LeaderboardOut:
+    """The task's leaderboard (only K = k_shot when given) as the API shows it."""
     task = operations.get_task(name)
-    rows = operations.leaderboard(name, k_shot, backbone)
+    return _board_out(task, k_shot, operations.leaderboard(name, k_shot, backbone))
+
+
+def boards_by_k(operations: PeltOperations, name: str, backbone: str | None) -> list[LeaderboardOut]:
+    """One leaderboard per K (None: the full training set, last) as the API shows them."""
+    task = operations.get_task(name)
+    by_k = operations.leaderboard_by_k(name, backbone)
+    return [_board_out(task, k_shot, rows) for k_shot, rows in by_k.items()]
+
+
+def _board_out(task: TaskRecord, k_shot: int | None, rows: Sequence[LeaderboardRow]) -> LeaderboardOut:
     return LeaderboardOut(
-        task=name,
+        task=task.name,
         metric=task.metric,
         metric_direction=task.metric_direction,
         k_shot=k_shot,
