@@ -71,7 +71,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 def bundle_task_path(name: str) -> str:
     """Where a route's delta folder lies inside a bundle: `tasks/<name>`."""
-    if not isinstance(name, str) or not BUNDLE_ROUTE_PATTERN.match(name):
+    if not isinstance(name, str) or not BUNDLE_ROUTE_PATTERN.fullmatch(name):
         raise DeltaError(f"multi-task route name {name!r}: letters, digits, '_' and '-' only")
     return f"{BUNDLE_TASKS_DIR}/{name}"
 

@@ -97,7 +97,7 @@ def inspect_saved_dataset(folder: str | Path, *, max_rows: int | None = None) ->
             raise SavedDatasetError("dataset_dict.json: 'splits' must be a non-empty list of split names")
         splits = {}
         for name in names:
-            if not isinstance(name, str) or not SPLIT_NAME.match(name):
+            if not isinstance(name, str) or not SPLIT_NAME.fullmatch(name):
                 raise SavedDatasetError(
                     f"dataset_dict.json: split {_shown(name)} is not a split name (letters, digits, "
                     "'_', dots between them): a split is a sub-folder of the dataset"
@@ -201,7 +201,7 @@ def _inspect_split(root: Path, name: str | None, max_rows: int | None) -> SavedS
     paths, rows = [], 0
     for entry in files:
         filename = entry.get("filename") if isinstance(entry, dict) else None
-        if not isinstance(filename, str) or not DATA_FILE_NAME.match(filename):
+        if not isinstance(filename, str) or not DATA_FILE_NAME.fullmatch(filename):
             raise SavedDatasetError(
                 f"{where}: data file {_shown(filename)} in state.json is not a plain '*.arrow' "
                 "file name: data files must be in the split's own folder"

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
+from services.errors import ServiceError
+
 VIEWS = ("pareto", "metric-vs-k")
 MEDIA_TYPES = {"svg": "image/svg+xml", "png": "image/png"}
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
@@ -33,6 +35,9 @@ NO_RESULTS = "no results yet: no job of this task has succeeded"
 FRONTIER_STROKE = {"stroke": "#222222", "stroke_width": 1.5, "stroke_dasharray": "6 3"}
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 _MATPLOTLIB = threading.Lock()  # matplotlib's font and text caches are not thread-safe
+# PNG requests rendering or waiting at once; more get a 503 with Retry-After instead of a server thread each
+_PNG_SLOTS = threading.BoundedSemaphore(2)
+PNG_LEGEND_ENTRIES = 16  # methods named in a PNG's legend (the SVG's legend stops where its height ends)
 
 
 @dataclass(frozen=True)
@@ -397,6 +402,19 @@ def render_png(figure: Figure) -> bytes:
     from matplotlib.figure import Figure as MatplotlibFigure
 
     axes = _axes(figure)
+    if not _PNG_SLOTS.acquire(blocking=False):
+        raise ServiceError(
+            "PNG plots are being drawn for other requests; try again shortly (or ask for .svg)",
+            status=503,
+            retry_after=2,
+        )
+    try:
+        return _render_png(figure, axes, MatplotlibFigure)
+    finally:
+        _PNG_SLOTS.release()
+
+
+def _render_png(figure: Figure, axes: _Axes, MatplotlibFigure: Any) -> bytes:
     with _MATPLOTLIB:
         canvas = MatplotlibFigure(figsize=(WIDTH / 100, HEIGHT / 100), dpi=100, layout="constrained")
         ax = canvas.add_subplot()
@@ -441,7 +459,12 @@ def _draw_png(ax: Any, figure: Figure, axes: _Axes) -> None:
     ax.set_xlabel(_plain(figure.x_label))
     ax.set_ylabel(_plain(figure.y_label))
     ax.grid(color="#eeeeee")
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small", frameon=False)
+    handles, labels = ax.get_legend_handles_labels()
+    if len(handles) > PNG_LEGEND_ENTRIES:  # a legend of hundreds of methods would take seconds to lay out
+        more = len(handles) - PNG_LEGEND_ENTRIES
+        handles, labels = handles[:PNG_LEGEND_ENTRIES], labels[:PNG_LEGEND_ENTRIES]
+        ax.set_title(f"{ax.get_title(loc='left')} (legend: {more} more not named)", loc="left", fontsize=11)
+    ax.legend(handles, labels, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small", frameon=False)
 
 
 def _plain(text: str) -> str:

@@ -93,7 +93,7 @@ class AliasMixin(StoreBase):
 def check_alias(name: object, field: str) -> None:
     """An alias a caller may set: letters, digits, '_' and '-' (at most 100), not one MLflow reserves
     ("latest", v<digits>) and not one the registry's results set (best, best-<method>)."""
-    if not isinstance(name, str) or not ALIAS_PATTERN.match(name):
+    if not isinstance(name, str) or not ALIAS_PATTERN.fullmatch(name):
         raise DeltaStoreError(
             f"{field}: {name!r} is not an alias: letters, digits, '_' and '-' (at most 100), "
             "and not 'latest' or v<digits> (MLflow's version references)",

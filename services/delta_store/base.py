@@ -67,7 +67,7 @@ class StoreBase:
     ) -> None:
         quiet_mlflow()
         settings = settings or get_settings()
-        if not isinstance(namespace, str) or not NAMESPACE_PATTERN.match(namespace):
+        if not isinstance(namespace, str) or not NAMESPACE_PATTERN.fullmatch(namespace):
             raise DeltaStoreError(f"namespace {namespace!r}: letters, digits, '_', '.', '-' (at most 50)")
         self.tracking_uri = normalize_tracking_uri(tracking_uri or settings.mlflow_tracking_uri)
         self.is_server = is_server_uri(self.tracking_uri)

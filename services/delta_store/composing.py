@@ -250,7 +250,7 @@ class ComposeMixin(SinkMixin, ReadMixin):
             raise DeltaStoreError("sources: no deltas given")
         if bundle:
             for key in named:
-                if not BUNDLE_ROUTE_PATTERN.match(key):
+                if not BUNDLE_ROUTE_PATTERN.fullmatch(key):
                     raise DeltaStoreError(f"multi-task route name {key!r}: letters, digits, '_' and '-' only")
         return named
 

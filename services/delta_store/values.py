@@ -54,7 +54,7 @@ class DeltaRef:
     alias: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.task, str) or not TASK_PATTERN.match(self.task):
+        if not isinstance(self.task, str) or not TASK_PATTERN.fullmatch(self.task):
             raise DeltaStoreError(f"{self.task!r} is not a task name (letters, digits, '_', '.', '-')")
         if self.version is not None:
             object.__setattr__(self, "version", version_string(self.version))
@@ -136,7 +136,7 @@ def version_uri(model: str, version: str | int) -> str:
 
 def check_task(task: str) -> None:
     """DeltaStoreError unless `task` is a task name the registry could hold."""
-    if not isinstance(task, str) or not TASK_PATTERN.match(task):
+    if not isinstance(task, str) or not TASK_PATTERN.fullmatch(task):
         raise DeltaStoreError(f"{task!r} is not a task name (letters, digits, '_', '.', '-'; at most 100)")
 
 

@@ -36,7 +36,7 @@ SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 
 def check_name(value: object, field: str = "name") -> str:
     """Names of tasks, methods and backbones: letters, digits, `_`, `.`, `-`; at most 100 characters."""
-    if not isinstance(value, str) or not NAME_PATTERN.match(value):
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):  # (match's $ passes "name\n")
         raise RegistryValidationError(
             field, f"{value!r} is not a valid name (letters, digits, '_', '.', '-'; at most 100 characters)"
         )
@@ -479,7 +479,7 @@ def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
     if seconds < 0:
         raise RegistryValidationError("result.train_seconds", f"must be >= 0, got {seconds}")
     sha = result.get("delta_sha256")
-    if sha is not None and (not isinstance(sha, str) or not SHA256_PATTERN.match(sha.lower())):
+    if sha is not None and (not isinstance(sha, str) or not SHA256_PATTERN.fullmatch(sha.lower())):
         raise RegistryValidationError("result.delta_sha256", "must be 64 hexadecimal characters")
     version = result.get("mlflow_model_version")
     for name in ("delta_uri", "mlflow_run_id"):

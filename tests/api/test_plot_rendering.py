@@ -225,3 +225,24 @@ def test_rank_by_k_groups_the_runs_by_k_with_the_full_training_set_last():
     by_k = rank_by_k(runs, "max")
     assert list(by_k) == [16, 100, None]
     assert [r.method for r in by_k[100]] == ["bitfit", "lora"] and by_k[None][0].best == 0.9
+
+
+def test_png_requests_beyond_two_at_once_get_a_busy_answer_instead_of_a_server_thread_each():
+    from services.errors import ServiceError
+
+    figure = plots.pareto_figure(board([row("lora", 0.8, 0.3)]))
+    taken = [plots._PNG_SLOTS.acquire(blocking=False) for _ in range(2)]  # two renders in progress
+    try:
+        with pytest.raises(ServiceError) as busy:
+            plots.render_png(figure)
+    finally:
+        for _ in taken:
+            plots._PNG_SLOTS.release()
+    assert (busy.value.status, busy.value.retry_after) == (503, 2)
+    assert plots.render_png(figure).startswith(PNG_SIGNATURE)  # free again
+
+
+def test_a_png_legend_names_at_most_a_fixed_number_of_methods():
+    many = [row(f"m{i}", 0.5 + i / 1000, 0.1 + i / 100) for i in range(plots.PNG_LEGEND_ENTRIES + 5)]
+
+    assert plots.render_png(plots.pareto_figure(board(many))).startswith(PNG_SIGNATURE)
