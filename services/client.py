@@ -40,6 +40,7 @@ from services.api.schemas import (
     JobOut,
     LeaderboardOut,
     LeaderboardRowOut,
+    LossHistoryOut,
     MethodOut,
     ResultOut,
     SweepOut,
@@ -298,6 +299,10 @@ class PeltClient:
 
     def events(self, job_id: int) -> list[EventOut]:
         return [EventOut.model_validate(e) for e in self._get(f"/v1/jobs/{int(job_id)}/events")]
+
+    def loss_history(self, job_id: int) -> LossHistoryOut:
+        """The loss curve of the job's current attempt: `.points` are [step, loss], steps increasing."""
+        return LossHistoryOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}/loss"))
 
     def result(self, job_id: int) -> ResultOut:
         return ResultOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}/result"))

@@ -35,6 +35,7 @@ from services.registry import (
     JobEventRecord,
     JobRecord,
     LeaderboardRow,
+    LossHistoryRecord,
     MethodRecord,
     Registry,
     RegistryValidationError,
@@ -313,6 +314,9 @@ class PeltOperations:
 
     def job_events(self, job_id: int) -> list[JobEventRecord]:
         return self.registry.job_events(job_id)
+
+    def loss_history(self, job_id: int) -> LossHistoryRecord:
+        return self.registry.loss_history(job_id)
 
     def get_result(self, job_id: int) -> ResultRecord | None:
         self.registry.get_job(job_id)  # unknown job: 404, not an empty result

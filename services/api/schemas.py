@@ -227,6 +227,15 @@ class ProgressOut(Response):
     last_error: str | None
 
 
+class LossHistoryOut(Response):
+    """A job's loss curve: the [step, loss] points of its current attempt, steps increasing (at most
+    256; a long run's curve is thinned evenly)."""
+
+    job_id: int
+    attempt: int
+    points: list[tuple[int, float]]
+
+
 class SweepOut(Response):
     id: int
     task: str

@@ -5,6 +5,7 @@ transaction (`rows.transition`)."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -35,6 +36,8 @@ from services.registry.rows import (
 from services.registry.validation import check_devices, check_int, check_progress, check_result
 
 log = logging.getLogger("pelt.registry")
+
+LOSS_HISTORY_POINTS = 256  # a job's loss curve keeps at most this many [step, loss] points
 
 
 class JobQueue(RegistryCore):
@@ -103,6 +106,7 @@ class JobQueue(RegistryCore):
                 job.not_before = None
                 job.progress = None
                 job.progress_detail = None
+                job.loss_history = None  # a new attempt starts a new curve
                 transition(
                     session,
                     job,
@@ -138,7 +142,9 @@ class JobQueue(RegistryCore):
         """Renew the lease and record progress; returns True when cancellation was requested.
 
         `progress`: a fraction in [0, 1], or the worker's report {step, total, loss, tokens_per_second,
-        epoch, learning_rate} (kept as `progress_detail`; the fraction becomes step / total).
+        epoch, learning_rate} (kept as `progress_detail`; the fraction becomes step / total). A report
+        whose step advanced and whose loss is a finite number adds (step, loss) to the attempt's loss
+        curve (`loss_history`, see `with_loss_point`).
         Raises LeaseLostError when the worker no longer holds the job: it must stop."""
         check_worker(worker_id)
         fraction, detail = check_progress(progress)
@@ -152,6 +158,8 @@ class JobQueue(RegistryCore):
             if fraction is not None:
                 job.progress = fraction
                 job.progress_detail = detail
+                if detail is not None:
+                    job.loss_history = with_loss_point(job.loss_history, detail)
             return job.cancel_requested
 
     def complete_job(self, job_id: int, worker_id: str, result: Mapping[str, Any]) -> ResultRecord:
@@ -393,4 +401,20 @@ class JobQueue(RegistryCore):
         return float(lease)
 
 
-__all__ = ["JobQueue"]
+def with_loss_point(history: list[Any] | None, report: Mapping[str, Any]) -> list[Any] | None:
+    """The loss curve `history` ([[step, loss], ...]) with the report's (step, loss) appended when its
+    step is past the last point's and its loss a finite number; else `history` unchanged. A full curve
+    (LOSS_HISTORY_POINTS) keeps every other point first: the whole curve at half the resolution, its
+    first point kept. Returns a new list (a JSON column sees only reassignment)."""
+    step, loss = report.get("step"), report.get("loss")
+    if not isinstance(loss, float | int) or isinstance(loss, bool) or not math.isfinite(loss):
+        return history
+    points = list(history or [])
+    if points and step <= points[-1][0]:
+        return history
+    if len(points) >= LOSS_HISTORY_POINTS:
+        points = points[::2]
+    return [*points, [step, float(loss)]]
+
+
+__all__ = ["LOSS_HISTORY_POINTS", "JobQueue", "with_loss_point"]

@@ -264,6 +264,21 @@ class ResultRecord:
 
 
 @dataclass(frozen=True)
+class LossHistoryRecord:
+    """A job's loss curve: the [step, loss] points its current attempt (`attempt`, 0 before the first
+    claim) reported, steps increasing, at most `queue.LOSS_HISTORY_POINTS` (thinned evenly when full)."""
+
+    job_id: int
+    attempt: int
+    points: list[tuple[int, float]]
+
+    @classmethod
+    def of(cls, row: models.Job) -> LossHistoryRecord:
+        points = [(int(step), float(loss)) for step, loss in row.loss_history or []]
+        return cls(job_id=row.id, attempt=row.attempts, points=points)
+
+
+@dataclass(frozen=True)
 class JobEventRecord:
     """One status change of a job (from_status None: the submit), or a cancel request. `reason` is one
     line without server paths; `detail` the full error behind it (a traceback), for admins only."""
@@ -306,6 +321,7 @@ __all__ = [
     "BackboneRecord",
     "JobEventRecord",
     "JobRecord",
+    "LossHistoryRecord",
     "MethodRecord",
     "ResultRecord",
     "SweepRecord",

@@ -13,7 +13,7 @@ from services.registry.core import RegistryCore
 from services.registry.errors import RegistryValidationError
 from services.registry.leaderboard import LeaderboardRow, OrderBy, Run, rank_by_k, rank_methods
 from services.registry.models import Job, JobEvent, JobStatus, Method, Result
-from services.registry.records import JobEventRecord, JobRecord, ResultRecord
+from services.registry.records import JobEventRecord, JobRecord, LossHistoryRecord, ResultRecord
 from services.registry.rows import find_backbone, find_job, find_task
 from services.registry.validation import check_int
 
@@ -96,6 +96,11 @@ class JobResults(RegistryCore):
             find_job(session, job_id)
             rows = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
             return [JobEventRecord.of(row) for row in rows]
+
+    def loss_history(self, job_id: int) -> LossHistoryRecord:
+        """The loss curve of the job's current attempt (UnknownJobError when there is no such job)."""
+        with self._reading() as session:
+            return LossHistoryRecord.of(find_job(session, job_id))
 
     def get_result(self, job_id: int) -> ResultRecord | None:
         """The job's result, or None while it has none."""

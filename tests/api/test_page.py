@@ -314,6 +314,24 @@ def test_the_page_shows_the_leaderboard_plots_and_deltas_once_a_token_is_entered
     assert page.evaluate("sessionStorage.length") == 0
 
 
+def test_a_job_that_ended_before_the_page_opened_shows_its_loss_curve(tab: PageSession, trained: Trained):
+    ended = trained.client.jobs(task="toy", status="succeeded")
+    assert ended
+    page = tab.page
+    tab.sign_in(trained.token)
+    tab.open_task("toy")
+    for job in ended:
+        kept = trained.client.loss_history(job.id).points
+        assert len(kept) >= 2, (job.id, kept)  # the service kept the curve after the job ended
+        curve = f"#job-{job.id} .job-curve svg"
+        tab.wait_until(
+            "([sel, n]) => Number(document.querySelector(sel)?.dataset.points) === n", [curve, len(kept)]
+        )
+        assert page.locator(f"{curve} polyline").count() == 1
+    tab.screenshot("ended-job-curves")
+    assert tab.csp_violations() == []
+
+
 def test_a_running_jobs_progress_advances_and_cancel_ends_it(tab: PageSession, trained: Trained, long_job):
     page = tab.page
     tab.sign_in(trained.token)

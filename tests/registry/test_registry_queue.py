@@ -15,6 +15,7 @@ from services.registry import (
     RegistryValidationError,
     UnknownJobError,
 )
+from services.registry.queue import LOSS_HISTORY_POINTS, with_loss_point
 from services.registry.testing import FakeClock
 
 RESULT = {"metrics": {"accuracy": 0.9}, "trainable_params": 10, "total_params": 1000, "train_seconds": 2.0}
@@ -465,6 +466,83 @@ def test_a_new_attempt_starts_without_the_last_attempts_progress(ready: Registry
     clock.advance(3600)
     job = ready.claim_job("w2")
     assert (job.id, job.progress, job.progress_detail) == (job_id, None, None)
+
+
+# --- the loss curve ---------------------------------------------------------------------------------
+
+
+def loss_report(step: int, loss: float | None = None, total: int = 10_000) -> dict:
+    return {"step": step, "total": total} | ({} if loss is None else {"loss": loss})
+
+
+def test_heartbeats_build_the_loss_curve_of_steps_that_advanced_with_a_loss(ready: Registry) -> None:
+    job_id = submit(ready)
+    assert ready.loss_history(job_id).points == []  # queued: no attempt, no curve
+    ready.claim_job("w1")
+    for beat in [
+        loss_report(0, 1.0),
+        loss_report(2, 0.8),
+        loss_report(2, 0.7),
+        loss_report(1, 0.5),
+        loss_report(3),
+    ]:
+        ready.heartbeat(job_id, "w1", progress=beat)
+    ready.heartbeat(job_id, "w1")  # a heartbeat without a report adds nothing
+    ready.heartbeat(job_id, "w1", progress=0.5)  # nor does a bare fraction
+    ready.heartbeat(job_id, "w1", progress=loss_report(4, 0.6))
+    curve = ready.loss_history(job_id)
+    assert (curve.job_id, curve.attempt) == (job_id, 1)
+    assert curve.points == [(0, 1.0), (2, 0.8), (4, 0.6)]  # the step-2 repeat, step 1 and step 3 skipped
+
+
+def test_a_nan_loss_is_refused_and_leaves_the_curve_as_it_was(ready: Registry) -> None:
+    job_id = submit(ready)
+    ready.claim_job("w1")
+    ready.heartbeat(job_id, "w1", progress=loss_report(1, 0.9))
+    with pytest.raises(RegistryValidationError):
+        ready.heartbeat(job_id, "w1", progress=loss_report(2, float("nan")))
+    ready.heartbeat(job_id, "w1", progress=loss_report(3))  # a worker reports a NaN loss as none
+    assert ready.loss_history(job_id).points == [(1, 0.9)]
+
+
+def test_a_full_loss_curve_keeps_every_other_point_then_appends(ready: Registry) -> None:
+    job_id = submit(ready)
+    ready.claim_job("w1")
+    for step in range(1, LOSS_HISTORY_POINTS + 1):
+        ready.heartbeat(job_id, "w1", progress=loss_report(step, 1.0 / step))
+    full = ready.loss_history(job_id).points
+    assert len(full) == LOSS_HISTORY_POINTS and full[-1] == (LOSS_HISTORY_POINTS, 1.0 / LOSS_HISTORY_POINTS)
+    ready.heartbeat(job_id, "w1", progress=loss_report(1000, 0.001))
+    halved = ready.loss_history(job_id).points
+    assert halved == [*full[::2], (1000, 0.001)]
+    assert halved[0] == (1, 1.0) and len(halved) == LOSS_HISTORY_POINTS // 2 + 1
+    assert [step for step, _ in halved] == sorted({step for step, _ in halved})
+
+
+def test_with_loss_point_caps_the_curve_whatever_its_length() -> None:
+    curve: list | None = None
+    for step in range(1, 5 * LOSS_HISTORY_POINTS):
+        curve = with_loss_point(curve, {"step": step, "loss": 0.5})
+        assert curve is not None and len(curve) <= LOSS_HISTORY_POINTS
+    assert curve[0] == [1, 0.5] and curve[-1] == [5 * LOSS_HISTORY_POINTS - 1, 0.5]
+
+
+def test_a_new_attempt_starts_an_empty_loss_curve(ready: Registry, clock: FakeClock) -> None:
+    job_id = submit(ready)
+    ready.claim_job("w1")
+    ready.heartbeat(job_id, "w1", progress=loss_report(5, 0.4))
+    ready.fail_job(job_id, "w1", "boom")
+    assert ready.loss_history(job_id).points == [(5, 0.4)]  # the failed attempt's, until a new one starts
+    clock.advance(3600)
+    ready.claim_job("w2")
+    assert (ready.loss_history(job_id).attempt, ready.loss_history(job_id).points) == (2, [])
+    ready.heartbeat(job_id, "w2", progress=loss_report(1, 0.9))  # step 1 < 5: a new curve, not a repeat
+    assert ready.loss_history(job_id).points == [(1, 0.9)]
+
+
+def test_the_loss_curve_of_an_unknown_job_is_reported(ready: Registry) -> None:
+    with pytest.raises(UnknownJobError, match="unknown job 999"):
+        ready.loss_history(999)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from fastapi import Path as PathParam
 from pelt_core.limits import INT32_MAX
 from services.api.bodies import BoundedJsonRoute
 from services.api.dependencies import READ, WRITE, Caller, Limit, Offset, Operations
-from services.api.schemas import EventOut, JobIn, JobOut, ProgressOut, ResultOut
+from services.api.schemas import EventOut, JobIn, JobOut, LossHistoryOut, ProgressOut, ResultOut
 from services.errors import ServiceError
 from services.redaction import public_uri
 from services.registry import JobStatus
@@ -58,6 +58,12 @@ def get_job(operations: Operations, job_id: JobId) -> Any:
 def job_progress(operations: Operations, job_id: JobId) -> Any:
     """Status and the worker's last report (step, total, loss, tokens/s)."""
     return operations.get_job(job_id)
+
+
+@router.get("/jobs/{job_id}/loss", response_model=LossHistoryOut, dependencies=[READ])
+def job_loss(operations: Operations, job_id: JobId) -> Any:
+    """The loss curve of the job's current attempt: [step, loss] points, steps increasing."""
+    return operations.loss_history(job_id)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut, dependencies=[WRITE])

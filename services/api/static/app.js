@@ -13,6 +13,7 @@
 (() => {
   const TOKEN_KEY = "pelt.api-token";
   const POLL_MS = 2000;
+  const LOSS_FETCHES_AT_ONCE = 6; // loss curves fetched in parallel when a view opens
   const ACTIVE = new Set(["queued", "running"]);
   const REFUSED = "the token was refused (wrong or revoked)";
   const SVG_NS = "http://www.w3.org/2000/svg";
@@ -29,7 +30,8 @@
     pollTimer: null,
     jobs: new Map(), // job id -> the job as last seen
     rows: new Map(), // job id -> its table row's cells
-    losses: new Map(), // job id -> [{step, loss}] seen while polling
+    losses: new Map(), // job id -> [{step, loss}]: its curve, from /v1/jobs/{id}/loss
+    lossesFinal: new Set(), // ended jobs whose curve was fetched after they ended: not fetched again
     versionsByJob: new Map(), // job id -> the delta version it made
   };
 
@@ -144,6 +146,7 @@
     state.jobs.clear();
     state.rows.clear();
     state.losses.clear();
+    state.lossesFinal.clear();
     state.versionsByJob.clear();
     delete document.body.dataset.scope;
     byId("who").textContent = "";
@@ -213,6 +216,8 @@
     state.sweep = "";
     state.jobs.clear();
     state.rows.clear();
+    state.losses.clear();
+    state.lossesFinal.clear();
     state.versionsByJob.clear();
     markSelected(deltasOnly ? null : name);
     hideMessage(byId("action-message"));
@@ -383,23 +388,43 @@
       const before = state.jobs.get(job.id);
       if (before && before.status !== job.status && job.status === "succeeded") finished = true;
       state.jobs.set(job.id, job);
-      recordLoss(job);
     }
     renderJobs(jobs);
+    await refreshLosses(jobs, generation);
+    if (generation !== state.generation) return;
     if (finished) {
       // a job just ended well: its result is on the leaderboard, its delta in the store
       await Promise.all([loadLeaderboard(generation), loadPlots(generation), loadDeltas(generation)]);
     }
   }
 
-  function recordLoss(job) {
-    const detail = job.progress_detail;
-    if (!detail || typeof detail.loss !== "number" || typeof detail.step !== "number") return;
-    const points = state.losses.get(job.id) || [];
-    const last = points[points.length - 1];
-    if (!last || detail.step > last.step) points.push({ step: detail.step, loss: detail.loss });
-    else if (detail.step < last.step) points.splice(0, points.length, { step: detail.step, loss: detail.loss }); // a retry started over
+  // Each shown job's loss curve as the service keeps it: a running job's at every poll, an ended job's
+  // once (a queued job keeps what is shown).
+  async function refreshLosses(jobs, generation) {
+    const due = jobs.filter(
+      (job) => job.status === "running" || (!ACTIVE.has(job.status) && !state.lossesFinal.has(job.id)),
+    );
+    for (let start = 0; start < due.length; start += LOSS_FETCHES_AT_ONCE) {
+      await Promise.all(due.slice(start, start + LOSS_FETCHES_AT_ONCE).map((job) => loadLoss(job, generation)));
+      if (generation !== state.generation) return;
+    }
+  }
+
+  async function loadLoss(job, generation) {
+    let history;
+    try {
+      history = await getJson(`/v1/jobs/${Number(job.id)}/loss`);
+    } catch {
+      return; // not fetched this time: the next poll asks again (a refused token signs out in request)
+    }
+    if (generation !== state.generation) return;
+    const points = history.points
+      .filter((point) => typeof point[0] === "number" && typeof point[1] === "number")
+      .map(([step, loss]) => ({ step, loss }));
     state.losses.set(job.id, points);
+    if (!ACTIVE.has(job.status)) state.lossesFinal.add(job.id);
+    const cells = state.rows.get(job.id);
+    if (cells) cells.curve.replaceChildren(sparkline(points));
   }
 
   function renderJobs(jobs) {
@@ -518,7 +543,7 @@
     }
   }
 
-  // A small SVG of the loss over the steps this tab has seen.
+  // A small SVG of the job's loss over its steps (its current attempt's).
   function sparkline(points) {
     const width = 120;
     const height = 32;
@@ -531,7 +556,7 @@
     const title = document.createElementNS(SVG_NS, "title");
     svg.append(title);
     if (points.length < 2) {
-      title.textContent = "no loss curve: the page draws the progress reports it sees while the job runs";
+      title.textContent = "no loss curve yet: the job has reported fewer than two losses";
       const none = document.createElementNS(SVG_NS, "text");
       none.setAttribute("x", "2");
       none.setAttribute("y", String(height / 2 + 4));
@@ -549,7 +574,7 @@
     line.setAttribute("points", points.map((p) => `${x(p.step).toFixed(1)},${y(p.loss).toFixed(1)}`).join(" "));
     svg.append(line);
     const last = points[points.length - 1];
-    title.textContent = `loss ${points[0].loss.toFixed(4)} at step ${points[0].step} → ${last.loss.toFixed(4)} at step ${last.step} (${points.length} reports seen)`;
+    title.textContent = `loss ${points[0].loss.toFixed(4)} at step ${points[0].step} → ${last.loss.toFixed(4)} at step ${last.step} (${points.length} points)`;
     return svg;
   }
 
