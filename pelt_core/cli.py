@@ -12,7 +12,7 @@ import click
 from pelt_core.config import ConfigError, TrainConfig, parse_assignments, parse_settings, split_overrides
 from pelt_core.limits import LimitError, check_against_backbone
 from pelt_core.spec import MethodSpec, SpecError
-from pelt_core.vocabulary import PROBLEM_TYPES
+from pelt_core.vocabulary import PROBLEM_TYPES, check_task_metric
 
 if TYPE_CHECKING:  # torch-heavy modules load inside the command that needs them
     from pelt_core.backbones import Backbone
@@ -122,6 +122,11 @@ def methods_command(backbone: str, as_json: bool) -> None:
     show_default=True,
     help="Where to train: auto (a GPU if torch sees one, else the CPU), cpu, cuda or cuda:N.",
 )
+@click.option(
+    "--metric",
+    help="With --set dev_rows=N (the study protocol): the metric that picks the best checkpoint on the dev "
+    "split (default: accuracy, micro_f1 or pearson by problem type).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def train_command(
     backbone,
@@ -134,6 +139,7 @@ def train_command(
     problem_type,
     out_dir,
     device,
+    metric,
     quiet,
 ) -> None:
     """Train one PELT job locally and write its delta; the last line printed is the metrics as JSON."""
@@ -151,6 +157,11 @@ def train_command(
         train_data = load_split(train_path)
         eval_data = load_split(validation_path) if validation_path else None
         task = infer_task_fields(train_data, text_fields or None, label_field, problem_type)
+        if metric is not None:
+            try:
+                metric = check_task_metric(metric, task.problem_type, task.num_labels)
+            except ValueError as exc:
+                raise ConfigError(f"--metric: {exc}") from None
         loaded = Backbone.load(backbone, dtype=config.backbone_dtype, device=device)
         if (
             "max_length" in train_overrides
@@ -179,6 +190,7 @@ def train_command(
             task=task,
             progress=progress,
             on_epoch_end=lambda r: click.echo(json.dumps(r), err=True),
+            metric=metric,
         )
     except (
         TrainingError,
@@ -212,6 +224,11 @@ def _save_delta_folder(
         "device": str(backbone.device),
         "bf16": result.bf16,
         "metrics": result.metrics,
+        **(
+            {"dev_metrics": result.dev_metrics, "stopped_early": result.stopped_early}
+            if result.dev_metrics
+            else {}
+        ),
         "steps": result.steps,
         "train_seconds": round(result.train_seconds, 2),
         "tokens_per_second": round(result.tokens_per_second, 1),

@@ -35,6 +35,11 @@ class TrainConfig:
     pooling: str = "auto"  # "auto": mean for encoders, last token for decoders; or "cls", "mean", "last"
     head_dropout: float = 0.1
     eval_every_epoch: bool = True
+    # UniPELT's low-resource protocol (None: off, the plain job above): `dev_rows` training rows, drawn
+    # by seed after the K training rows, are a dev split evaluated every epoch; the best checkpoint by the
+    # task's metric is kept, and the job's evaluation data becomes its test set, evaluated once at the end
+    dev_rows: int | None = None
+    patience: int | None = None  # early stopping: dev evaluations without improvement before it stops
 
     def resolved_learning_rate(self, method_defaults: dict[str, Any]) -> float:
         if self.learning_rate is not None:
@@ -61,6 +66,8 @@ class TrainConfig:
             raise bad("backbone_dtype", f"must be float32 or bfloat16, got {self.backbone_dtype!r}")
         if self.pooling not in ("auto", "cls", "mean", "last"):
             raise bad("pooling", f"must be auto, cls, mean or last, got {self.pooling!r}")
+        if self.patience is not None and self.dev_rows is None:
+            raise bad("patience", "early stopping needs a dev split: set dev_rows too")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
@@ -83,8 +90,8 @@ class TrainConfig:
 
 TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 OPTIONAL_FIELDS = frozenset(
-    {"learning_rate", "k_shot", "max_steps"}
-)  # None: the method's default / all / epochs
+    {"learning_rate", "k_shot", "max_steps", "dev_rows", "patience"}
+)  # None: the method's default / all / epochs / no dev split / no early stopping
 ALIASES = {
     "lr": "learning_rate",
     "k": "k_shot",

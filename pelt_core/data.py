@@ -219,6 +219,23 @@ def sample_k_shot(dataset, k: int | None, seed: int):
     return dataset.select(sorted(indices))
 
 
+def sample_study_split(dataset, k: int | None, dev_rows: int, seed: int):
+    """(train, dev) as UniPELT's low-resource protocol draws them: the training rows shuffled by seed,
+    the first K for training (all but the dev rows when K is None) and the next `dev_rows` as the dev
+    split for model selection; the two never overlap."""
+    train_rows = len(dataset) - dev_rows if k is None else k
+    if train_rows < 1 or train_rows + dev_rows > len(dataset):
+        wanted = f"K={k}" if k is not None else "at least 1"
+        raise DataError(
+            f"dev_rows: {wanted} training row(s) and a dev split of {dev_rows} need more rows than the "
+            f"training set's {len(dataset)}"
+        )
+    order = list(range(len(dataset)))
+    random.Random(f"study-split-{seed}").shuffle(order)
+    train = dataset.select(sorted(order[:train_rows]))
+    return train, dataset.select(sorted(order[train_rows : train_rows + dev_rows]))
+
+
 @dataclass
 class Encoded:
     """A tokenised split: variable-length token ids and labels, padded only when batched."""

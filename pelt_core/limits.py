@@ -158,6 +158,16 @@ TRAIN_RANGES: dict[str, Range] = {
     "max_length": Range("int", 1, 131_072, doc="tokens kept per example; at most the backbone's positions"),
     "max_steps": Range("int", 1, MAX_TRAIN_STEPS, doc="optimisation steps (instead of epochs)"),
     "head_dropout": Range("float", 0, 1, high_open=True, doc="dropout before the task head"),
+    "dev_rows": Range(
+        "int",
+        1,
+        INT32_MAX,
+        doc="the study protocol's dev split: training rows held out by seed after the K rows; "
+        "K + dev_rows at most the task's rows",
+    ),
+    "patience": Range(
+        "int", 1, 10_000, doc="early stopping: dev evaluations without improvement (needs dev_rows)"
+    ),
 }
 
 

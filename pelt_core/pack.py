@@ -12,6 +12,11 @@ Members join (`Pack.join`) and leave between steps: a job leaves when it finishe
 its pack-mates: rows never mix inside the backbone, its gradients come from its own loss only, and its
 dropout masks come from its own generator (with dropout off it equals the job trained alone to fp32
 tolerance: tests/core/test_pack.py). `pelt_core.train.train` is a pack of one.
+
+A job with `dev_rows` follows UniPELT's low-resource protocol: its dev split (drawn from the training
+rows by seed) is evaluated every epoch, its best checkpoint by the task's metric is kept, `patience`
+evaluations without improvement stop it early, and its evaluation data, evaluated once with the best
+checkpoint, is its test set.
 """
 
 from __future__ import annotations
@@ -35,19 +40,21 @@ from pelt_core.data import (
     infer_task_fields,
     length_grouped_batches,
     sample_k_shot,
+    sample_study_split,
 )
 from pelt_core.devices import DeviceOutOfMemory, free_cached_memory, is_out_of_memory, reset_peak_memory
-from pelt_core.metrics import compute_metrics
+from pelt_core.metrics import DEFAULT_METRIC, compute_metrics
 from pelt_core.model import JobDelta, PeltModel
 from pelt_core.spec import MethodSpec
 from pelt_core.train_setup import (
     Progress,
+    Selection,
     TrainingCancelled,
     TrainingError,
     TrainResult,
     autocast_context,
     bf16_available,
-    encode_splits,
+    encode_split,
     finished_result,
     linear_schedule,
     loss_fn,
@@ -78,7 +85,9 @@ class PackMember:
     config: TrainConfig
     delta: JobDelta
     train_set: Encoded
-    eval_set: Encoded | None
+    eval_set: Encoded | None  # evaluated every epoch: the dev split (or the only evaluation data)
+    test_set: Encoded | None  # the protocol's test set: evaluated once, with the best checkpoint
+    selection: Selection | None  # the protocol's best checkpoint and early stopping
     optimizer: torch.optim.Optimizer
     parameters: list[torch.nn.Parameter]
     lr_at: Callable[[int], float]
@@ -98,6 +107,7 @@ class PackMember:
     error: BaseException | None = None
     _batches: Iterator[list[int]] | None = None
     _eval_chunks: list[list[int]] | None = None  # what is left of the running evaluation
+    _eval_on: Encoded | None = None  # the split it evaluates: eval_set, or test_set at the end
     _eval_outputs: list[tuple[np.ndarray, np.ndarray, float]] = field(default_factory=list)
 
     @property
@@ -156,9 +166,11 @@ class Pack:
         progress: Callable[[Progress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         on_epoch_end: Callable[[dict[str, Any]], None] | None = None,
+        metric: str | None = None,
     ) -> PackMember:
         """Add a job; it trains from the next step. Raises (ConfigError, DataError, SpecError, ...) for a
-        job that cannot start; the pack is unchanged then."""
+        job that cannot start; the pack is unchanged then. `metric`: what the protocol (`dev_rows`)
+        selects the best checkpoint by (None: the problem type's default)."""
         config = config or TrainConfig()
         config.validate()
         use_bf16 = wants_bf16(config, self.backbone)
@@ -167,12 +179,22 @@ class Pack:
                 "a pack trains in one precision: this job's bf16 setting differs from its pack's"
             )
         task = task or infer_task_fields(train_data)
-        train_data = sample_k_shot(train_data, config.k_shot, config.seed)
+        test_data, selection = None, None
+        if config.dev_rows is not None:  # the study protocol: the evaluation data is the test set
+            test_data = eval_data
+            train_data, eval_data = sample_study_split(
+                train_data, config.k_shot, config.dev_rows, config.seed
+            )
+            selection = Selection(metric or DEFAULT_METRIC[task.problem_type], config.patience)
+        else:
+            train_data = sample_k_shot(train_data, config.k_shot, config.seed)
         delta = new_delta(self.backbone, method, task, config).to(self.device)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed + DROPOUT_SEED_OFFSET)
         delta.use_generator(generator)
-        train_set, eval_set = encode_splits(self.backbone, task, config, train_data, eval_data)
+        train_set = encode_split(self.backbone, task, config, train_data, "training data")
+        eval_set = encode_split(self.backbone, task, config, eval_data, "evaluation data")
+        test_set = encode_split(self.backbone, task, config, test_data, "test data")
         total_steps = total_train_steps(config, len(train_set))
         learning_rate = config.resolved_learning_rate(method.defaults)
         parameters = [p for p in delta.parameters() if p.requires_grad]
@@ -190,6 +212,8 @@ class Pack:
             delta=delta,
             train_set=train_set,
             eval_set=eval_set,
+            test_set=test_set,
+            selection=selection,
             optimizer=optimizer,
             parameters=parameters,
             lr_at=linear_schedule(learning_rate, int(config.warmup_ratio * total_steps), total_steps),
@@ -374,20 +398,22 @@ class Pack:
             and len(member.eval_set)
             and (member.config.eval_every_epoch or finished)
         ):
-            order = length_grouped_batches(
-                member.eval_set.lengths, member.config.eval_batch_size, 0, shuffle=False
-            )
-            member._eval_chunks, member._eval_outputs = order, []
+            self._start_evaluation(member, member.eval_set)
         elif finished:
-            self._finish(member)
+            self._end_training(member)
 
     # -- evaluation -------------------------------------------------------------------------------------
+    def _start_evaluation(self, member: PackMember, split: Encoded) -> None:
+        """From the next step on, the member evaluates `split` one chunk per step instead of training."""
+        order = length_grouped_batches(split.lengths, member.config.eval_batch_size, 0, shuffle=False)
+        member._eval_on, member._eval_chunks, member._eval_outputs = split, order, []
+
     def _eval_step(self, members: list[PackMember]) -> None:
         """The next evaluation chunk of every evaluating member, through shared no-grad forwards (one member
         at a time if a shared forward fails, so that only the member at fault fails)."""
         started = time.perf_counter()
         pad_id = self.backbone.tokenizer.pad_token_id
-        batches = [(m, collate(m.eval_set, m._eval_chunks.pop(0), pad_id)) for m in members]
+        batches = [(m, collate(m._eval_on, m._eval_chunks.pop(0), pad_id)) for m in members]
         self.model.eval()
         outputs = []
         try:
@@ -425,21 +451,35 @@ class Pack:
         return outputs
 
     def _end_evaluation(self, member: PackMember) -> None:
-        outputs = member._eval_outputs
+        outputs, split = member._eval_outputs, member._eval_on
         logits = np.concatenate([o[0] for o in outputs])
         labels = np.concatenate([o[1] for o in outputs])
         scores = compute_metrics(member.task.problem_type, logits, labels)
-        scores["loss"] = sum(o[2] for o in outputs) / max(len(member.eval_set), 1)
+        scores["loss"] = sum(o[2] for o in outputs) / max(len(split), 1)
+        member._eval_on, member._eval_chunks, member._eval_outputs = None, None, []
+        if split is member.test_set:  # the protocol's last evaluation, with the best checkpoint
+            self._finish(member, test_metrics=scores)
+            return
         record = {"epoch": member.epoch, "step": member.step, **scores}
         member.history.append(record)
-        member._eval_chunks, member._eval_outputs = None, []
         if member.on_epoch_end is not None:
             member.on_epoch_end(record)
-        if member.step >= member.total_steps:
-            self._finish(member)
+        stop = member.selection is not None and member.selection.observe(record, member.delta)
+        if stop or member.step >= member.total_steps:
+            self._end_training(member)
+
+    def _end_training(self, member: PackMember) -> None:
+        """Training is over (its last step, or early stopping): under the protocol the best checkpoint
+        comes back and the test set is evaluated with it; then the job finishes."""
+        if member.selection is not None:
+            member.selection.restore(member.delta)
+            if member.test_set is not None and len(member.test_set):
+                self._start_evaluation(member, member.test_set)
+                return
+        self._finish(member)
 
     # -- leaving ----------------------------------------------------------------------------------------
-    def _finish(self, member: PackMember) -> None:
+    def _finish(self, member: PackMember, test_metrics: dict[str, float] | None = None) -> None:
         member.delta.eval()
         member.result = finished_result(
             member.delta,
@@ -452,6 +492,8 @@ class Pack:
             member.eval_seconds,
             bool(self.use_bf16),
             member.optimizer,
+            selection=member.selection,
+            test_metrics=test_metrics,
         )
 
     def leave(self, member: PackMember) -> None:

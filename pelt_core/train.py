@@ -35,13 +35,17 @@ def train(
     progress: Callable[[Progress], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     on_epoch_end: Callable[[dict[str, Any]], None] | None = None,
+    metric: str | None = None,
 ) -> TrainResult:
     """Train `method` on `train_data` (a datasets.Dataset) over the frozen `backbone`; returns the delta.
+
+    With `config.dev_rows` it follows the study protocol (`pelt_core.pack`): `eval_data` is then the test
+    set, and `metric` (None: the problem type's default) selects the best checkpoint on the dev split.
 
     Raises TrainingError on a NaN/inf loss and TrainingCancelled when `should_stop()` turns true.
     """
     pack = Pack(backbone)
-    job = pack.join(method, train_data, eval_data, config, task, progress, should_stop, on_epoch_end)
+    job = pack.join(method, train_data, eval_data, config, task, progress, should_stop, on_epoch_end, metric)
     while not job.done:
         pack.step()
     if job.error is not None:

@@ -20,6 +20,7 @@ from pelt_core.data import Encoded, TaskFields, encode
 from pelt_core.limits import LimitError, check_train_steps, fitted_max_length
 from pelt_core.model import JobDelta
 from pelt_core.spec import MethodSpec
+from pelt_core.vocabulary import canonical_metric, metric_direction
 
 _INIT_LOCK = threading.Lock()  # torch's global generator seeds one job's initialisation at a time
 
@@ -46,8 +47,13 @@ class Progress:
 class TrainResult:
     delta: JobDelta
     task: TaskFields
-    metrics: dict[str, float]  # final evaluation (empty without evaluation data)
-    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per epoch
+    # the last evaluation (empty without evaluation data); under the study protocol (`dev_rows`) the test
+    # set's, evaluated with the best checkpoint (the best dev evaluation's when there is no test set)
+    metrics: dict[str, float]
+    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per epoch (the dev split's)
+    # the protocol's best dev evaluation, with its "epoch" and "step" (empty without the protocol)
+    dev_metrics: dict[str, float] = field(default_factory=dict)
+    stopped_early: bool = False  # the protocol's patience ran out before the last step
     steps: int = 0
     train_seconds: float = 0.0  # optimisation steps only (evaluation excluded)
     eval_seconds: float = 0.0
@@ -107,16 +113,51 @@ def new_delta(backbone: Backbone, method: MethodSpec, task: TaskFields, config: 
         )
 
 
-def encode_splits(
-    backbone: Backbone, task: TaskFields, config: TrainConfig, train_data, eval_data
-) -> tuple[Encoded, Encoded | None]:
-    """Training and evaluation data tokenised once (padded per batch later), cut to the backbone's positions
-    as the service does."""
+def encode_split(
+    backbone: Backbone, task: TaskFields, config: TrainConfig, data, where: str
+) -> Encoded | None:
+    """A split tokenised once (padded per batch later), cut to the backbone's positions as the service
+    does; None for no data. `where` names the split in errors ("training data")."""
+    if data is None:
+        return None
     max_length = fitted_max_length(config.max_length, backbone.facts)
-    train_set = encode(train_data, backbone.tokenizer, task, max_length, where="training data")
-    if eval_data is None:
-        return train_set, None
-    return train_set, encode(eval_data, backbone.tokenizer, task, max_length, where="evaluation data")
+    return encode(data, backbone.tokenizer, task, max_length, where=where)
+
+
+class Selection:
+    """The study protocol's model selection: the best checkpoint by `metric` on the dev split, kept as a
+    copy of the job's tensors, and early stopping after `patience` evaluations without improvement."""
+
+    def __init__(self, metric: str, patience: int | None):
+        self.metric = canonical_metric(metric)
+        self.sign = 1.0 if metric_direction(self.metric) == "max" else -1.0
+        self.patience = patience
+        self.best: dict[str, Any] | None = None  # the best dev evaluation's record
+        self.stale = 0  # evaluations since the best
+        self.stopped_early = False
+        self._state: dict[str, torch.Tensor] | None = None
+
+    def observe(self, record: dict[str, Any], delta: JobDelta) -> bool:
+        """Take one dev evaluation; keeps the delta's tensors when it is the best so far (the first of
+        equal ones). Returns True when training should stop early."""
+        if self.metric not in record:
+            raise TrainingError(
+                f"the dev evaluation has no {self.metric!r} to select the best checkpoint by "
+                f"(it has {', '.join(k for k in record if k not in ('epoch', 'step'))})"
+            )
+        value = float(record[self.metric])
+        if self.best is None or self.sign * value > self.sign * float(self.best[self.metric]):
+            self.best, self.stale = record, 0
+            self._state = {name: t.detach().clone() for name, t in delta.state_dict().items()}
+            return False
+        self.stale += 1
+        self.stopped_early = self.patience is not None and self.stale >= self.patience
+        return self.stopped_early
+
+    def restore(self, delta: JobDelta) -> None:
+        """The best checkpoint's tensors back into the delta (nothing when nothing was evaluated)."""
+        if self._state is not None:
+            delta.load_state_dict(self._state)
 
 
 def total_train_steps(config: TrainConfig, train_rows: int) -> int:
@@ -174,9 +215,15 @@ def finished_result(
     eval_seconds: float,
     bf16: bool,
     optimizer: torch.optim.Optimizer,
+    selection: Selection | None = None,
+    test_metrics: dict[str, float] | None = None,
 ) -> TrainResult:
-    """A finished run's result: the last evaluation's metrics, the delta's sizes and gates, speed, memory."""
-    metrics = {k: v for k, v in history[-1].items() if k not in ("epoch", "step")} if history else {}
+    """A finished run's result: the last evaluation's metrics (the protocol's: the test set's, else its best
+    dev evaluation's), the delta's sizes and gates, speed, memory."""
+    last = selection.best if selection is not None and selection.best is not None else None
+    last = last or (history[-1] if history else {})
+    metrics = test_metrics or {k: v for k, v in last.items() if k not in ("epoch", "step")}
+    dev_metrics = dict(selection.best) if selection is not None and selection.best is not None else {}
     counts = delta.parameter_counts()
     device = next(delta.parameters()).device
     return TrainResult(
@@ -184,6 +231,8 @@ def finished_result(
         task=task,
         metrics=metrics,
         history=history,
+        dev_metrics=dev_metrics,
+        stopped_early=selection is not None and selection.stopped_early,
         steps=steps,
         train_seconds=train_seconds,
         eval_seconds=eval_seconds,

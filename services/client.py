@@ -349,31 +349,35 @@ class PeltClient:
 
     # --- leaderboard and deltas ------------------------------------------------------------------
 
-    def leaderboard(self, task: str, k_shot: int | None = None, backbone: str | None = None) -> Any:
+    def leaderboard(
+        self, task: str, k_shot: int | None = None, backbone: str | None = None, split: str = "test"
+    ) -> Any:
         """The task's leaderboard as a pandas DataFrame (one row per method, best first); the metric's
-        name is in `frame.attrs["metric"]`."""
+        name is in `frame.attrs["metric"]`. `split="dev"` ranks by the study protocol's dev split."""
         import pandas as pd
 
-        board = LeaderboardOut.model_validate(
-            self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot, backbone=backbone)
-        )
+        board = self.leaderboard_raw(task, k_shot, backbone, split)
         frame = pd.DataFrame(
             [row.model_dump() for row in board.rows], columns=list(LeaderboardRowOut.model_fields)
         )
-        frame.attrs.update(task=board.task, metric=board.metric, metric_direction=board.metric_direction)
+        frame.attrs.update(
+            task=board.task, metric=board.metric, metric_direction=board.metric_direction, split=board.split
+        )
         return frame
 
     def leaderboard_raw(
-        self, task: str, k_shot: int | None = None, backbone: str | None = None
+        self, task: str, k_shot: int | None = None, backbone: str | None = None, split: str = "test"
     ) -> LeaderboardOut:
         return LeaderboardOut.model_validate(
-            self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot, backbone=backbone)
+            self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot, backbone=backbone, split=split)
         )
 
-    def leaderboard_by_k(self, task: str, backbone: str | None = None) -> list[LeaderboardOut]:
+    def leaderboard_by_k(
+        self, task: str, backbone: str | None = None, split: str = "test"
+    ) -> list[LeaderboardOut]:
         """The task's leaderboard for each K its jobs used, K ascending (k_shot None: the full training
-        set, last); [] while no job has succeeded."""
-        found = self._get(f"/v1/tasks/{task}/leaderboard/by-k", backbone=backbone)
+        set, last); [] while no job has succeeded. `split="dev"` ranks by the protocol's dev split."""
+        found = self._get(f"/v1/tasks/{task}/leaderboard/by-k", backbone=backbone, split=split)
         return [LeaderboardOut.model_validate(board) for board in found]
 
     def plot_leaderboard(

@@ -323,15 +323,16 @@ class PeltOperations:
         return self.registry.get_result(job_id)
 
     def leaderboard(
-        self, task: str, k_shot: int | None = None, backbone: str | None = None
+        self, task: str, k_shot: int | None = None, backbone: str | None = None, split: str = "test"
     ) -> list[LeaderboardRow]:
-        return self.registry.leaderboard(task, k_shot, backbone=backbone)
+        """The task's methods ranked on `split` ("test": the evaluation split; "dev": the protocol's)."""
+        return self.registry.leaderboard(task, k_shot, backbone=backbone, split=split)
 
     def leaderboard_by_k(
-        self, task: str, backbone: str | None = None
+        self, task: str, backbone: str | None = None, split: str = "test"
     ) -> dict[int | None, list[LeaderboardRow]]:
         """The leaderboard of each K the task's succeeded jobs used (None: the full training set, last)."""
-        return self.registry.leaderboard_by_k(task, backbone=backbone)
+        return self.registry.leaderboard_by_k(task, backbone=backbone, split=split)
 
     def audit_events(self, *, limit: int = 100, offset: int = 0) -> list[AuditEventRecord]:
         return self.registry.audit_events(limit=limit, offset=offset)

@@ -49,7 +49,15 @@ class PackRunner:
         self.jobs = 0  # jobs in its packs now
 
     def train(
-        self, method, train_data, eval_data=None, config=None, task=None, progress=None, should_stop=None
+        self,
+        method,
+        train_data,
+        eval_data=None,
+        config=None,
+        task=None,
+        progress=None,
+        should_stop=None,
+        metric=None,
     ):
         """Train one job in this runner's pack and wait for it: `pelt_core.train.train`'s contract."""
         entry = _Entry(
@@ -61,6 +69,7 @@ class PackRunner:
                 "task": task,
                 "progress": progress,
                 "should_stop": should_stop,
+                "metric": metric,
             }
         )
         with self._lock:

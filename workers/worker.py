@@ -427,6 +427,7 @@ class PeltWorker:
                 task=fields,
                 progress=attempt.report,
                 should_stop=should_stop,
+                metric=task.metric,
             )
             stored = self._store(job, sink, result, backbone)
         return result, backbone, stored
@@ -521,6 +522,7 @@ def result_fields(result: Any, backbone: Backbone) -> dict[str, Any]:
     """A TrainResult as the registry's result fields (metrics, sizes, time, memory)."""
     return {
         "metrics": _finite_dict(result.metrics),
+        "dev_metrics": _finite_dict(result.dev_metrics) if result.dev_metrics else None,
         "trainable_params": int(result.parameter_counts["pelt"]),
         "total_params": int(backbone.num_parameters),
         "trainable_percent": float(result.trainable_percent),

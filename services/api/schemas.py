@@ -257,8 +257,16 @@ class SweepCancelOut(Response):
 
 class ResultOut(Response):
     job_id: int
-    metrics: dict[str, Any]
+    metrics: dict[str, Any] = Field(
+        description="on the task's evaluation split; under the study protocol (dev_rows), its test set"
+    )
     primary_metric: float
+    dev_metrics: dict[str, Any] | None = Field(
+        default=None,
+        description="the study protocol's best evaluation on its held-out dev split (with its epoch and "
+        "step), the checkpoint kept; null for a plain job",
+    )
+    dev_primary_metric: float | None = None
     trainable_params: int
     total_params: int | None
     trainable_percent: float
@@ -329,6 +337,11 @@ class LeaderboardOut(Response):
     metric: str
     metric_direction: str
     k_shot: int | None
+    split: Literal["test", "dev"] = Field(
+        default="test",
+        description="what the rows rank by: the metric on the task's evaluation split (test; under the "
+        "study protocol its test set) or on the protocol's held-out dev split (dev: only jobs that had one)",
+    )
     rows: list[LeaderboardRowOut]
 
 

@@ -13,6 +13,13 @@ from services.plots import VIEWS, check_view, format_of
 @click.command("leaderboard")
 @click.argument("task")
 @click.option("--k-shot", type=int, default=None, help="only runs with this K")
+@click.option(
+    "--split",
+    type=click.Choice(["test", "dev"]),
+    default="test",
+    show_default=True,
+    help="rank by the metric on the task's evaluation split, or on the study protocol's dev split",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.option(
     "--plot",
@@ -28,7 +35,7 @@ from services.plots import VIEWS, check_view, format_of
 )
 @client_errors
 def leaderboard_command(
-    task: str, k_shot: int | None, as_json: bool, plot: str | None, view: str | None
+    task: str, k_shot: int | None, split: str, as_json: bool, plot: str | None, view: str | None
 ) -> None:
     """The methods on a task, best first: best and mean ± std of its metric, trainable %, runs; with
     --plot, drawn into an SVG or PNG file instead."""
@@ -38,13 +45,13 @@ def leaderboard_command(
     if view is not None:
         raise click.UsageError("--view draws a plot: add --plot FILE (.svg or .png)")
     with PeltClient() as client:
-        board = client.leaderboard_raw(task, k_shot)
+        board = client.leaderboard_raw(task, k_shot, split=split)
     if as_json:
         click.echo(board.model_dump_json(indent=2))
         return
     click.echo(
         f"{task}: {board.metric} ({'higher' if board.metric_direction == 'max' else 'lower'} is better)"
-        f"{'' if k_shot is None else f', K={k_shot}'}"
+        f"{'' if k_shot is None else f', K={k_shot}'}{', on the dev split' if split == 'dev' else ''}"
     )
     rows = [
         {

@@ -8,6 +8,10 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 OrderBy = Literal["best", "mean"]
+# which evaluation a leaderboard ranks by: "test", the task's evaluation split (a result's `metrics`; the
+# study protocol's test set), or "dev", the protocol's held-out dev split (only results that have one)
+Split = Literal["test", "dev"]
+SPLITS: tuple[str, ...] = ("test", "dev")
 
 
 @dataclass(frozen=True)
@@ -120,4 +124,4 @@ def _fingerprints(runs: list[Run]) -> list[str]:
     return list(dict.fromkeys(run.method_fingerprint for run in ordered if run.method_fingerprint))
 
 
-__all__ = ["LeaderboardRow", "OrderBy", "Run", "rank_by_k", "rank_methods"]
+__all__ = ["SPLITS", "LeaderboardRow", "OrderBy", "Run", "Split", "rank_by_k", "rank_methods"]

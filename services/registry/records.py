@@ -238,6 +238,10 @@ class ResultRecord:
     worker_id: str | None
     attempt: int
     created_at: datetime
+    # the study protocol's best dev evaluation (with "epoch" and "step") and its value of the task's
+    # metric; None for a plain job (whose `metrics` are its only evaluation)
+    dev_metrics: dict[str, Any] | None = None
+    dev_primary_metric: float | None = None
 
     @classmethod
     def of(cls, row: models.Result) -> ResultRecord:
@@ -246,6 +250,8 @@ class ResultRecord:
             job_id=row.job_id,
             metrics=dict(row.metrics),
             primary_metric=row.primary_metric,
+            dev_metrics=None if row.dev_metrics is None else dict(row.dev_metrics),
+            dev_primary_metric=row.dev_primary_metric,
             trainable_params=row.trainable_params,
             total_params=row.total_params,
             trainable_percent=row.trainable_percent,

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from services.registry import presets
 from services.registry.core import RegistryCore
 from services.registry.errors import RegistryValidationError
-from services.registry.leaderboard import LeaderboardRow, OrderBy, Run, rank_by_k, rank_methods
+from services.registry.leaderboard import SPLITS, LeaderboardRow, OrderBy, Run, Split, rank_by_k, rank_methods
 from services.registry.models import Job, JobEvent, JobStatus, Method, Result
 from services.registry.records import JobEventRecord, JobRecord, LossHistoryRecord, ResultRecord
 from services.registry.rows import find_backbone, find_job, find_task
@@ -118,27 +118,35 @@ class JobResults(RegistryCore):
         *,
         backbone: str | None = None,
         order_by: OrderBy = "best",
+        split: Split = "test",
     ) -> list[LeaderboardRow]:
         """One row per method over the task's succeeded jobs (only K = `k_shot` when given; all runs,
         whatever their K, when None): best and mean ± std of the primary metric, run count, trainable
         percentage, median train time and the job and delta behind the best. Best first by the
-        metric's direction; ties go to fewer trainable parameters."""
+        metric's direction; ties go to fewer trainable parameters. `split`: rank by the metric on the
+        task's evaluation split ("test") or on the study protocol's dev split ("dev": only jobs that had
+        one)."""
         if k_shot is not None:
             check_int(k_shot, "k_shot", minimum=1)
-        runs, direction = self._succeeded_runs(task, k_shot, backbone)
+        runs, direction = self._succeeded_runs(task, k_shot, backbone, split)
         return rank_methods(runs, direction, order_by)
 
     def leaderboard_by_k(
-        self, task: str, *, backbone: str | None = None, order_by: OrderBy = "best"
+        self, task: str, *, backbone: str | None = None, order_by: OrderBy = "best", split: Split = "test"
     ) -> dict[int | None, list[LeaderboardRow]]:
         """The task's leaderboard for each K its succeeded jobs used, in one read: K ascending, None (the
         full training set) last; {} while no job has succeeded."""
-        runs, direction = self._succeeded_runs(task, None, backbone)
+        runs, direction = self._succeeded_runs(task, None, backbone, split)
         return rank_by_k(runs, direction, order_by)
 
-    def _succeeded_runs(self, task: str, k_shot: int | None, backbone: str | None) -> tuple[list[Run], str]:
-        """The task's succeeded jobs as leaderboard runs (only K = `k_shot` when given) and its metric's
-        direction; an unknown task or backbone raises its registry error."""
+    def _succeeded_runs(
+        self, task: str, k_shot: int | None, backbone: str | None, split: Split
+    ) -> tuple[list[Run], str]:
+        """The task's succeeded jobs as leaderboard runs (only K = `k_shot` when given; their metric on
+        `split`) and its metric's direction; an unknown task or backbone raises its registry error."""
+        if split not in SPLITS:
+            raise RegistryValidationError("split", f"must be one of {', '.join(SPLITS)}, got {split!r}")
+        value = Result.primary_metric if split == "test" else Result.dev_primary_metric
         with self._reading() as session:
             task_row = find_task(session, task)
             query = (
@@ -147,7 +155,7 @@ class JobResults(RegistryCore):
                     Job.id,
                     Job.seed,
                     Job.k_shot,
-                    Result.primary_metric,
+                    value,
                     Result.trainable_params,
                     Result.trainable_percent,
                     Result.train_seconds,
@@ -160,6 +168,8 @@ class JobResults(RegistryCore):
                 .join(Method, Job.method_id == Method.id)
                 .where(Job.task_id == task_row.id, Job.status == JobStatus.SUCCEEDED.value)
             )
+            if split == "dev":
+                query = query.where(Result.dev_primary_metric.is_not(None))
             if k_shot is not None:
                 query = query.where(Job.k_shot == k_shot)
             if backbone is not None:

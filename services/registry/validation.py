@@ -318,6 +318,13 @@ def resolve_train_config(
             "k_shot",
             f"{k_shot} is more than the task's {task_train_size - held_out} training examples{after}",
         )
+    available = task_train_size - held_out
+    if config.dev_rows is not None and (k_shot or 1) + config.dev_rows > available:
+        raise RegistryValidationError(
+            given.get("dev_rows", "dev_rows"),
+            f"{config.dev_rows} dev rows and {f'K={k_shot}' if k_shot else 'at least one'} training row(s) "
+            f"need more than the task's {available} training examples",
+        )
     return config.to_dict()
 
 
@@ -426,6 +433,7 @@ def _field_of(exc: Exception) -> str | None:
 
 RESULT_FIELDS = (
     "metrics",
+    "dev_metrics",
     "primary_metric",
     "trainable_params",
     "total_params",
@@ -463,6 +471,17 @@ def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
             f"the task's primary metric {metric!r} is missing (have: {', '.join(metrics)})",
         )
     primary = _number(primary, "result.primary_metric")
+    dev_metrics, dev_primary = result.get("dev_metrics"), None
+    if dev_metrics is not None:
+        if not isinstance(dev_metrics, Mapping) or not all(isinstance(k, str) for k in dev_metrics):
+            raise RegistryValidationError("result.dev_metrics", "must be a mapping of metric name to value")
+        if dev_metrics.get(metric) is None:
+            raise RegistryValidationError(
+                f"result.dev_metrics.{metric}",
+                f"the task's primary metric {metric!r} is missing (have: {', '.join(dev_metrics)})",
+            )
+        dev_primary = _number(dev_metrics[metric], f"result.dev_metrics.{metric}")
+        dev_metrics = dict(dev_metrics)
     trainable = _count(result.get("trainable_params"), "result.trainable_params", required=True)
     total = _count(result.get("total_params"), "result.total_params")
     percent = result.get("trainable_percent")
@@ -496,6 +515,8 @@ def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
     return {
         "metrics": dict(metrics),
         "primary_metric": primary,
+        "dev_metrics": dev_metrics,
+        "dev_primary_metric": dev_primary,
         "trainable_params": trainable,
         "total_params": total,
         "trainable_percent": percent,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 
@@ -20,40 +20,59 @@ router = APIRouter(tags=["leaderboard"], route_class=BoundedJsonRoute)
 
 KShot = Annotated[int | None, Query(ge=1, le=INT32_MAX)]
 Backbone = Annotated[str | None, Query(max_length=100)]
+RankSplit = Annotated[
+    Literal["test", "dev"],
+    Query(description="rank by the metric on the task's evaluation split (test) or the protocol's dev split"),
+]
 
 
 @router.get("/tasks/{name}/leaderboard", response_model=LeaderboardOut, dependencies=[READ])
-def leaderboard(operations: Operations, name: Name, k_shot: KShot = None, backbone: Backbone = None) -> Any:
+def leaderboard(
+    operations: Operations,
+    name: Name,
+    k_shot: KShot = None,
+    backbone: Backbone = None,
+    split: RankSplit = "test",
+) -> Any:
     """One row per method over the task's succeeded jobs, best first (only K = k_shot when given)."""
-    return board(operations, name, k_shot, backbone)
+    return board(operations, name, k_shot, backbone, split)
 
 
 @router.get("/tasks/{name}/leaderboard/by-k", response_model=list[LeaderboardOut], dependencies=[READ])
-def leaderboard_by_k(operations: Operations, name: Name, backbone: Backbone = None) -> Any:
+def leaderboard_by_k(
+    operations: Operations, name: Name, backbone: Backbone = None, split: RankSplit = "test"
+) -> Any:
     """The leaderboard of each K the task's succeeded jobs used, K ascending; `k_shot` null here is the
     runs on the full training set (last). An empty list while no job has succeeded."""
-    return boards_by_k(operations, name, backbone)
+    return boards_by_k(operations, name, backbone, split)
 
 
-def board(operations: PeltOperations, name: str, k_shot: int | None, backbone: str | None) -> LeaderboardOut:
+def board(
+    operations: PeltOperations, name: str, k_shot: int | None, backbone: str | None, split: str = "test"
+) -> LeaderboardOut:
     """The task's leaderboard (only K = k_shot when given) as the API shows it."""
     task = operations.get_task(name)
-    return _board_out(task, k_shot, operations.leaderboard(name, k_shot, backbone))
+    return _board_out(task, k_shot, operations.leaderboard(name, k_shot, backbone, split), split)
 
 
-def boards_by_k(operations: PeltOperations, name: str, backbone: str | None) -> list[LeaderboardOut]:
+def boards_by_k(
+    operations: PeltOperations, name: str, backbone: str | None, split: str = "test"
+) -> list[LeaderboardOut]:
     """One leaderboard per K (None: the full training set, last) as the API shows them."""
     task = operations.get_task(name)
-    by_k = operations.leaderboard_by_k(name, backbone)
-    return [_board_out(task, k_shot, rows) for k_shot, rows in by_k.items()]
+    by_k = operations.leaderboard_by_k(name, backbone, split)
+    return [_board_out(task, k_shot, rows, split) for k_shot, rows in by_k.items()]
 
 
-def _board_out(task: TaskRecord, k_shot: int | None, rows: Sequence[LeaderboardRow]) -> LeaderboardOut:
+def _board_out(
+    task: TaskRecord, k_shot: int | None, rows: Sequence[LeaderboardRow], split: str
+) -> LeaderboardOut:
     return LeaderboardOut(
         task=task.name,
         metric=task.metric,
         metric_direction=task.metric_direction,
         k_shot=k_shot,
+        split=split,
         rows=[
             LeaderboardRowOut.model_validate(
                 dataclasses.replace(row, best_delta_uri=public_uri(row.best_delta_uri))
