@@ -6,6 +6,7 @@
 - `deltas`: `pelt leaderboard`, `pull`, `compose`;
 - `admin`: `pelt token create|list|revoke` (run next to the registry: tokens are made and revoked there,
   never over the API; each has a scope: read, write or admin) and `pelt audit`;
+- `study`: `pelt study`, UniPELT's low-resource study through the service (`services.study`);
 - `common`: what they share (the service's refusals as click errors, `--set` parsing, tables).
 
 The client commands talk to PELT_API_URL (default http://127.0.0.1:8000) with PELT_API_TOKEN, or with
@@ -16,6 +17,7 @@ from services.commands.admin import audit_command, token_group
 from services.commands.deltas import compose_command, leaderboard_command, pull_command
 from services.commands.jobs import cancel_command, jobs_command, submit_command, sweep_command, watch_command
 from services.commands.serve import serve_command
+from services.commands.study import study_command
 from services.commands.tasks import task_group
 
 SERVICE_COMMANDS = [
@@ -31,6 +33,7 @@ SERVICE_COMMANDS = [
     compose_command,
     token_group,
     audit_command,
+    study_command,
 ]
 
 __all__ = ["SERVICE_COMMANDS"]

@@ -1,0 +1,132 @@
+"""`pelt study` as a specification: a study registers its GLUE-style task folders, queues one sweep per
+task under the protocol, resumes without training anything twice, and reports the paper's table layout
+with the paper's numbers beside ours, the answer to the paper's claim, a plot and JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from services.client import PeltClient
+from services.registry.testing import write_jsonl
+from services.study import StudyPlan, collect_runs, register_task_folder, submit_study, wait_for, write_report
+from services.study.plan import study_jobs
+from tests.api.conftest import BACKBONE, Api
+from tests.workers.conftest import toy_rows
+
+# test score, dev score per (method, seed): UniPELT beats the best single method (lora) by 2 points
+SCORES = {
+    ("lora", 0): (0.80, 0.82),
+    ("lora", 1): (0.78, 0.80),
+    ("bitfit", 0): (0.60, 0.61),
+    ("bitfit", 1): (0.62, 0.60),
+    ("unipelt", 0): (0.82, 0.83),
+    ("unipelt", 1): (0.80, 0.81),
+}
+
+
+@pytest.fixture
+def sst2_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "sst2"
+    folder.mkdir()
+    write_jsonl(
+        folder / "train.jsonl", [{"sentence": r["sentence"], "label": r["label"]} for r in toy_rows(200, 0)]
+    )
+    write_jsonl(folder / "validation.jsonl", toy_rows(40, 1))
+    (folder / "task.json").write_text(json.dumps({"text_fields": ["sentence"], "metric": "accuracy"}))
+    return folder
+
+
+def plan() -> StudyPlan:
+    return StudyPlan(
+        tasks=("sst2",),
+        k_values=(100,),
+        seeds=(0, 1),
+        methods=("bitfit", "lora", "unipelt"),
+        backbone=BACKBONE,
+        dev_rows=50,
+        patience=3,
+        training={"epochs": 5},
+    )
+
+
+def finish_every_job(api: Api, client: PeltClient, sweeps) -> None:
+    """Act as the workers: every job of the study ends with its score from SCORES."""
+    for job in study_jobs(client, sweeps):
+        claimed = api.registry.claim_job("w1")
+        assert claimed is not None
+        test, dev = SCORES[(claimed.method, claimed.seed)]
+        api.registry.complete_job(
+            claimed.id,
+            "w1",
+            {
+                "metrics": {"accuracy": test},
+                "dev_metrics": {"accuracy": dev, "epoch": 2, "step": 14},
+                "trainable_params": 10,
+                "total_params": 1000,
+                "train_seconds": 3.0,
+            },
+        )
+        assert job.hyperparameters["dev_rows"] == 50 and job.hyperparameters["patience"] == 3
+
+
+def test_a_study_registers_its_folders_queues_once_and_reports_the_papers_layout(
+    api: Api, client: PeltClient, sst2_folder: Path, tmp_path: Path
+):
+    assert register_task_folder(client, "sst2", sst2_folder)
+    assert not register_task_folder(client, "sst2", sst2_folder)  # registered already: left as it is
+    study = plan()
+    sweeps = submit_study(client, study)
+    assert len(sweeps["sst2"].job_ids) == study.job_count == 6
+    again = submit_study(client, study)  # resuming: the same sweep, nothing queued twice
+    assert again["sst2"].id == sweeps["sst2"].id and len(client.jobs(limit=100)) == 6
+    finish_every_job(api, client, sweeps)
+    lines: list[str] = []
+    jobs = wait_for(client, sweeps, echo=lines.append, poll_seconds=0.1)
+    assert lines[-1] == "study: 6/6 ended (6 succeeded, 0 failed, 0 cancelled), 0 running, 0 queued"
+    runs = collect_runs(client, jobs)
+    assert sorted((r.method, r.seed, r.test, r.dev, r.best_epoch) for r in runs)[0] == (
+        "bitfit",
+        0,
+        0.60,
+        0.61,
+        2,
+    )
+
+    written = write_report(tmp_path / "report", study, runs, "pelt study --task sst2 ...")
+    assert [p.name for p in written] == ["report.md", "report.json", "metric-vs-k.svg"]
+    report = written[0].read_text()
+    # mean ± std over the two seeds, ×100, and the paper's K=100 SST-2 number in brackets
+    assert "| LoRA (`lora`) | 79.0 ± 1.4 (81.6) | **79.0 ± 1.4** | 49.26 | 81.0 | 1.00 |" in report
+    assert (
+        "| UniPELT (APL) (`unipelt`) | 81.0 ± 1.4 (82.4) | **81.0 ± 1.4** | 62.59 | 82.0 | 1.00 |" in report
+    )
+    assert (
+        "**Claim at K=100:** UniPELT (APL) beats the best single method, LoRA, on the average: +2.00 points"
+        in report
+    )
+    data = json.loads(written[1].read_text())
+    assert data["by_k"]["100"]["claim"]["verdict"] == "beats" and len(data["run_list"]) == 6
+    assert data["plan"]["hyperparameters"] == {"epochs": 5, "dev_rows": 50, "patience": 3}
+    svg = written[2].read_text()
+    assert svg.startswith("<svg") and all(method in svg for method in study.methods)
+
+
+def test_a_study_without_all_its_runs_says_the_claim_cannot_be_judged(
+    api: Api, client: PeltClient, tmp_path: Path
+):
+    study = plan()
+    written = write_report(tmp_path / "empty", study, [], "pelt study")
+    assert [p.name for p in written] == ["report.md", "report.json"]  # nothing to plot yet
+    assert "The claim cannot be judged at this K" in written[0].read_text()
+
+
+def test_a_study_folder_without_training_data_is_refused_before_anything_is_registered(
+    client: PeltClient, tmp_path: Path
+):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no train\.jsonl"):
+        register_task_folder(client, "nothing", tmp_path / "empty")
+    assert client.tasks() == []
