@@ -38,6 +38,13 @@ DEFAULT_METHODS = "bitfit,pfeiffer,prefix,lora,unipelt_ap,unipelt"
     help="early stopping: dev evaluations without improvement (0: none)",
 )
 @click.option(
+    "--epochs",
+    "epochs",
+    default=None,
+    metavar="E | K=E,...",
+    help="epochs of every job (E), or of the jobs of each K (100=20,500=6,1000=4); default: --set epochs or 3",
+)
+@click.option(
     "--set",
     "settings",
     multiple=True,
@@ -62,6 +69,7 @@ def study_command(
     backbone: str,
     dev_rows: int,
     patience: int,
+    epochs: str | None,
     settings: tuple[str, ...],
     out_dir: str,
     no_wait: bool,
@@ -87,15 +95,34 @@ def study_command(
         names.append(name.strip())
         if folder:
             folders[name.strip()] = folder
+    training = parse_set_options(settings)
+    epochs_by_k: dict[int, float] = {}
+    k_list = tuple(parse_ints(k_values, "--k"))
+    if epochs is not None:
+        try:
+            if "=" in epochs:
+                for pair in epochs.split(","):
+                    k, _, value = pair.partition("=")
+                    epochs_by_k[int(k)] = float(value)
+            else:
+                epochs_by_k = dict.fromkeys(k_list, float(epochs))
+        except ValueError:
+            raise click.BadParameter(
+                f"{epochs!r}: a number, or K=E pairs such as 100=20,500=6", param_hint="--epochs"
+            ) from None
+        unknown = sorted(set(epochs_by_k) - set(k_list))
+        if unknown:
+            raise click.BadParameter(f"K={unknown[0]} is not among --k {k_values}", param_hint="--epochs")
     plan = StudyPlan(
         tasks=tuple(names),
-        k_values=tuple(parse_ints(k_values, "--k")),
+        k_values=k_list,
         seeds=tuple(parse_ints(seeds, "--seeds")),
         methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
         backbone=backbone,
         dev_rows=dev_rows,
         patience=patience or None,
-        training=parse_set_options(settings),
+        training=training,
+        epochs_by_k=epochs_by_k,
     )
     command = "pelt " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["study"] else "pelt study …"
     with PeltClient() as client:

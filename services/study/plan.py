@@ -26,7 +26,7 @@ class StudyPlan:
     training rows held out by seed for model selection, early stopping after `patience` evaluations
     without improvement, the task's validation split as the test set; `training` holds the other
     hyperparameters, the same for every task (a method's own learning rate comes from its preset unless
-    `training` sets one)."""
+    `training` sets one); `epochs_by_k` may give each K its own number of epochs."""
 
     tasks: tuple[str, ...]
     k_values: tuple[int, ...]
@@ -36,24 +36,31 @@ class StudyPlan:
     dev_rows: int = 1000
     patience: int | None = 10
     training: Mapping[str, Any] = field(default_factory=dict)
+    epochs_by_k: Mapping[int, float] = field(default_factory=dict)
 
-    def hyperparameters(self) -> dict[str, Any]:
-        """What every job of the study is submitted with."""
+    def hyperparameters(self, k: int | None = None) -> dict[str, Any]:
+        """What the study's jobs with this K are submitted with."""
         protocol = {"dev_rows": self.dev_rows} | ({"patience": self.patience} if self.patience else {})
-        return {**self.training, **protocol}
+        epochs = {"epochs": self.epochs_by_k[k]} if k in self.epochs_by_k else {}
+        return {**self.training, **epochs, **protocol}
 
-    def key(self, task: str) -> str:
-        """The idempotency key of the task's sweep: the same plan, the same sweep."""
-        plan = {**asdict(self), "tasks": None, "task": task, "training": dict(self.training)}
+    def key(self, task: str, k: int) -> str:
+        """The idempotency key of the sweep of one task and K: the same plan, the same sweep."""
+        plan = {**self.to_dict(), "tasks": None, "k_values": None, "task": task, "k": k}
         digest = hashlib.sha256(json.dumps(plan, sort_keys=True, default=str).encode()).hexdigest()
-        return f"study-{task}-{digest[:24]}"
+        return f"study-{task}-{k}-{digest[:24]}"
 
     @property
     def job_count(self) -> int:
         return len(self.tasks) * len(self.k_values) * len(self.seeds) * len(self.methods)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "training": dict(self.training), "hyperparameters": self.hyperparameters()}
+        return {
+            **asdict(self),
+            "training": dict(self.training),
+            "epochs_by_k": {str(k): e for k, e in self.epochs_by_k.items()},
+            "hyperparameters": {str(k): self.hyperparameters(k) for k in self.k_values},
+        }
 
 
 @dataclass(frozen=True)
@@ -107,19 +114,20 @@ def register_task_folder(client: PeltClient, name: str, folder: str | Path) -> b
 
 
 def submit_study(client: PeltClient, plan: StudyPlan) -> dict[str, SweepOut]:
-    """One sweep per task (methods × seeds × K), each under its plan key: a repeat returns the sweeps
-    already made. Returns {task: sweep}."""
+    """One sweep per task and K (methods × seeds), each under its plan key: a repeat returns the sweeps
+    already made. Returns {"task K=k": sweep}."""
     return {
-        task: client.sweep(
+        f"{task} K={k}": client.sweep(
             task,
             list(plan.methods),
             backbone=plan.backbone,
             seeds=list(plan.seeds),
-            k_values=list(plan.k_values),
-            hyperparameters=plan.hyperparameters(),
-            idempotency_key=plan.key(task),
+            k_values=[k],
+            hyperparameters=plan.hyperparameters(k),
+            idempotency_key=plan.key(task, k),
         )
         for task in plan.tasks
+        for k in plan.k_values
     }
 
 

@@ -134,9 +134,9 @@ def markdown(summary: dict[str, Any], command: str) -> str:
         f"seeds {', '.join(map(str, plan['seeds']))}. Every job: the training rows shuffled by seed, the first K "
         f"for training, the next {plan['dev_rows']} as the dev split (evaluated every epoch, best checkpoint "
         f"kept{', early stopping after ' + str(plan['patience']) + ' evaluations without improvement' if plan['patience'] else ''}), "
-        "the task's GLUE validation split as the test set reported here. Hyperparameters, the same for every "
-        f"task: `{json.dumps(plan['hyperparameters'], sort_keys=True)}` (learning rates: each method's preset "
-        "unless set).",
+        "the task's GLUE validation split as the test set reported here. Hyperparameters by K, the same for "
+        f"every task: `{json.dumps(plan['hyperparameters'], sort_keys=True)}` (learning rates: each method's "
+        "preset unless set).",
         "",
         "Cells: test score ×100, mean ± std over seeds (accuracy; F1 for MRPC), the paper's BERT-base number "
         "in brackets where the paper gives one per task (K=100). *Avg (paper)* is the paper's average over its "

@@ -79,9 +79,9 @@ def test_a_study_registers_its_folders_queues_once_and_reports_the_papers_layout
     assert not register_task_folder(client, "sst2", sst2_folder)  # registered already: left as it is
     study = plan()
     sweeps = submit_study(client, study)
-    assert len(sweeps["sst2"].job_ids) == study.job_count == 6
+    assert len(sweeps["sst2 K=100"].job_ids) == study.job_count == 6
     again = submit_study(client, study)  # resuming: the same sweep, nothing queued twice
-    assert again["sst2"].id == sweeps["sst2"].id and len(client.jobs(limit=100)) == 6
+    assert again["sst2 K=100"].id == sweeps["sst2 K=100"].id and len(client.jobs(limit=100)) == 6
     finish_every_job(api, client, sweeps)
     lines: list[str] = []
     jobs = wait_for(client, sweeps, echo=lines.append, poll_seconds=0.1)
@@ -109,7 +109,7 @@ def test_a_study_registers_its_folders_queues_once_and_reports_the_papers_layout
     )
     data = json.loads(written[1].read_text())
     assert data["by_k"]["100"]["claim"]["verdict"] == "beats" and len(data["run_list"]) == 6
-    assert data["plan"]["hyperparameters"] == {"epochs": 5, "dev_rows": 50, "patience": 3}
+    assert data["plan"]["hyperparameters"] == {"100": {"epochs": 5, "dev_rows": 50, "patience": 3}}
     svg = written[2].read_text()
     assert svg.startswith("<svg") and all(method in svg for method in study.methods)
 
@@ -130,3 +130,41 @@ def test_a_study_folder_without_training_data_is_refused_before_anything_is_regi
     with pytest.raises(FileNotFoundError, match=r"no train\.jsonl"):
         register_task_folder(client, "nothing", tmp_path / "empty")
     assert client.tasks() == []
+
+
+def test_each_k_may_have_its_own_epochs_and_its_own_sweep_key():
+    study = StudyPlan(
+        tasks=("sst2", "rte"),
+        k_values=(100, 500),
+        seeds=(0,),
+        methods=("lora",),
+        backbone=BACKBONE,
+        dev_rows=200,
+        patience=None,
+        training={"batch_size": 16},
+        epochs_by_k={100: 10, 500: 4},
+    )
+    assert study.hyperparameters(100) == {"batch_size": 16, "epochs": 10, "dev_rows": 200}
+    assert study.hyperparameters(500) == {"batch_size": 16, "epochs": 4, "dev_rows": 200}
+    keys = {study.key(task, k) for task in study.tasks for k in study.k_values}
+    assert len(keys) == 4 and study.key("sst2", 100) == plan_again(study).key("sst2", 100)
+    assert study.key("sst2", 100) != StudyPlan(**{**study.__dict__, "dev_rows": 300}).key("sst2", 100)
+
+
+def plan_again(study: StudyPlan) -> StudyPlan:
+    return StudyPlan(**study.__dict__)
+
+
+@pytest.mark.parametrize(
+    ("epochs", "message"),
+    [("100=ten", "a number, or K=E pairs"), ("1000=4", "K=1000 is not among --k 100,500")],
+)
+def test_study_refuses_epochs_it_cannot_read_before_it_calls_the_service(epochs: str, message: str):
+    from click.testing import CliRunner
+
+    from services.commands.study import study_command
+
+    answer = CliRunner().invoke(
+        study_command, ["--task", "sst2", "--k", "100,500", "--epochs", epochs, "--out", "unused"]
+    )
+    assert answer.exit_code == 2 and message in answer.output
