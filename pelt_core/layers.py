@@ -45,6 +45,36 @@ class Gate(nn.Module):
         return gate
 
 
+class DenseDelta(nn.Module):
+    """Δh = s · G(x) · x ΔWᵀ with ΔW of the modified weight's own shape, zero at the start: full fine-tuning
+    of that weight (W + ΔW) as the job's own tensor, the shared W never written."""
+
+    def __init__(self, spec: ModuleSpec, d_in: int, d_out: int):
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.zeros(d_out, d_in))
+        self.gate = Gate(d_in) if spec.gate else None
+        scale = spec.effective_scale if spec.composition == "scaled" else 1.0
+        if spec.learned_scale:
+            self.scale = nn.Parameter(torch.tensor(float(scale)))
+        else:
+            self.register_buffer("scale", torch.tensor(float(scale)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(self.weight.dtype)
+        delta = F.linear(x, self.weight * self.scale)
+        if self.gate is not None:
+            delta = delta * self.gate(x)
+        return delta.to(dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """ΔW = s · ΔW: the matrix added to W when merged (ungated only)."""
+        if self.gate is not None:
+            raise ValueError("a gated dense delta does not fold into a weight matrix")
+        return self.weight * self.scale
+
+
 class Bottleneck(nn.Module):
     """down-projection -> nonlinearity -> up-projection, composed by add or (fixed/learned) scale, optionally gated."""
 

@@ -298,7 +298,8 @@ def estimate_job_memory(
     for module in modules.values():
         if module.get("form") != "prefix":
             d_out = _dims(str(module.get("representation")), h, ffn, kv)[1]
-            per_token += _sites(module, layers) * (2 * int(module["size"]) + d_out)
+            width = 0 if module.get("form") == "dense" else 2 * int(module["size"])
+            per_token += _sites(module, layers) * (width + d_out)
     training = batch * tokens * per_token * _FLOAT
     evaluation = eval_batch * tokens * (4 * h + ffn + 2 * heads * (tokens + prefix)) * _FLOAT
     weight_bytes = 2 if train_config.get("backbone_dtype") == "bfloat16" else _FLOAT
@@ -343,7 +344,9 @@ def check_against_backbone(
     for role, module in (method_spec.get("modules") or {}).items():
         where = f"{name}.modules.{role}"
         size = int(module["size"])
-        if module.get("form") == "prefix":
+        if module.get("form") == "dense":  # `size` is unused
+            bound, what = None, ""
+        elif module.get("form") == "prefix":
             bound, what = positions, "the backbone's positions"
         elif h is not None and module.get("nonlinearity") == "identity":
             d_in, d_out = _dims(str(module.get("representation")), h, ffn or 4 * h, _kv_width(known, h))
@@ -370,6 +373,13 @@ def check_against_backbone(
         return
     if estimate.activations >= estimate.parameters or estimate.largest_module is None:
         field, advice = "batch_size", "lower batch_size, eval_batch_size or max_length"
+    elif (method_spec.get("modules") or {})[estimate.largest_module].get("form") == "dense":
+        field = "method"
+        advice = (
+            f"{name} trains dense deltas as large as the backbone's layers (each held four times: delta, "
+            "gradient, two AdamW moments); a worker with more memory (PELT_WORKER_MEMORY_BYTES) or a "
+            "parameter-efficient method would fit"
+        )
     else:
         field, advice = f"{name}.modules.{estimate.largest_module}.size", "make the largest module smaller"
     raise MemoryBudgetError(
@@ -412,6 +422,8 @@ def _module_parameters(module: Mapping[str, Any], hidden: int, ffn: int, kv: int
             count += size * hidden + (hidden + 1) * reparam + (reparam + 1) * sites * 2 * kv
         return count
     d_in, d_out = _dims(str(module.get("representation")), hidden, ffn, kv)
+    if module.get("form") == "dense":  # the weight's whole shape
+        return sites * (d_in * d_out + gate + 1)
     biases = size + d_out if module.get("proj_bias", True) else 0
     return sites * (d_in * size + size * d_out + biases + gate + 1)
 

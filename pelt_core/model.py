@@ -20,7 +20,7 @@ from torch import nn
 
 from pelt_core.backbones import Backbone
 from pelt_core.dropout import JobDropout
-from pelt_core.layers import Bottleneck, Gate, NormDelta, PrefixEncoder, PrefixParams
+from pelt_core.layers import Bottleneck, DenseDelta, Gate, NormDelta, PrefixEncoder, PrefixParams
 from pelt_core.limits import LimitError, check_against_backbone
 from pelt_core.predictions import Text, decode_predictions, evaluating, tokenize_texts
 from pelt_core.runtime import Route, get_runtime
@@ -186,7 +186,8 @@ class JobDelta(nn.Module):
                         if spec.representation in WEIGHT_REPRESENTATIONS
                         else spec.representation
                     )
-                    self._site(i, key)[role] = Bottleneck(spec, d_in, linear.out_features)
+                    kind = DenseDelta if spec.form == "dense" else Bottleneck
+                    self._site(i, key)[role] = kind(spec, d_in, linear.out_features)
         if method.bias:
             for i in all_layers:
                 for concrete in arch.linear_paths:

@@ -8,6 +8,8 @@ two extras the dimensions do not cover (BitFit's bias deltas and trainable Layer
     functional form     `form` + `nonlinearity` + `size` (+ `proj_bias`):
                           "bottleneck":  Δh = f(x W_down) W_up        (adapters, LoRA: f = identity)
                           "prefix":      Δh = softmax(x W_q P_kᵀ) P_v  (prefix tuning, l = size)
+                          "dense":       Δh = x ΔW, ΔW the weight's full shape (full fine-tuning of
+                                         that weight as the job's own tensor; `size` unused)
     modified repr.      `representation`: a sub-layer output ("attn", "ffn"), a weight matrix's output
                           ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.in", "ffn.out") or the
                           attention heads' keys/values ("attn.heads", prefix only)
@@ -30,7 +32,7 @@ from typing import Any
 
 from pelt_core.limits import MAX_MODULES, SPEC_RANGES, LimitError
 
-FORMS = ("bottleneck", "prefix")
+FORMS = ("bottleneck", "prefix", "dense")
 SUBLAYER_REPRESENTATIONS = ("attn", "ffn")
 WEIGHT_REPRESENTATIONS = ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.in", "ffn.out")
 REPRESENTATIONS = (*SUBLAYER_REPRESENTATIONS, *WEIGHT_REPRESENTATIONS, "attn.heads")
@@ -96,6 +98,14 @@ class ModuleSpec:
                 raise bad("layers", f"must be a list of layer indices or null, got {self.layers!r}")
             for index in self.layers:
                 _check_range("layers", index, where)
+        if self.form == "dense":
+            if self.representation not in WEIGHT_REPRESENTATIONS:
+                raise bad(
+                    "representation",
+                    f"a dense delta modifies a weight matrix: use one of {', '.join(WEIGHT_REPRESENTATIONS)}",
+                )
+            if self.insertion != "parallel":
+                raise bad("insertion", "a dense delta works beside its weight (Δh = x ΔW): use 'parallel'")
         if self.form == "prefix":
             if self.representation != "attn.heads":
                 raise bad("representation", "a prefix modifies the attention heads: use 'attn.heads'")
@@ -308,8 +318,8 @@ def read_override(field_name: str, text: str, key: str) -> Any:
 
 def _module_kind(module: ModuleSpec) -> str:
     """What SIZE_ALIASES call a module: "prefix", "lora" (a linear bottleneck) or "adapter"."""
-    if module.form == "prefix":
-        return "prefix"
+    if module.form in ("prefix", "dense"):
+        return module.form
     return "lora" if module.nonlinearity == "identity" else "adapter"
 
 

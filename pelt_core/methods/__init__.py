@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pelt_core.methods import bitfit, houlsby, lora, mam, parallel_adapter, pfeiffer, prefix, unipelt
+from pelt_core.methods import bitfit, full, houlsby, lora, mam, parallel_adapter, pfeiffer, prefix, unipelt
 from pelt_core.spec import MethodSpec, SpecError
 
 BUILTIN_METHODS: dict[str, MethodSpec] = {
     spec.name: spec
-    for module in (bitfit, houlsby, pfeiffer, prefix, lora, parallel_adapter, mam, unipelt)
+    for module in (bitfit, houlsby, pfeiffer, prefix, lora, parallel_adapter, mam, unipelt, full)
     for spec in module.PRESETS
 }
 

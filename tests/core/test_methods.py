@@ -31,6 +31,8 @@ def expected_pelt_parameters(spec, backbone) -> int:
         gate = (d + 1) if module.gate else 0
         if module.form == "prefix":
             total += count * (2 * module.size * kv + gate)  # 2·l·d per layer once the MLP is dropped
+        elif module.form == "dense":  # full fine-tuning: the weight's own shape
+            total += count * sum(d_in * d_out + gate for d_in, d_out in shapes[module.representation])
         elif module.nonlinearity == "identity" and not module.proj_bias:  # LoRA: r·(d_in + d_out) per matrix
             for d_in, d_out in shapes[module.representation]:
                 total += count * (module.size * (d_in + d_out) + (d_in + 1 if module.gate else 0))

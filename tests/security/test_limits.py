@@ -211,6 +211,14 @@ def test_a_job_whose_memory_estimate_exceeds_the_budget_is_refused_naming_what_t
     with pytest.raises(LimitError) as caught:
         check_against_backbone(small, wide, smollm, memory_budget=4 << 30)
     assert caught.value.field == "prefix.modules.prefix.size"
+    full = get_method("full").to_dict()  # four copies of SmolLM2's layers: about 1.4 GiB
+    one_row = TrainConfig(max_length=64, batch_size=1, eval_batch_size=1).to_dict()
+    check_against_backbone(one_row, full, smollm, memory_budget=4 << 30)
+    with pytest.raises(
+        LimitError, match=r"full trains dense deltas as large as the backbone's layers"
+    ) as caught:
+        check_against_backbone(one_row, full, smollm, memory_budget=2 << 30)
+    assert caught.value.field == "method"
 
 
 def test_the_trainer_refuses_a_rank_above_the_backbone_with_the_registrys_message(tmp_path):
