@@ -57,7 +57,7 @@ DEFAULT_METHODS = "bitfit,pfeiffer,prefix,lora,unipelt_ap,unipelt"
 @click.option(
     "--no-wait",
     is_flag=True,
-    help="queue (or find) the study's sweeps and write the report from the runs ended so far, without waiting",
+    help="queue what is missing and write the report from the runs ended so far, without waiting",
 )
 @click.option("--poll-seconds", type=click.FloatRange(min=0.1), default=10.0, show_default=True)
 @client_errors
@@ -78,7 +78,8 @@ def study_command(
     """Run UniPELT's low-resource study: tasks × K × seeds × methods, each job on K training rows with a
     dev split held out by seed (best checkpoint, early stopping) and the task's validation split as the
     test set; then write the report (the paper's table layout beside the paper's numbers, the metric
-    against K, JSON). Run it again to resume: nothing trains twice."""
+    against K, JSON). Run it again to resume, or with more methods or seeds to extend it: only the jobs
+    that the registry does not hold yet are queued."""
     from services.study import (
         StudyPlan,
         collect_runs,
@@ -129,15 +130,12 @@ def study_command(
         for name, folder in folders.items():
             if register_task_folder(client, name, folder):
                 click.echo(f"registered task {name} from {folder}")
-        sweeps = submit_study(client, plan)  # a repeat finds the sweeps by their keys
-        click.echo(
-            f"study: {plan.job_count} jobs in {len(sweeps)} sweep(s) "
-            f"({', '.join(f'{t}: sweep {s.id}' for t, s in sweeps.items())})"
-        )
+        job_ids, queued = submit_study(client, plan)  # a repeat queues nothing
+        click.echo(f"study: {len(job_ids)} of {plan.job_count} jobs in the registry, {queued} queued now")
         if no_wait:
-            jobs = study_jobs(client, sweeps)
+            jobs = study_jobs(client, plan, job_ids)
         else:
-            jobs = wait_for(client, sweeps, echo=click.echo, poll_seconds=poll_seconds)
+            jobs = wait_for(client, plan, job_ids, echo=click.echo, poll_seconds=poll_seconds)
         runs = collect_runs(client, jobs)
     for path in write_report(out_dir, plan, runs, command):
         click.echo(f"wrote {path}")

@@ -1,8 +1,9 @@
 """A study through the service: its plan, one idempotent sweep per task, the wait, and the runs read back.
 
-Submitting is safe to repeat: each task's sweep carries a key made from the plan, so running the same
-study again (after an interruption, or to refresh its report) finds the sweeps it made and trains
-nothing twice; a changed plan is a new study."""
+Submitting is safe to repeat: a study is a grid of cells (task, K, method, seed) under one set of
+hyperparameters, and only the cells that no job of the registry fills yet are queued, whichever earlier
+study or sweep made the jobs that fill the others. Running the same study again (after an interruption,
+or to refresh its report) trains nothing twice; adding a method or a seed trains only those jobs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.api.schemas import JobOut, SweepOut
+from services.api.schemas import JobOut
 from services.client import PeltAPIError, PeltClient
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -44,9 +45,16 @@ class StudyPlan:
         epochs = {"epochs": self.epochs_by_k[k]} if k in self.epochs_by_k else {}
         return {**self.training, **epochs, **protocol}
 
-    def key(self, task: str, k: int) -> str:
-        """The idempotency key of the sweep of one task and K: the same plan, the same sweep."""
-        plan = {**self.to_dict(), "tasks": None, "k_values": None, "task": task, "k": k}
+    def key(self, task: str, k: int, methods: Iterable[str], seeds: Iterable[int]) -> str:
+        """The idempotency key of a sweep of the study: its task, K, methods, seeds and hyperparameters."""
+        cells = {
+            "task": task,
+            "k": k,
+            "methods": list(methods),
+            "seeds": list(seeds),
+            "backbone": self.backbone,
+        }
+        plan = {**cells, "hyperparameters": self.hyperparameters(k)}
         digest = hashlib.sha256(json.dumps(plan, sort_keys=True, default=str).encode()).hexdigest()
         return f"study-{task}-{k}-{digest[:24]}"
 
@@ -113,32 +121,86 @@ def register_task_folder(client: PeltClient, name: str, folder: str | Path) -> b
     return True
 
 
-def submit_study(client: PeltClient, plan: StudyPlan) -> dict[str, SweepOut]:
-    """One sweep per task and K (methods × seeds), each under its plan key: a repeat returns the sweeps
-    already made. Returns {"task K=k": sweep}."""
-    return {
-        f"{task} K={k}": client.sweep(
-            task,
-            list(plan.methods),
-            backbone=plan.backbone,
-            seeds=list(plan.seeds),
-            k_values=[k],
-            hyperparameters=plan.hyperparameters(k),
-            idempotency_key=plan.key(task, k),
-        )
+Cell = tuple[str, int, str, int]  # (task, K, method, seed): one job of the study
+_PREFERENCE = {"succeeded": 0, "running": 1, "queued": 2, "failed": 3, "cancelled": 4}
+
+
+def study_cells(plan: StudyPlan) -> list[Cell]:
+    """Every job the study needs, task by task, K by K."""
+    return [
+        (task, k, method, seed)
         for task in plan.tasks
         for k in plan.k_values
-    }
+        for method in plan.methods
+        for seed in plan.seeds
+    ]
 
 
-def study_jobs(client: PeltClient, sweeps: Mapping[str, SweepOut]) -> list[JobOut]:
-    """Every job of the study's sweeps as it is now."""
-    return [job for sweep in sweeps.values() for job in client.jobs(sweep_id=sweep.id, limit=10_000)]
+def existing_jobs(client: PeltClient, plan: StudyPlan) -> dict[Cell, JobOut]:
+    """The jobs already in the registry that fill a cell of the study: same task, K, method, seed,
+    backbone and hyperparameters, whichever study or sweep made them (a succeeded one first, then a
+    running, a queued, a failed one)."""
+    found: dict[Cell, JobOut] = {}
+    wanted = set(study_cells(plan))
+    for task in plan.tasks:
+        for job in task_jobs(client, task, plan.backbone):
+            cell = (task, job.k_shot, job.method, job.seed)
+            if cell not in wanted or job.hyperparameters != plan.hyperparameters(job.k_shot):
+                continue
+            kept = found.get(cell)
+            if kept is None or _PREFERENCE[job.status] < _PREFERENCE[kept.status]:
+                found[cell] = job
+    return found
+
+
+def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
+    """Queue the cells no job fills yet, as sweeps of one task and K (methods × their missing seeds), and
+    return (every job id of the study, how many were queued now). A repeat queues nothing; a plan with
+    one more method or seed queues only those jobs."""
+    existing = existing_jobs(client, plan)
+    queued = 0
+    for task in plan.tasks:
+        for k in plan.k_values:
+            missing: dict[tuple[int, ...], list[str]] = {}
+            for method in plan.methods:
+                seeds = tuple(s for s in plan.seeds if (task, k, method, s) not in existing)
+                if seeds:
+                    missing.setdefault(seeds, []).append(method)
+            for seeds, methods in missing.items():
+                sweep = client.sweep(
+                    task,
+                    methods,
+                    backbone=plan.backbone,
+                    seeds=list(seeds),
+                    k_values=[k],
+                    hyperparameters=plan.hyperparameters(k),
+                    idempotency_key=plan.key(task, k, methods, seeds),
+                )
+                queued += len(sweep.job_ids)
+    ids = [job.id for job in existing_jobs(client, plan).values()]
+    return sorted(ids), queued
+
+
+def study_jobs(client: PeltClient, plan: StudyPlan, job_ids: Iterable[int]) -> list[JobOut]:
+    """The study's jobs as they are now (one request per task)."""
+    wanted = set(job_ids)
+    return [job for task in plan.tasks for job in task_jobs(client, task, plan.backbone) if job.id in wanted]
+
+
+def task_jobs(client: PeltClient, task: str, backbone: str, page: int = 10_000) -> list[JobOut]:
+    """Every job of a task on a backbone, page by page."""
+    jobs: list[JobOut] = []
+    while True:
+        found = client.jobs(task=task, backbone=backbone, limit=page, offset=len(jobs))
+        jobs += found
+        if len(found) < page:
+            return jobs
 
 
 def wait_for(
     client: PeltClient,
-    sweeps: Mapping[str, SweepOut],
+    plan: StudyPlan,
+    job_ids: Iterable[int],
     *,
     echo: Callable[[str], None],
     poll_seconds: float = 10.0,
@@ -146,10 +208,11 @@ def wait_for(
 ) -> list[JobOut]:
     """Poll until every job of the study has ended, printing a line whenever the counts change; returns
     the jobs. TimeoutError after `timeout` seconds (the jobs go on; run the study again to resume)."""
+    ids = list(job_ids)
     deadline = None if timeout is None else time.monotonic() + timeout
     said = ""
     while True:
-        jobs = study_jobs(client, sweeps)
+        jobs = study_jobs(client, plan, ids)
         counts = {
             status: sum(job.status == status for job in jobs) for status in ("queued", "running", *TERMINAL)
         }

@@ -52,9 +52,11 @@ def plan() -> StudyPlan:
     )
 
 
-def finish_every_job(api: Api, client: PeltClient, sweeps) -> None:
-    """Act as the workers: every job of the study ends with its score from SCORES."""
-    for job in study_jobs(client, sweeps):
+def finish_every_job(api: Api, client: PeltClient, study: StudyPlan, job_ids: list[int]) -> None:
+    """Act as the workers: every queued job of the study ends with its score from SCORES."""
+    for job in study_jobs(client, study, job_ids):
+        if job.status != "queued":
+            continue
         claimed = api.registry.claim_job("w1")
         assert claimed is not None
         test, dev = SCORES[(claimed.method, claimed.seed)]
@@ -78,13 +80,12 @@ def test_a_study_registers_its_folders_queues_once_and_reports_the_papers_layout
     assert register_task_folder(client, "sst2", sst2_folder)
     assert not register_task_folder(client, "sst2", sst2_folder)  # registered already: left as it is
     study = plan()
-    sweeps = submit_study(client, study)
-    assert len(sweeps["sst2 K=100"].job_ids) == study.job_count == 6
-    again = submit_study(client, study)  # resuming: the same sweep, nothing queued twice
-    assert again["sst2 K=100"].id == sweeps["sst2 K=100"].id and len(client.jobs(limit=100)) == 6
-    finish_every_job(api, client, sweeps)
+    job_ids, queued = submit_study(client, study)
+    assert len(job_ids) == queued == study.job_count == 6
+    assert submit_study(client, study) == (job_ids, 0)  # resuming: nothing queued twice
+    finish_every_job(api, client, study, job_ids)
     lines: list[str] = []
-    jobs = wait_for(client, sweeps, echo=lines.append, poll_seconds=0.1)
+    jobs = wait_for(client, study, job_ids, echo=lines.append, poll_seconds=0.1)
     assert lines[-1] == "study: 6/6 ended (6 succeeded, 0 failed, 0 cancelled), 0 running, 0 queued"
     runs = collect_runs(client, jobs)
     assert sorted((r.method, r.seed, r.test, r.dev, r.best_epoch) for r in runs)[0] == (
@@ -132,7 +133,7 @@ def test_a_study_folder_without_training_data_is_refused_before_anything_is_regi
     assert client.tasks() == []
 
 
-def test_each_k_may_have_its_own_epochs_and_its_own_sweep_key():
+def test_each_k_may_have_its_own_epochs_and_each_sweep_its_own_key():
     study = StudyPlan(
         tasks=("sst2", "rte"),
         k_values=(100, 500),
@@ -146,9 +147,11 @@ def test_each_k_may_have_its_own_epochs_and_its_own_sweep_key():
     )
     assert study.hyperparameters(100) == {"batch_size": 16, "epochs": 10, "dev_rows": 200}
     assert study.hyperparameters(500) == {"batch_size": 16, "epochs": 4, "dev_rows": 200}
-    keys = {study.key(task, k) for task in study.tasks for k in study.k_values}
-    assert len(keys) == 4 and study.key("sst2", 100) == plan_again(study).key("sst2", 100)
-    assert study.key("sst2", 100) != StudyPlan(**{**study.__dict__, "dev_rows": 300}).key("sst2", 100)
+    keys = {study.key(task, k, ["lora"], [0]) for task in study.tasks for k in study.k_values}
+    assert len(keys) == 4
+    assert study.key("sst2", 100, ["lora"], [0]) == plan_again(study).key("sst2", 100, ["lora"], [0])
+    wider_dev = StudyPlan(**{**study.__dict__, "dev_rows": 300})
+    assert study.key("sst2", 100, ["lora"], [0]) != wider_dev.key("sst2", 100, ["lora"], [0])
 
 
 def plan_again(study: StudyPlan) -> StudyPlan:
@@ -168,3 +171,20 @@ def test_study_refuses_epochs_it_cannot_read_before_it_calls_the_service(epochs:
         study_command, ["--task", "sst2", "--k", "100,500", "--epochs", epochs, "--out", "unused"]
     )
     assert answer.exit_code == 2 and message in answer.output
+
+
+def test_a_study_extended_by_a_method_queues_only_that_methods_jobs(
+    api: Api, client: PeltClient, sst2_folder: Path
+):
+    register_task_folder(client, "sst2", sst2_folder)
+    study = plan()
+    first, _ = submit_study(client, study)
+    client.submit("sst2", "prefix", backbone=BACKBONE, k_shot=100, seed=0, hyperparameters={"epochs": 5})
+    wider = StudyPlan(**{**study.__dict__, "methods": (*study.methods, "prefix")})
+    job_ids, queued = submit_study(client, wider)
+    assert queued == 2 and set(first) < set(job_ids) and len(job_ids) == 8  # the plain prefix job differs
+    new = [job for job in study_jobs(client, wider, job_ids) if job.id not in first]
+    assert {(job.method, job.seed, job.hyperparameters["dev_rows"]) for job in new} == {
+        ("prefix", 0, 50),
+        ("prefix", 1, 50),
+    }
