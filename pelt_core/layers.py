@@ -45,6 +45,15 @@ class Gate(nn.Module):
         return gate
 
 
+def set_composition_scale(module: nn.Module, spec: ModuleSpec) -> None:
+    """`module.scale`: s of a "scaled" composition (1 otherwise), a parameter when it is learned."""
+    scale = spec.effective_scale if spec.composition == "scaled" else 1.0
+    if spec.learned_scale:
+        module.scale = nn.Parameter(torch.tensor(float(scale)))
+    else:
+        module.register_buffer("scale", torch.tensor(float(scale)), persistent=False)
+
+
 class DenseDelta(nn.Module):
     """Δh = s · G(x) · x ΔWᵀ with ΔW of the modified weight's own shape, zero at the start: full fine-tuning
     of that weight (W + ΔW) as the job's own tensor, the shared W never written."""
@@ -54,11 +63,7 @@ class DenseDelta(nn.Module):
         self.spec = spec
         self.weight = nn.Parameter(torch.zeros(d_out, d_in))
         self.gate = Gate(d_in) if spec.gate else None
-        scale = spec.effective_scale if spec.composition == "scaled" else 1.0
-        if spec.learned_scale:
-            self.scale = nn.Parameter(torch.tensor(float(scale)))
-        else:
-            self.register_buffer("scale", torch.tensor(float(scale)), persistent=False)
+        set_composition_scale(self, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -86,11 +91,7 @@ class Bottleneck(nn.Module):
         self.act = ACTIVATIONS[spec.nonlinearity]()
         self.dropout = JobDropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         self.gate = Gate(d_in) if spec.gate else None
-        scale = spec.effective_scale if spec.composition == "scaled" else 1.0
-        if spec.learned_scale:
-            self.scale = nn.Parameter(torch.tensor(float(scale)))
-        else:
-            self.register_buffer("scale", torch.tensor(float(scale)), persistent=False)
+        set_composition_scale(self, spec)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
