@@ -68,6 +68,8 @@ class TrainConfig:
             raise bad("pooling", f"must be auto, cls, mean or last, got {self.pooling!r}")
         if self.patience is not None and self.dev_rows is None:
             raise bad("patience", "early stopping needs a dev split: set dev_rows too")
+        if self.dev_rows is not None and not self.eval_every_epoch:
+            raise bad("eval_every_epoch", "the study protocol (dev_rows) evaluates its dev split every epoch")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:

@@ -68,7 +68,9 @@ class DenseDelta(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.to(self.weight.dtype)
-        delta = F.linear(x, self.weight * self.scale)
+        delta = F.linear(x, self.weight)  # no scaled copy of the (large) weight for a plain "add"
+        if self.spec.composition == "scaled" or self.spec.learned_scale:
+            delta = delta * self.scale
         if self.gate is not None:
             delta = delta * self.gate(x)
         return delta.to(dtype)

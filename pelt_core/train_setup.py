@@ -148,7 +148,8 @@ class Selection:
         value = float(record[self.metric])
         if self.best is None or self.sign * value > self.sign * float(self.best[self.metric]):
             self.best, self.stale = record, 0
-            self._state = {name: t.detach().clone() for name, t in delta.state_dict().items()}
+            # kept in host memory: on a GPU a full fine-tuning job's copy would take device memory
+            self._state = {name: t.detach().to("cpu", copy=True) for name, t in delta.state_dict().items()}
             return False
         self.stale += 1
         self.stopped_early = self.patience is not None and self.stale >= self.patience

@@ -40,6 +40,8 @@ def leaderboard_command(
     """The methods on a task, best first: best and mean ± std of its metric, trainable %, runs; with
     --plot, drawn into an SVG or PNG file instead."""
     if plot is not None:
+        if split != "test":
+            raise click.UsageError("--plot draws the test split's leaderboard: leave out --split dev")
         _plot(task, plot, view or "pareto", k_shot, as_json)
         return
     if view is not None:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pelt_core.config import ALIASES as TRAIN_ALIASES
 from services.api.schemas import JobOut
 from services.client import PeltAPIError, PeltClient
 
@@ -40,19 +41,25 @@ class StudyPlan:
     epochs_by_k: Mapping[int, float] = field(default_factory=dict)
 
     def hyperparameters(self, k: int | None = None) -> dict[str, Any]:
-        """What the study's jobs with this K are submitted with."""
+        """What the study's jobs with this K are submitted with, training keys under their full names
+        (`lr` as `learning_rate`), as the registry stores them."""
         protocol = {"dev_rows": self.dev_rows} | ({"patience": self.patience} if self.patience else {})
         epochs = {"epochs": self.epochs_by_k[k]} if k in self.epochs_by_k else {}
-        return {**self.training, **epochs, **protocol}
+        training = {TRAIN_ALIASES.get(key, key): value for key, value in self.training.items()}
+        return {**training, **epochs, **protocol}
 
-    def key(self, task: str, k: int, methods: Iterable[str], seeds: Iterable[int]) -> str:
-        """The idempotency key of a sweep of the study: its task, K, methods, seeds and hyperparameters."""
+    def key(
+        self, task: str, k: int, methods: Iterable[str], seeds: Iterable[int], replacing: Iterable[int] = ()
+    ) -> str:
+        """The idempotency key of a sweep of the study: its task, K, methods, seeds and hyperparameters,
+        and the failed or cancelled jobs it replaces."""
         cells = {
             "task": task,
             "k": k,
             "methods": list(methods),
             "seeds": list(seeds),
             "backbone": self.backbone,
+            "replacing": sorted(replacing),
         }
         plan = {**cells, "hyperparameters": self.hyperparameters(k)}
         digest = hashlib.sha256(json.dumps(plan, sort_keys=True, default=str).encode()).hexdigest()
@@ -87,6 +94,7 @@ class StudyRun:
     best_step: int | None
     train_seconds: float
     trainable_percent: float
+    device: str | None = None  # where it trained, as its worker said ("cpu", "cuda:0 (…)")
 
 
 def register_task_folder(client: PeltClient, name: str, folder: str | Path) -> bool:
@@ -154,11 +162,13 @@ def existing_jobs(client: PeltClient, plan: StudyPlan) -> dict[Cell, JobOut]:
 
 
 def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
-    """Queue the cells no job fills yet, as sweeps of one task and K (methods × their missing seeds), and
-    return (every job id of the study, how many were queued now). A repeat queues nothing; a plan with
-    one more method or seed queues only those jobs."""
-    existing = existing_jobs(client, plan)
-    queued = 0
+    """Queue the cells no job fills yet (or only a failed or cancelled one), as sweeps of one task and K
+    (methods × their missing seeds), and return (every job id of the study, how many were queued now). A
+    repeat queues nothing new; a plan with one more method or seed queues only those jobs."""
+    found = existing_jobs(client, plan)
+    ended_badly = ("failed", "cancelled")
+    existing = {cell: job for cell, job in found.items() if job.status not in ended_badly}
+    queued, ids = 0, {job.id for job in existing.values()}
     for task in plan.tasks:
         for k in plan.k_values:
             missing: dict[tuple[int, ...], list[str]] = {}
@@ -167,6 +177,9 @@ def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
                 if seeds:
                     missing.setdefault(seeds, []).append(method)
             for seeds, methods in missing.items():
+                replacing = [
+                    found[(task, k, m, s)].id for m in methods for s in seeds if (task, k, m, s) in found
+                ]
                 sweep = client.sweep(
                     task,
                     methods,
@@ -174,10 +187,10 @@ def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
                     seeds=list(seeds),
                     k_values=[k],
                     hyperparameters=plan.hyperparameters(k),
-                    idempotency_key=plan.key(task, k, methods, seeds),
+                    idempotency_key=plan.key(task, k, methods, seeds, replacing),
                 )
                 queued += len(sweep.job_ids)
-    ids = [job.id for job in existing_jobs(client, plan).values()]
+                ids.update(sweep.job_ids)
     return sorted(ids), queued
 
 
@@ -252,6 +265,7 @@ def collect_runs(client: PeltClient, jobs: Iterable[JobOut]) -> list[StudyRun]:
                 best_step=dev.get("step"),
                 train_seconds=result.train_seconds,
                 trainable_percent=result.trainable_percent,
+                device=result.device,
             )
         )
     return runs

@@ -188,3 +188,26 @@ def test_a_study_extended_by_a_method_queues_only_that_methods_jobs(
         ("prefix", 0, 50),
         ("prefix", 1, 50),
     }
+
+
+def test_short_training_keys_match_the_jobs_as_the_registry_stores_them(
+    api: Api, client: PeltClient, sst2_folder: Path
+):
+    register_task_folder(client, "sst2", sst2_folder)
+    study = StudyPlan(**{**plan().__dict__, "methods": ("lora",), "training": {"lr": 1e-3, "epochs": 5}})
+    assert study.hyperparameters(100) == {"learning_rate": 1e-3, "epochs": 5, "dev_rows": 50, "patience": 3}
+    job_ids, queued = submit_study(client, study)
+    assert queued == 2 and len(job_ids) == 2
+    assert submit_study(client, study) == (job_ids, 0)  # found again by their stored keys
+
+
+def test_a_rerun_queues_again_the_cells_whose_job_failed_or_was_cancelled(
+    api: Api, client: PeltClient, sst2_folder: Path
+):
+    register_task_folder(client, "sst2", sst2_folder)
+    study = StudyPlan(**{**plan().__dict__, "methods": ("lora",)})
+    job_ids, _ = submit_study(client, study)
+    client.cancel(job_ids[0])
+    retried, queued = submit_study(client, study)
+    assert queued == 1 and job_ids[0] not in retried and job_ids[1] in retried and len(retried) == 2
+    assert submit_study(client, study) == (retried, 0)

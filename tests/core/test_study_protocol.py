@@ -98,3 +98,8 @@ def test_a_plain_job_keeps_its_last_evaluation_and_has_no_dev_metrics(make_backb
     )
     assert result.dev_metrics == {} and not result.stopped_early
     assert result.metrics == {k: v for k, v in result.history[-1].items() if k not in ("epoch", "step")}
+
+
+def test_the_protocol_evaluates_its_dev_split_every_epoch():
+    with pytest.raises(ConfigError, match="eval_every_epoch: the study protocol"):
+        TrainConfig(dev_rows=10, eval_every_epoch=False).validate()
