@@ -91,6 +91,7 @@ def test_every_route_needs_the_scope_it_declares_and_a_403_names_it_and_writes_n
 ):
     secrets = tokens(api)
     http = TestClient(api.app)
+    api.registry.list_methods()  # built-in presets newer than the schema get their rows on the first read
     before = row_counts(api)
     checked = 0
     for method, path in api_routes(api):
