@@ -65,6 +65,7 @@ def methods_command(backbone: str, as_json: bool) -> None:
                 "method": name,
                 "parameters": counts["pelt"],
                 "percent": 100.0 * counts["pelt"] / total,
+                "learning_rate": TrainConfig().resolved_learning_rate(spec.defaults),
                 "description": spec.description,
             }
         )
@@ -74,10 +75,11 @@ def methods_command(backbone: str, as_json: bool) -> None:
         )
         return
     click.echo(f"backbone {loaded.name}: {total:,} parameters (head not counted below)")
-    click.echo(f"{'method':<26}{'parameters':>12}{'%':>9}  description")
+    click.echo(f"{'method':<26}{'parameters':>12}{'%':>9}{'lr':>8}  description")
     for row in rows:
         click.echo(
-            f"{row['method']:<26}{row['parameters']:>12,}{row['percent']:>8.3f}%  {row['description']}"
+            f"{row['method']:<26}{row['parameters']:>12,}{row['percent']:>8.3f}%{row['learning_rate']:>8.0e}"
+            f"  {row['description']}"
         )
 
 

@@ -60,6 +60,21 @@ def ensure_local_token(registry: Any, settings: Settings) -> str | None:
     return secret
 
 
+ACCESS_LOGS = ("changes", "all", "none")  # `pelt serve --access-log`
+
+
+class ChangesOnly(logging.Filter):
+    """Keeps uvicorn's access lines of requests that change something or fail: the page's polling (GETs
+    that succeed, every 2 seconds per open page) would otherwise be most of the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) < 5:  # not uvicorn's (client, method, path, http version, status) line
+            return True
+        method, status = str(args[1]), args[4]
+        return method not in ("GET", "HEAD") or not isinstance(status, int) or status >= 400
+
+
 def is_embedded_registry(settings: Settings) -> bool:
     """True when the registry is the default SQLite file under PELT_DATA_DIR."""
     return settings.database_url == f"sqlite:///{settings.data_dir / 'registry.db'}"
@@ -86,7 +101,10 @@ class ApiServer:
         namespace: str = "pelt",
         dispatcher_config: Any = None,
         log_level: str = "warning",
+        access_log: str = "changes",
     ) -> None:
+        if access_log not in ACCESS_LOGS:
+            raise ValueError(f"access_log must be one of {', '.join(ACCESS_LOGS)}, got {access_log!r}")
         self.settings = settings or get_settings()
         self.host = host or self.settings.api_host
         self.port = self.settings.api_port if port is None else port
@@ -96,6 +114,7 @@ class ApiServer:
         self.namespace = namespace
         self.dispatcher_config = dispatcher_config
         self.log_level = log_level
+        self.access_log = access_log
         self.token: str | None = None
         self.registry: Any = None
         self.dispatcher: Any = None
@@ -133,13 +152,20 @@ class ApiServer:
                 host=self.host,
                 port=self.port,
                 log_level=self.log_level,
+                access_log=self.access_log != "none",
                 lifespan="off",
                 timeout_graceful_shutdown=5,
                 **uvicorn_connection_options(self.settings),
             )
             listening = _listen(self.host, self.port)
             self.port = listening.getsockname()[1]
-            self._server = uvicorn.Server(config)
+            self._server = uvicorn.Server(config)  # its config set up uvicorn's loggers: filter after
+            access = logging.getLogger("uvicorn.access")
+            if self.access_log == "changes" and not any(isinstance(f, ChangesOnly) for f in access.filters):
+                access.addFilter(ChangesOnly())
+            elif self.access_log == "all":
+                for quiet in [f for f in access.filters if isinstance(f, ChangesOnly)]:
+                    access.removeFilter(quiet)
             self._thread = threading.Thread(
                 target=self._server.run, kwargs={"sockets": [listening]}, name="pelt-api", daemon=True
             )

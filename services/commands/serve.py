@@ -35,6 +35,13 @@ from services.dispatcher.cli import config_from_options, pack_size_option
 )
 @pack_size_option()
 @click.option("--drain", is_flag=True, help="on SIGTERM, let running jobs finish instead of requeueing them")
+@click.option(
+    "--access-log",
+    type=click.Choice(["changes", "all", "none"]),
+    default="changes",
+    show_default=True,
+    help="HTTP access lines: requests that change something or fail, every request, or none",
+)
 def serve_command(
     host: str | None,
     port: int | None,
@@ -47,6 +54,7 @@ def serve_command(
     gpu_pack_size: int,
     cpus_per_gpu_worker: float,
     drain: bool,
+    access_log: str,
 ) -> None:
     """Run the service: HTTP API + dispatcher + Ray + registry + MLflow store (embedded by default)."""
     from services.api.server import ApiServer, token_path
@@ -69,6 +77,7 @@ def serve_command(
         upgrade=upgrade,
         dispatcher_config=dispatcher_config,
         log_level="info",
+        access_log=access_log,
     ).start()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -92,12 +101,19 @@ def serve_command(
         click.echo(f"  workers:      {_workers_line(dispatcher_config)}")
     if service.token:
         click.echo(f"  API token:    in {token_path(settings)} (clients on this machine read it)")
+    click.echo(f"  clients:      {client_environment(service.url, settings)}")
     click.echo("stop with Ctrl-C", err=True)
     try:
         stop.wait()
     finally:
         summary = service.stop(drain=drain)
         click.echo(f"pelt stopped{'' if summary is None else f': {summary}'}")
+
+
+def client_environment(url: str, settings) -> str:
+    """What a shell on this machine exports for `pelt` and the Python client to reach this service (the
+    data directory is where they find the local token)."""
+    return f"export PELT_API_URL={url} PELT_DATA_DIR={settings.data_dir}"
 
 
 def _workers_line(config) -> str:

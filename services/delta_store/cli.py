@@ -46,10 +46,16 @@ def versions_command(task: str, uri: str | None) -> None:
         versions = MlflowDeltaStore(uri).list_versions(task)
     except DeltaStoreError as exc:
         raise click.ClickException(str(exc)) from exc
+    if not versions:
+        click.echo(f"task {task!r} has no model versions yet")
+        return
+    click.echo(
+        f"{'version':>7}  {'kind':<10} {'job':<10} {'method':<16} {'metric':<18} {'sha256':<12}  aliases"
+    )
     for v in versions:
         metric = "" if v.metric_value is None else f"{v.metric}={v.metric_value:.4g}"
         click.echo(
-            f"{v.version:>5}  {v.kind:<10} job={v.job_id or '-':<6} {v.method or '-':<16} {metric:<18} "
+            f"{v.version:>7}  {v.kind:<10} job={v.job_id or '-':<6} {v.method or '-':<16} {metric:<18} "
             f"{(v.sha256 or '')[:12]}  {' '.join(v.aliases)}"
         )
 

@@ -4,6 +4,7 @@ serve."""
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import pytest
@@ -54,3 +55,39 @@ def test_a_deployment_registry_is_not_migrated_behind_its_back(tmp_path):
     )
     with pytest.raises(SchemaOutOfDateError, match="pelt db upgrade"):
         ApiServer(settings, port=0, dispatcher=False).start()
+
+
+class Lines(logging.Handler):
+    """Keeps the access lines that pass the access logger's filters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize(("access_log", "polls_logged"), [("changes", False), ("all", True)])
+def test_the_access_log_keeps_changes_and_failures_and_by_default_drops_the_pages_polling(
+    tmp_path, access_log, polls_logged
+):
+    settings = Settings(data_dir=tmp_path / "pelt", ray_address=None)
+    kept, access = Lines(), logging.getLogger("uvicorn.access")
+    with ApiServer(settings, port=0, dispatcher=False, log_level="info", access_log=access_log) as server:
+        access.addHandler(kept)  # after the server's start: uvicorn sets its loggers' handlers up then
+        try:
+            client = PeltClient(server.url, settings=settings)
+            assert client.http.get("/v1/tasks").status_code == 200  # what the page polls
+            assert client.http.get("/v1/jobs/999").status_code == 404
+            assert client.http.post("/v1/jobs/999/cancel").status_code == 404
+        finally:
+            access.removeHandler(kept)
+    assert any('"GET /v1/jobs/999 HTTP/1.1" 404' in line for line in kept.lines), kept.lines
+    assert any('"POST /v1/jobs/999/cancel HTTP/1.1" 404' in line for line in kept.lines), kept.lines
+    assert any('"GET /v1/tasks HTTP/1.1" 200' in line for line in kept.lines) == polls_logged, kept.lines
+
+
+def test_an_unknown_access_log_setting_is_refused_naming_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="access_log must be one of changes, all, none, got 'some'"):
+        ApiServer(Settings(data_dir=tmp_path / "pelt", ray_address=None), access_log="some")

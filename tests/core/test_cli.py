@@ -7,6 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from pelt_core import get_method
 from services.cli import main
 
 from .test_train import rows
@@ -38,6 +39,16 @@ def test_methods_lists_every_preset_with_its_parameter_share(model_dir):
     assert {"bitfit", "lora", "prefix", "unipelt", "mam"} <= set(by_name)
     assert by_name["lora"]["parameters"] == 2 * 2 * (2 * 32 * 8)  # 2 layers × (q, v) × 2·d·r
     assert 0 < by_name["lora"]["percent"] < 100
+    assert by_name["prefix"]["learning_rate"] == get_method("prefix").defaults["learning_rate"]
+
+
+def test_the_methods_table_shows_each_presets_default_learning_rate(model_dir):
+    result = CliRunner().invoke(main, ["methods", "--backbone", str(model_dir)])
+    assert result.exit_code == 0, result.output
+    header, *lines = result.output.splitlines()[1:]
+    assert header.split()[:4] == ["method", "parameters", "%", "lr"]
+    lora = next(line for line in lines if line.split()[0] == "lora")
+    assert f"{get_method('lora').defaults['learning_rate']:.0e}" in lora.split()
 
 
 def test_train_writes_the_delta_and_prints_metrics_json_last(model_dir, data_files, tmp_path):

@@ -85,6 +85,24 @@ def test_three_jobs_of_two_methods_give_three_versions_and_best_aliases(store, r
     assert store.list_tasks() == ["sst2"]
 
 
+@pytest.mark.parametrize("store_backend", ["sqlite"], indirect=True)  # the CLI's default namespace
+def test_pelt_mlflow_versions_prints_a_header_then_one_line_per_version(store, registry, trained, tracking):
+    from click.testing import CliRunner
+
+    from services.cli import main
+
+    def versions(task: str) -> list[str]:
+        result = CliRunner().invoke(main, ["mlflow", "versions", task, "--uri", tracking["tracking_uri"]])
+        assert result.exit_code == 0, result.output
+        return result.output.splitlines()
+
+    lora = run_job(store, registry, trained["lora-0"], accuracy=0.60)
+    header, line = versions("sst2")
+    assert header.split() == ["version", "kind", "job", "method", "metric", "sha256", "aliases"]
+    assert line.split()[:4] == ["1", "job", f"job={lora.job_id}", "lora"]
+    assert line.split()[-2:] == ["best", "best-lora"]
+
+
 def test_an_alias_moves_only_when_a_new_result_beats_the_current_one(store, registry, trained):
     run_job(store, registry, trained["lora-0"], accuracy=0.80)
     run_job(store, registry, trained["bitfit-0"], accuracy=0.70)
