@@ -19,9 +19,9 @@ def main() -> None:
 
 def _register_local_commands() -> None:
     from pelt_core.cli import LOCAL_COMMANDS
-    from services.demo import demo_command
+    from services.demo import demo_command, example_data_command
 
-    for command in (*LOCAL_COMMANDS, demo_command):
+    for command in (*LOCAL_COMMANDS, demo_command, example_data_command):
         main.add_command(command)
 
 

