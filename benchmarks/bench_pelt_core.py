@@ -345,9 +345,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--pelt-bf16",
-        default="auto",
+        default=None,
         choices=("auto", "true", "false"),
-        help="pelt's TrainConfig.bf16 (auto: bf16 autocast where the CPU has bf16)",
+        help="pelt's TrainConfig.bf16 (default: the peers' precision, fp32 or bf16 with --peer-bf16; "
+        "auto: bf16 autocast where it is faster)",
     )
     parser.add_argument("--backbone-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--peer-bf16", action="store_true", help="run the peers under bf16 autocast too")
@@ -370,6 +371,8 @@ def main() -> None:
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pelt_bf16 is None:  # the same precision on every side unless asked otherwise
+        args.pelt_bf16 = "true" if args.peer_bf16 else "false"
 
     if args.worker == "pelt":
         print(json.dumps(pelt_worker(args)))

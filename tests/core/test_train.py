@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pelt_core import TrainConfig, get_method
+from pelt_core.config import ConfigError
 from pelt_core.data import DataError, infer_task_fields, load_table, sample_k_shot
 from pelt_core.train import TrainingCancelled, TrainingError, train
 
@@ -139,7 +140,7 @@ def test_a_nan_loss_ends_the_job_with_a_clear_error(make_backbone):
     )
     with pytest.raises(TrainingError, match="loss became nan at step 0"):
         train(make_backbone("bert"), get_method("lora"), data, None, TrainConfig(batch_size=2, bf16="false"))
-    with pytest.raises(Exception, match="learning_rate"):
+    with pytest.raises(ConfigError, match="learning_rate"):
         fit(make_backbone("bert"), "lora", learning_rate=float("nan"))
 
 

@@ -6,6 +6,8 @@ tests/core/test_pack.py, tests/workers/test_worker.py)."""
 
 from __future__ import annotations
 
+import math
+
 import datasets
 import pytest
 import torch
@@ -89,7 +91,7 @@ def test_a_backbone_held_in_bf16_on_the_gpu_trains_fp32_deltas_under_autocast(on
     spec["config"] = TrainConfig(**{**spec["config"].to_dict(), "bf16": "true", "backbone_dtype": "bfloat16"})
     result = train_alone(backbone, spec)
 
-    assert result.bf16 and result.metrics["loss"] == pytest.approx(result.metrics["loss"])  # finite
+    assert result.bf16 and math.isfinite(result.metrics["loss"])
     assert all(p.dtype == torch.float32 for p in result.delta.parameters())
 
 

@@ -48,7 +48,9 @@ def test_a_node_has_room_for_a_gpu_worker_per_gpu_and_cpu_workers_on_the_cpus_le
     assert nodes.has_gpus == bool(gpu_workers)
 
 
-def test_a_gpu_worker_asks_ray_for_its_gpus_and_trains_one_pack_on_cuda(monkeypatch):
+def test_a_gpu_worker_asks_ray_for_its_gpus_and_is_told_to_pack_its_jobs_on_cuda(monkeypatch):
+    """What the dispatcher asks Ray for and tells the worker (a fake actor: nothing trains here; training
+    on a GPU is tests/gpu/test_gpu.py's)."""
     import workers.worker
 
     monkeypatch.setattr(workers.worker, "worker_actor_class", FakeActorClass)
