@@ -5,8 +5,9 @@ Runs in whichever venv holds the peer library (the project venv for peft, benchm
 training rows and the dev rows that the main script wrote as JSON Lines, trains, evaluates once at the end,
 and prints one JSON object on the last line of stdout.
 
-- peft: PEFT's sequence-classification example notebooks (examples/sequence_classification/LoRA.ipynb,
-  prefix_tuning.ipynb): AutoModelForSequenceClassification + get_peft_model, tokenised without padding,
+- peft: PEFT's sequence-classification example notebook (examples/sequence_classification/LoRA.ipynb;
+  its prefix-tuning notebook no longer runs on transformers 5, so prefix tuning's peer is AdapterHub's):
+  AutoModelForSequenceClassification + get_peft_model, tokenised without padding,
   DataLoader(shuffle=True) with `tokenizer.pad(padding="longest")`, torch AdamW, linear schedule with 6%
   warmup, a plain torch loop in fp32 (on `--device`, by default the CPU; `--max-steps` ends it early). LoRA
   targets the attention's query and value maps of BERT (query, value) and Llama (q_proj, v_proj) models.
@@ -79,7 +80,7 @@ LORA_TARGETS = {"bert": ["query", "value"], "llama": ["q_proj", "v_proj"]}
 
 
 def run_peft(args, path, tokenizer, train_rows, dev_rows) -> dict:
-    from peft import LoraConfig, PrefixTuningConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model
     from torch.utils.data import DataLoader
     from transformers import AutoConfig, AutoModelForSequenceClassification, get_linear_schedule_with_warmup
 
@@ -87,9 +88,10 @@ def run_peft(args, path, tokenizer, train_rows, dev_rows) -> dict:
         model_type = AutoConfig.from_pretrained(path).model_type
         targets = LORA_TARGETS["llama" if model_type in ("llama", "mistral", "qwen2") else "bert"]
         config = LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
-    elif args.method == "prefix":
-        config = PrefixTuningConfig(
-            task_type="SEQ_CLS", num_virtual_tokens=10, prefix_projection=True, encoder_hidden_size=512
+    elif args.method == "prefix":  # PEFT's forward refuses: the encoder takes no past key values any more
+        raise SystemExit(
+            "PEFT's prefix tuning does not run for sequence classification on transformers 5 (\"Model does "
+            'not support past key values which are required for prefix tuning"): use --lib adapters'
         )
     else:
         raise SystemExit(f"peft peer has no method {args.method!r}")
@@ -167,7 +169,9 @@ def adapters_config(method: str, stock: bool):
     )
 
     if stock:
-        return {"pfeiffer": "seq_bn", "unipelt": "unipelt", "mam": "mam"}[method]
+        return {"prefix": "prefix_tuning", "pfeiffer": "seq_bn", "unipelt": "unipelt", "mam": "mam"}[method]
+    if method == "prefix":  # pelt: prefix l=10, reparametrised through an MLP of 512
+        return PrefixTuningConfig(prefix_length=10, bottleneck_size=512)
     if method == "pfeiffer":  # pelt: size 48 after the FFN -> reduction 384/48 = 8
         return SeqBnConfig(reduction_factor=8)
     if method == "unipelt":  # pelt: gated adapter 48, prefix l=10 (MLP 512), LoRA q/v r=8 alpha=16
