@@ -15,7 +15,7 @@ from pelt_core.backbones import Backbone
 from pelt_core.compose_inputs import check_on_backbone
 from pelt_core.compose_options import CompositionError
 from pelt_core.model import JobDelta, PeltModel
-from pelt_core.predictions import Text, decode_predictions, evaluating, tokenize_texts
+from pelt_core.predictions import Text, check_text_form, decode_predictions, evaluating, tokenize_texts
 
 
 class MultiTaskModel(PeltModel):
@@ -67,6 +67,9 @@ class MultiTaskModel(PeltModel):
                 raise ValueError(
                     f"item {position}: expected (task, text) or (task, (text, text_pair)), got {item!r}"
                 )
+        for position, (task, text) in enumerate(items):
+            if task in self.deltas:  # an unknown task: forward_tasks names it
+                check_text_form([text], self.deltas[task].text_fields, f"item {position} ({task})")
         device = next(self.deltas.parameters()).device
         results: list[dict] = []
         with evaluating(self):
@@ -109,6 +112,7 @@ class FoldedModel(nn.Module):
         super().__init__()
         self.model = model
         self.head = head
+        self.text_fields: tuple[str, ...] | None = None  # the task's, when its delta recorded them
         self.tokenizer = tokenizer
         self.problem_type = problem_type
         self.label_names = label_names
@@ -129,6 +133,7 @@ class FoldedModel(nn.Module):
     @torch.no_grad()
     def predict(self, texts: Sequence[Text], batch_size: int = 32, max_length: int = 128) -> list[dict]:
         """Same result format as `pelt_core.model.predict` (`pelt_core.predictions`)."""
+        check_text_form(texts, self.text_fields)
         device = next(self.head.parameters()).device
         results: list[dict] = []
         with evaluating(self):
@@ -150,4 +155,6 @@ def fold_lora(backbone: Backbone, delta: JobDelta) -> FoldedModel:
     except ValueError as exc:
         raise CompositionError(f"fold_lora: {exc}") from exc
     head = copy.deepcopy(delta.head)
-    return FoldedModel(merged, head, backbone.tokenizer, delta.problem_type, delta.label_names).eval()
+    folded = FoldedModel(merged, head, backbone.tokenizer, delta.problem_type, delta.label_names)
+    folded.text_fields = delta.text_fields
+    return folded.eval()

@@ -4,11 +4,20 @@ errors that name the field; and the reading of command-line `--set key=value` te
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
 from pelt_core.limits import SPEC_RANGES, TRAIN_RANGES, LimitError
-from pelt_core.spec import NULLS, SpecError, as_bool, override_field, read_override
+from pelt_core.spec import (
+    NULLS,
+    SIZE_ALIASES,
+    ModuleSpec,
+    SpecError,
+    as_bool,
+    override_field,
+    read_override,
+)
 
 
 class ConfigError(ValueError):
@@ -102,8 +111,32 @@ ALIASES = {
 }  # the method spec's: spec.py
 
 
+def setting_names() -> list[str]:
+    """Every bare key a setting may have: training hyperparameters and their aliases, module fields and
+    their size aliases, `bias`, `layer_norm` (a method-spec key may also be `role.field`)."""
+    module_fields = {f.name for f in dataclasses.fields(ModuleSpec)}
+    return sorted({*TRAIN_FIELDS, *ALIASES, *module_fields, *SIZE_ALIASES, "bias", "layer_norm"})
+
+
+def check_setting_name(key: str) -> None:
+    """A SpecError for a bare key no setting has, suggesting the nearest known names (`epoch`: epochs)."""
+    if "." in key:  # role.field: the method knows its roles (MethodSpec.with_overrides)
+        return
+    names = setting_names()
+    if key in names:
+        return
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    raise SpecError(
+        f"{key}: not a training hyperparameter and not a field of any module; {hint}"
+        f"training hyperparameters: {', '.join(sorted(TRAIN_FIELDS))}; "
+        f"method-spec fields: {', '.join(sorted(set(names) - TRAIN_FIELDS - set(ALIASES)))} or role.field"
+    )
+
+
 def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split `key=value` settings into (training hyperparameters, method-spec overrides)."""
+    """Split `key=value` settings into (training hyperparameters, method-spec overrides); a SpecError
+    names a key that is neither, with the nearest known names (`check_setting_name`)."""
     train: dict[str, Any] = {}
     spec: dict[str, Any] = {}
     for key, value in overrides.items():
@@ -111,6 +144,7 @@ def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str
         if name in TRAIN_FIELDS:
             train[name] = value
         else:
+            check_setting_name(key)
             spec[key] = value
     return train, spec
 

@@ -13,23 +13,10 @@ import numpy as np
 import torch
 
 from pelt_core.json_nesting import json_depth, too_deep_line
-from pelt_core.labels import class_names, label_index
+from pelt_core.labels import ProblemTypeError, class_names, infer_problem_type, label_index
 from pelt_core.limits import MAX_JSON_ROW_DEPTH, dev_split_rows
 from pelt_core.saved_dataset import SavedDatasetError, load_saved_dataset
-
-# GLUE-style names, most specific first: (text fields, ...)
-TEXT_FIELD_CANDIDATES = (
-    ("sentence1", "sentence2"),
-    ("question1", "question2"),
-    ("premise", "hypothesis"),
-    ("question", "sentence"),
-    ("text_a", "text_b"),
-    ("sentence",),
-    ("text",),
-    ("review",),
-    ("content",),
-)
-LABEL_FIELD_CANDIDATES = ("label", "labels", "score", "target", "category", "class")
+from pelt_core.vocabulary import LABEL_FIELD_CANDIDATES, find_text_fields
 
 
 class DataError(ValueError):
@@ -136,7 +123,7 @@ def detect_fields(
                 raise DataError(f"text field {name!r} is not in the data (columns: {', '.join(columns)})")
         texts = tuple(text_fields)
     else:
-        found = next((c for c in TEXT_FIELD_CANDIDATES if all(name in columns for name in c)), None)
+        found = find_text_fields(columns)
         if found is None:
             raise DataError(
                 f"cannot tell which column holds the text (columns: {', '.join(columns)}); "
@@ -166,16 +153,16 @@ def infer_task_fields(
     problem_type: str | None = None,
     label_names: list[str] | None = None,
 ) -> TaskFields:
-    """Detect fields and the label space from the training data."""
+    """Detect fields and the label space from the training data; with no `problem_type`, the one rule of
+    `pelt_core.labels.infer_problem_type` over every label (declared `label_names` mean classification)."""
     texts, label = detect_fields(list(dataset.column_names), text_fields, label_field)
-    values = dataset[label]
-    first = next((v for v in values if v is not None), None)
+    values = list(dataset[label])
     if problem_type is None:
-        if isinstance(first, list):
-            problem_type = "multi_label_classification"
-        elif isinstance(first, float) and not float(first).is_integer():
-            problem_type = "regression"
-        else:
+        try:
+            problem_type = infer_problem_type(values, label)
+        except ProblemTypeError as exc:
+            raise DataError(str(exc)) from None
+        if label_names and problem_type == "regression":
             problem_type = "single_label_classification"
     if problem_type == "regression":
         return TaskFields(texts, label, problem_type, [])

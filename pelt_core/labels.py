@@ -9,6 +9,12 @@ them, as with ClassLabel or ["neg", "pos"] over 0/1 data; names inferred from th
 name only (training labels {1, 2} make the classes ["1", "2"], and a 0 is none of them). Any other
 value fits no class.
 
+Which problem a label column poses, when none is named (`infer_problem_type`, the one rule of `pelt
+train`, the registry's task checks and every upload format): lists of labels are multi-label
+classification; numbers with any fractional value (5.0, 3.8, 0.5) are regression; anything else is
+single-label classification (strings, booleans, whole numbers, floats that are all whole). A column that
+mixes fractional numbers with strings or booleans is refused: name the problem type.
+
 Pure Python (no numpy, no torch): the service imports it on its request path.
 """
 
@@ -18,6 +24,8 @@ import math
 from collections.abc import Iterable, Sequence
 from numbers import Integral, Real
 from typing import Any
+
+from pelt_core.vocabulary import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 
 
 def label_key(value: Any) -> str | None:
@@ -69,4 +77,74 @@ def class_names(values: Iterable[Any]) -> list[str]:
     )
 
 
-__all__ = ["class_names", "label_index", "label_key"]
+class ProblemTypeError(ValueError):
+    """The labels do not tell which problem they pose; the message says to name it."""
+
+
+def is_fractional(value: Any) -> bool:
+    """A finite real number (not a boolean) with a fractional part: 0.5, 3.8 (not 5.0, not NaN)."""
+    return (
+        isinstance(value, Real)
+        and not isinstance(value, bool | Integral)
+        and math.isfinite(float(value))
+        and not float(value).is_integer()
+    )
+
+
+def label_kind(value: Any) -> str:
+    """ "list", "bool", "string", "integer", "float" or "other": a label value's kind, as the registry's
+    dataset probe names a column's (an integer-valued float is a "float")."""
+    if isinstance(value, list | tuple):
+        return "list"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, Integral):
+        return "integer"
+    if isinstance(value, Real):
+        return "float"
+    return "other"
+
+
+def problem_type_for(kinds: Iterable[str], fractional: bool, field: str = "label") -> str:
+    """The problem type of a label column from the kinds of its values (`label_kind`) and whether any
+    number has a fractional part (the module's rule). ProblemTypeError for fractional numbers mixed with
+    strings or booleans: the caller cannot tell, the user names it."""
+    kinds = set(kinds)
+    if "list" in kinds:
+        return MULTI_LABEL
+    if fractional:
+        others = sorted(kinds - {"integer", "float"})
+        if others:
+            raise ProblemTypeError(
+                f"label field {field!r} mixes fractional numbers with {' and '.join(others)} values, so "
+                "its problem type cannot be told: give every row a number (regression) or a class name, "
+                "or name the problem type with --problem-type (problem_type in the API)"
+            )
+        return REGRESSION
+    return SINGLE_LABEL
+
+
+def infer_problem_type(values: Iterable[Any], field: str = "label") -> str:
+    """The problem type of a column of label values (None skipped), by the module's rule."""
+    kinds: set[str] = set()
+    fractional = False
+    for value in values:
+        if value is None:
+            continue
+        kinds.add(label_kind(value))
+        fractional = fractional or is_fractional(value)
+    return problem_type_for(kinds, fractional, field)
+
+
+__all__ = [
+    "ProblemTypeError",
+    "class_names",
+    "infer_problem_type",
+    "is_fractional",
+    "label_index",
+    "label_key",
+    "label_kind",
+    "problem_type_for",
+]

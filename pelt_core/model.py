@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from pelt_core.backbones import Backbone
 from pelt_core.dropout import JobDropout
 from pelt_core.layers import Bottleneck, DenseDelta, Gate, NormDelta, PrefixEncoder, PrefixParams
 from pelt_core.limits import LimitError, check_against_backbone
-from pelt_core.predictions import Text, decode_predictions, evaluating, tokenize_texts
+from pelt_core.predictions import Text, check_text_form, decode_predictions, evaluating, tokenize_texts
 from pelt_core.runtime import Route, get_runtime
 from pelt_core.spec import WEIGHT_REPRESENTATIONS, MethodSpec, SpecError
 from pelt_core.vocabulary import PROBLEM_TYPES
@@ -32,7 +33,12 @@ from pelt_core.vocabulary import PROBLEM_TYPES
 # The task head
 # --------------------------------------------------------------------------------------------------
 class Head(nn.Module):
-    """Pool the sequence (cls / mean / last token), then dropout and a linear classifier or regressor."""
+    """Pool the sequence (cls / mean / last token), then dropout and a linear classifier or regressor.
+
+    A regressor predicts in standardized units, mapped back to the labels' units by `target_shift +
+    target_scale * output` (the training labels' mean and standard deviation, set by the trainer and kept
+    in the delta's manifest; 0 and 1 for classifiers and for deltas saved before they existed). Its output
+    starts at the label mean and its steps are sized to the labels' spread, whatever their scale."""
 
     def __init__(self, hidden_size: int, num_labels: int, pooling: str, dropout: float = 0.1):
         super().__init__()
@@ -43,6 +49,16 @@ class Head(nn.Module):
         self.classifier = nn.Linear(hidden_size, num_labels)
         nn.init.normal_(self.classifier.weight, std=0.02)
         nn.init.zeros_(self.classifier.bias)
+        self.target_shift = 0.0
+        self.target_scale = 1.0
+
+    def set_target_scaling(self, shift: float, scale: float) -> None:
+        """Regression labels' mean (`shift`) and standard deviation (`scale`, finite and > 0)."""
+        if not (math.isfinite(shift) and math.isfinite(scale) and scale > 0):
+            raise ValueError(
+                f"target scaling needs a finite shift and a positive scale, got {shift}, {scale}"
+            )
+        self.target_shift, self.target_scale = float(shift), float(scale)
 
     def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(self.classifier.weight.dtype)
@@ -55,7 +71,10 @@ class Head(nn.Module):
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.dropout(self.pool(hidden, attention_mask)))
+        output = self.classifier(self.dropout(self.pool(hidden, attention_mask)))
+        if self.target_scale != 1.0 or self.target_shift != 0.0:
+            output = output * self.target_scale + self.target_shift
+        return output
 
 
 class BiasDelta(nn.Module):
@@ -119,6 +138,8 @@ class JobDelta(nn.Module):
         self.method = method
         self.problem_type = problem_type
         self.label_names = list(label_names) if label_names else None
+        # the task's text columns: two means predictions take (text, text_pair) pairs (None: not recorded)
+        self.text_fields: tuple[str, ...] | None = None
         self.num_layers = backbone.num_layers
         self.kv_dim = backbone.num_kv_heads * backbone.head_dim
         self.layers = nn.ModuleDict()
@@ -445,6 +466,7 @@ def predict(
     (the result format of `pelt_core.predictions`: {"label", "score"}, {"labels", "scores"} or {"value"})."""
     routes_name = name or next(iter(model.deltas))
     delta = model.deltas[routes_name]
+    check_text_form(texts, delta.text_fields)
     device = next(delta.parameters()).device
     results: list[dict] = []
     with evaluating(model):

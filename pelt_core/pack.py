@@ -59,6 +59,7 @@ from pelt_core.train_setup import (
     linear_schedule,
     loss_fn,
     new_delta,
+    scale_regression_targets,
     total_train_steps,
 )
 
@@ -195,6 +196,7 @@ class Pack:
         train_set = encode_split(self.backbone, task, config, train_data, "training data")
         eval_set = encode_split(self.backbone, task, config, eval_data, "evaluation data")
         test_set = encode_split(self.backbone, task, config, test_data, "test data")
+        scale_regression_targets(delta, task, train_set)
         total_steps = total_train_steps(config, len(train_set))
         learning_rate = config.resolved_learning_rate(method.defaults)
         parameters = [p for p in delta.parameters() if p.requires_grad]
@@ -375,9 +377,11 @@ class Pack:
         return False
 
     def _optimizer_step(self, member: PackMember, loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        started = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(member.parameters, member.config.max_grad_norm)
         member.optimizer.step()
         member.optimizer.zero_grad(set_to_none=True)
+        member.train_seconds += time.perf_counter() - started  # its own update is training time too
         member.step += 1
         member.tokens += int(batch["attention_mask"].sum())
         if member.progress is not None:

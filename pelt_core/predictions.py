@@ -47,6 +47,26 @@ def _is_pair(text: Any) -> bool:
     return isinstance(text, tuple | list) and len(text) == 2 and all(isinstance(t, str) for t in text)
 
 
+def check_text_form(texts: Sequence[Any], text_fields: Sequence[str] | None, where: str = "text") -> None:
+    """A model trained on sentence pairs takes (text, text_pair) pairs, one trained on single texts takes
+    strings: a ValueError naming the task's text fields for the first text of the other form. No
+    `text_fields` (a delta saved before they were recorded): anything goes."""
+    if not text_fields:
+        return
+    pairs = len(text_fields) == 2
+    for position, text in enumerate(texts):
+        if pairs and isinstance(text, str):
+            raise ValueError(
+                f"{where} {position}: this model was trained on sentence pairs ({', '.join(text_fields)}); "
+                f"give each input as a ({text_fields[0]}, {text_fields[1]}) pair, not a single text"
+            )
+        if not pairs and _is_pair(text):
+            raise ValueError(
+                f"{where} {position}: this model was trained on single texts ({text_fields[0]}); "
+                "give each input as one string, not a pair"
+            )
+
+
 def tokenize_texts(
     tokenizer, texts: Sequence[Text], max_length: int, device: torch.device | str
 ) -> dict[str, torch.Tensor]:

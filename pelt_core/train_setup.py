@@ -102,7 +102,7 @@ def new_delta(backbone: Backbone, method: MethodSpec, task: TaskFields, config: 
     pooling = config.pooling if config.pooling != "auto" else ("last" if backbone.arch.is_decoder else "mean")
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):  # jobs set up in several threads: each by its seed
         torch.manual_seed(config.seed)
-        return JobDelta(
+        delta = JobDelta(
             method,
             backbone,
             task.num_labels,
@@ -111,6 +111,23 @@ def new_delta(backbone: Backbone, method: MethodSpec, task: TaskFields, config: 
             config.head_dropout,
             task.label_names,
         )
+    delta.text_fields = tuple(task.text_fields)  # kept in its manifest: pairs in, pairs at prediction
+    return delta
+
+
+def scale_regression_targets(delta: JobDelta, task: TaskFields, train_set: Encoded) -> None:
+    """A regression head predicts standardized targets: its output is mapped back by the training labels'
+    mean and standard deviation (1 when they are all equal), so it starts at the mean and learns at the
+    labels' scale whatever their units (`pelt_core.model.Head`). Classification heads are left as they are."""
+    if task.problem_type != "regression" or len(train_set) == 0:
+        return
+    labels = torch.as_tensor(train_set.labels, dtype=torch.float64)
+    labels = labels[torch.isfinite(labels)]  # a NaN label ends the job at its first step (the loss check)
+    if len(labels) == 0:
+        return
+    mean = float(labels.mean())
+    std = float(labels.std(unbiased=False)) if len(labels) > 1 else 0.0
+    delta.head.set_target_scaling(mean, std if std > 1e-8 else 1.0)
 
 
 def encode_split(

@@ -14,6 +14,26 @@ PROBLEM_TYPE_ALIASES = {"classification": SINGLE_LABEL, "multi_label": MULTI_LAB
 
 DIRECTIONS = ("max", "min")
 
+# the columns `pelt train`, `pelt task add` and the API take for a task's text and label when none are
+# named: GLUE-style names, the most specific first (`find_text_fields`)
+TEXT_FIELD_CANDIDATES = (
+    ("sentence1", "sentence2"),
+    ("question1", "question2"),
+    ("premise", "hypothesis"),
+    ("question", "sentence"),
+    ("text_a", "text_b"),
+    ("sentence",),
+    ("text",),
+    ("review",),
+    ("content",),
+)
+LABEL_FIELD_CANDIDATES = ("label", "labels", "score", "target", "category", "class")
+
+
+def find_text_fields(columns: list[str] | tuple[str, ...]) -> tuple[str, ...] | None:
+    """The first of TEXT_FIELD_CANDIDATES whose columns are all there, or None."""
+    return next((c for c in TEXT_FIELD_CANDIDATES if all(name in columns for name in c)), None)
+
 
 @dataclass(frozen=True)
 class Metric:

@@ -232,14 +232,11 @@ def _check_file_fields(files: Mapping[str, Upload]) -> None:
 
 
 def task_definition(definition: Mapping[str, Any]) -> dict[str, Any]:
-    """The task's definition fields (TASK_FIELDS; text_fields required), None values dropped."""
+    """The task's definition fields (TASK_FIELDS), None values dropped (no text fields or problem type:
+    the registry detects them from the data)."""
     unknown = [key for key in definition if key not in TASK_FIELDS]
     if unknown:
         raise RegistryValidationError(unknown[0], f"unknown task field; known: {', '.join(TASK_FIELDS)}")
-    if "text_fields" not in definition:
-        raise RegistryValidationError(
-            "text_fields", "required: the column(s) holding the text, e.g. ['sentence']"
-        )
     return {key: value for key, value in definition.items() if value is not None}
 
 

@@ -75,19 +75,25 @@ def _json_or_text(raw: str) -> Any:
 
 
 def parse_ints(text: str | None, option: str, allow_full: bool = False) -> list[Any]:
-    """A comma-separated list of integers (`allow_full`: "full", "all" or "none" is None, every row)."""
+    """A comma-separated list of integers (`allow_full`: "full", as the help documents it, is None: every
+    row). Any other word is refused; "all" or "none" with an error naming the documented "full"."""
     if not text:
         return []
     out: list[Any] = []
     for part in text.split(","):
         part = part.strip()
-        if allow_full and part.lower() in ("full", "all", "none"):
+        if allow_full and part.lower() == "full":
             out.append(None)
             continue
         try:
             out.append(int(part))
         except ValueError:
-            raise click.BadParameter(f"{part!r} is not an integer", param_hint=option) from None
+            if allow_full and part.lower() in ("all", "none", "max", "*"):
+                raise click.BadParameter(
+                    f"{part!r} is not a K value: write 'full' for the whole training set", param_hint=option
+                ) from None
+            accepted = "an integer or 'full' (the whole training set)" if allow_full else "an integer"
+            raise click.BadParameter(f"{part!r} is not {accepted}", param_hint=option) from None
     return out
 
 

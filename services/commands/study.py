@@ -137,5 +137,6 @@ def study_command(
         else:
             jobs = wait_for(client, plan, job_ids, echo=click.echo, poll_seconds=poll_seconds)
         runs = collect_runs(client, jobs)
-    for path in write_report(out_dir, plan, runs, command):
+        metrics = {name: client.task(name).metric for name in plan.tasks}
+    for path in write_report(out_dir, plan, runs, command, metrics):
         click.echo(f"wrote {path}")

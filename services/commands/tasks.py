@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from pelt_core.vocabulary import DEFAULT_METRIC_HELP, METRIC_HELP, PROBLEM_TYPES, SINGLE_LABEL
+from pelt_core.vocabulary import DEFAULT_METRIC_HELP, METRIC_HELP, PROBLEM_TYPES
 from services.client import PeltClient
 from services.commands.common import client_errors, print_table
 
@@ -22,13 +22,19 @@ def task_group() -> None:
 @click.option(
     "--dataset", type=click.Path(exists=True, file_okay=False), help="a datasets save_to_disk folder"
 )
-@click.option("--text-field", "text_fields", multiple=True, required=True, help="text column (once or twice)")
+@click.option(
+    "--text-field",
+    "text_fields",
+    multiple=True,
+    help="text column (once or twice); default: detected from GLUE-style names, as `pelt train` does",
+)
 @click.option("--label-field", default="label", show_default=True)
 @click.option(
     "--problem-type",
-    default=SINGLE_LABEL,
-    show_default=True,
+    default=None,
     type=click.Choice(PROBLEM_TYPES),
+    help="default: told by the labels (lists: multi-label; numbers with a fractional part: regression; "
+    "else single-label classification)",
 )
 @click.option(
     "--metric",
@@ -48,7 +54,7 @@ def task_add(
     dataset: str | None,
     text_fields: tuple[str, ...],
     label_field: str,
-    problem_type: str,
+    problem_type: str | None,
     metric: str | None,
     label_names: str | None,
     max_length: int,
@@ -62,7 +68,7 @@ def task_add(
             validation,
             test,
             dataset=dataset,
-            text_fields=list(text_fields),
+            text_fields=list(text_fields) or None,
             label_field=label_field,
             problem_type=problem_type,
             metric=metric,

@@ -21,7 +21,7 @@ from services.registry.rows import (
     jsonable,
     retry_once_on_conflict,
 )
-from services.registry.task_data import check_task_against_data
+from services.registry.task_data import check_task_against_data, detect_problem_type, detect_text_fields
 from services.registry.validation import check_method_spec, check_name, check_task_definition
 
 
@@ -35,9 +35,9 @@ class Catalog(RegistryCore):
         name: str,
         source: str | Path | Mapping[str, str | Path],
         *,
-        text_fields: Sequence[str] | str,
+        text_fields: Sequence[str] | str | None = None,
         label_field: str = "label",
-        problem_type: str = "single_label_classification",
+        problem_type: str | None = None,
         metric: str | None = None,
         metric_direction: str | None = None,
         label_names: Sequence[str] | None = None,
@@ -46,7 +46,9 @@ class Catalog(RegistryCore):
         prober: Callable[..., dataset_probe.DatasetProbe] | None = None,
     ) -> TaskRecord:
         """Register a task after checking its fields against the data (train rows are counted, label
-        names inferred for classification when not given; no `metric`: the problem type's default,
+        names inferred for classification when not given; no `text_fields`: the GLUE-style columns
+        `pelt train` takes; no `problem_type`: told by the labels, `pelt_core.labels`' one rule; no
+        `metric`: the problem type's default,
         `pelt_core.vocabulary.DEFAULT_METRIC`). Re-registering the same definition returns
         the existing task; a different one under the same name is an AlreadyExistsError. `prober`
         (source, label_field, limits) -> DatasetProbe reads the data (default: `dataset_probe.probe_dataset`
@@ -65,6 +67,16 @@ class Catalog(RegistryCore):
             raise RegistryValidationError("description", "must be a string")
         resolved = dataset_probe.resolve_source(source)
         probe = (prober or dataset_probe.probe_dataset)(resolved, definition.label_field, self.dataset_limits)
+        if not definition.text_fields or definition.problem_type is None:  # told by the data
+            definition = check_task_definition(
+                text_fields=detect_text_fields(definition, probe, "the train split"),
+                label_field=label_field,
+                problem_type=detect_problem_type(definition, probe),
+                metric=metric,
+                metric_direction=metric_direction,
+                label_names=label_names,
+                max_length=max_length,
+            )
         names = check_task_against_data(definition, probe, "the train split")
         values: dict[str, Any] = {
             "name": name,
@@ -163,6 +175,12 @@ class Catalog(RegistryCore):
                 return found[0]
         with self._reading() as session:
             return MethodRecord.of(presets.user_method_row(session, name))
+
+    def check_method_known(self, name: str) -> None:
+        """UnknownMethodError (listing the known methods) unless some job could name this method: a
+        built-in, a user preset or a former built-in that older jobs ran."""
+        with self._reading() as session:
+            presets.check_known(session, name)
 
     def list_methods(self, *, builtin: bool | None = None) -> list[MethodRecord]:
         """Method presets: built-ins in pelt_core's order, then user-defined ones in registration order."""

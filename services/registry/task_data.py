@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pelt_core import limits
-from pelt_core.labels import class_names, label_index
+from pelt_core.labels import class_names, label_index, problem_type_for
+from pelt_core.vocabulary import MULTI_LABEL, SINGLE_LABEL, find_text_fields
 from services.registry.dataset_probe import DatasetProbe, LabelSummary
 from services.registry.errors import RegistryValidationError
 from services.registry.validation import TaskDefinition, check_metric_for_labels
@@ -29,6 +30,38 @@ def evaluation_split(split_sizes: Mapping[str, int]) -> str | None:
 def held_out_rows(split_sizes: Mapping[str, int], train_size: int) -> int:
     """Training rows each job of the task holds out as its dev split (0 when it has an evaluation split)."""
     return 0 if evaluation_split(split_sizes) else limits.dev_split_rows(train_size)
+
+
+def detect_text_fields(definition: TaskDefinition, probe: DatasetProbe, where: str) -> list[str]:
+    """The task's text fields: as given, else the GLUE-style columns `pelt train` takes
+    (`pelt_core.vocabulary.find_text_fields`); a RegistryValidationError naming `text_fields` if none fit."""
+    if definition.text_fields:
+        return list(definition.text_fields)
+    found = find_text_fields([c for c in probe.columns if c != definition.label_field])
+    if found is None:
+        raise RegistryValidationError(
+            "text_fields",
+            f"cannot tell which column of {where} holds the text (columns: {', '.join(probe.columns)}); "
+            "name it (--text-field, text_fields in the API)",
+        )
+    return list(found)
+
+
+def detect_problem_type(definition: TaskDefinition, probe: DatasetProbe) -> str:
+    """The task's problem type: as given, else by the one rule of `pelt_core.labels` from the training
+    split's labels (lists: multi-label; numbers with a fractional part: regression; else single-label);
+    declared class names (the task's or a ClassLabel) mean classification."""
+    if definition.problem_type is not None:
+        return definition.problem_type
+    label = probe.label
+    if label is None:  # no such column: check_task_against_data names it
+        return SINGLE_LABEL
+    if definition.label_names or label.names:
+        return MULTI_LABEL if label.kind == "list" else SINGLE_LABEL
+    try:
+        return problem_type_for({label.kind}, label.fractional, definition.label_field)
+    except ValueError as exc:
+        raise RegistryValidationError("problem_type", str(exc)) from None
 
 
 def check_task_against_data(definition: TaskDefinition, probe: DatasetProbe, where: str) -> list[str] | None:
@@ -161,4 +194,11 @@ def _check_labels_fit(
             )
 
 
-__all__ = ["EVALUATION_SPLITS", "check_task_against_data", "evaluation_split", "held_out_rows"]
+__all__ = [
+    "EVALUATION_SPLITS",
+    "check_task_against_data",
+    "detect_problem_type",
+    "detect_text_fields",
+    "evaluation_split",
+    "held_out_rows",
+]

@@ -107,16 +107,18 @@ class TaskDefinition:
 
 def check_task_definition(
     *,
-    text_fields: Sequence[str] | str,
+    text_fields: Sequence[str] | str | None,
     label_field: str,
-    problem_type: str,
+    problem_type: str | None,
     metric: str | None,
     metric_direction: str | None,
     label_names: Sequence[str] | None,
     max_length: int,
 ) -> TaskDefinition:
     """The checks that need no data: field names, problem type, metric and its direction, lengths.
-    No metric (None) means the problem type's default (`pelt_core.vocabulary.DEFAULT_METRIC`)."""
+    No metric (None) means the problem type's default (`pelt_core.vocabulary.DEFAULT_METRIC`).
+    No text fields or no problem type (None): detected from the data later (`task_data.detect_definition`),
+    so the definition has no text fields or problem type yet and its metric is checked then."""
     fields = (
         [text_fields]
         if isinstance(text_fields, str)
@@ -124,7 +126,9 @@ def check_task_definition(
         if text_fields is not None
         else []
     )
-    if not 1 <= len(fields) <= 2 or not all(isinstance(f, str) and f for f in fields):
+    if text_fields is not None and (
+        not 1 <= len(fields) <= 2 or not all(isinstance(f, str) and f for f in fields)
+    ):
         raise RegistryValidationError("text_fields", f"give one or two column names, got {text_fields!r}")
     if len(set(fields)) != len(fields):
         raise RegistryValidationError("text_fields", f"the same column twice: {fields!r}")
@@ -133,21 +137,24 @@ def check_task_definition(
     if label_field in fields:
         raise RegistryValidationError("label_field", f"{label_field!r} is also a text field")
     try:
-        problem = canonical_problem_type(problem_type)
+        problem = None if problem_type is None else canonical_problem_type(problem_type)
     except ValueError as exc:
         raise RegistryValidationError("problem_type", str(exc)) from None
     names = _check_label_names(label_names, problem)
-    canonical, direction = _check_metric(
-        DEFAULT_METRIC[problem] if metric is None else metric,
-        metric_direction,
-        problem,
-        None if names is None else len(names),
-    )
+    if problem is None:  # checked once the data have told the problem type
+        canonical, direction = metric or "", metric_direction or ""
+    else:
+        canonical, direction = _check_metric(
+            DEFAULT_METRIC[problem] if metric is None else metric,
+            metric_direction,
+            problem,
+            None if names is None else len(names),
+        )
     check_range(limits.TRAIN_RANGES["max_length"], max_length, "max_length")
     return TaskDefinition(
         text_fields=fields,
         label_field=label_field,
-        problem_type=problem,
+        problem_type=problem,  # type: ignore[arg-type]  # None: detected from the data
         metric=canonical,
         metric_direction=direction,
         label_names=names,
@@ -155,7 +162,7 @@ def check_task_definition(
     )
 
 
-def _check_label_names(label_names: Sequence[str] | None, problem: str) -> list[str] | None:
+def _check_label_names(label_names: Sequence[str] | None, problem: str | None) -> list[str] | None:
     """Declared class names: distinct non-empty strings, none for a regression task."""
     if label_names is None:
         return None
@@ -230,7 +237,11 @@ def split_hyperparameters(
         if canonical in _TRAIN_FIELDS and canonical in given:
             raise RegistryValidationError(key, f"given twice (as {given[canonical]!r} and {key!r})")
         given[canonical] = key
-    train, spec = split_overrides(dict(hyperparameters))
+    try:
+        train, spec = split_overrides(dict(hyperparameters))
+    except SpecError as exc:  # a key no setting has: the message names it and the nearest known names
+        key, _, message = str(exc).partition(": ")
+        raise RegistryValidationError(key, message) from None
     for name, value in train.items():
         _check_train_type(name, value, given.get(name, name))
     return train, spec, given
@@ -534,6 +545,8 @@ def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
 # --- progress ------------------------------------------------------------------------------------
 
 PROGRESS_FIELDS = ("step", "total", "loss", "tokens_per_second", "epoch", "learning_rate")
+LOSS_POINTS_FIELD = "losses"  # a report's loss-curve points since the last one: [[step, loss], ...]
+MAX_LOSS_POINTS_PER_REPORT = 1024
 
 
 def check_progress(progress: Any) -> tuple[float | None, dict[str, Any] | None]:
@@ -543,7 +556,7 @@ def check_progress(progress: Any) -> tuple[float | None, dict[str, Any] | None]:
     if progress is None:
         return None, None
     if isinstance(progress, Mapping):
-        unknown = sorted(set(progress) - set(PROGRESS_FIELDS))
+        unknown = sorted(set(progress) - {*PROGRESS_FIELDS, LOSS_POINTS_FIELD})
         if unknown:
             raise RegistryValidationError(
                 f"progress.{unknown[0]}",
@@ -564,6 +577,25 @@ def check_progress(progress: Any) -> tuple[float | None, dict[str, Any] | None]:
     if isinstance(progress, bool) or not isinstance(progress, int | float) or not 0 <= progress <= 1:
         raise RegistryValidationError("progress", f"must be a number in [0, 1] or a report, got {progress!r}")
     return float(progress), None
+
+
+def check_loss_points(progress: Any) -> list[list[float]] | None:
+    """A worker report's loss-curve points (`losses`: [[step, loss], ...], steps in [0, total], losses
+    finite), or None when the report has none. Call after `check_progress` (which checked `total`)."""
+    if not isinstance(progress, Mapping) or progress.get(LOSS_POINTS_FIELD) is None:
+        return None
+    points = progress[LOSS_POINTS_FIELD]
+    if not isinstance(points, list | tuple) or len(points) > MAX_LOSS_POINTS_PER_REPORT:
+        raise RegistryValidationError(
+            "progress.losses", f"must be a list of at most {MAX_LOSS_POINTS_PER_REPORT} [step, loss] points"
+        )
+    checked = []
+    for point in points:
+        if not isinstance(point, list | tuple) or len(point) != 2:
+            raise RegistryValidationError("progress.losses[]", f"must be a [step, loss] pair, got {point!r}")
+        step = check_int(point[0], "progress.losses[].step", minimum=0, maximum=int(progress["total"]))
+        checked.append([step, _number(point[1], "progress.losses[].loss")])
+    return checked
 
 
 def _number(value: Any, field: str) -> float:
@@ -587,6 +619,7 @@ __all__ = [
     "check_int",
     "check_json_numbers",
     "check_key",
+    "check_loss_points",
     "check_method_spec",
     "check_metric_for_labels",
     "check_name",

@@ -119,9 +119,9 @@ def register_task_folder(client: PeltClient, name: str, folder: str | Path) -> b
         name,
         train,
         validation if validation.is_file() else None,
-        text_fields=info.get("text_fields") or ["sentence"],
+        text_fields=info.get("text_fields"),  # None: detected by the registry, as `pelt train` does
         label_field=info.get("label_field", "label"),
-        problem_type=info.get("problem_type", "single_label_classification"),
+        problem_type=info.get("problem_type"),  # None: told by the labels (float scores: regression)
         metric=info.get("metric"),
         label_names=info.get("label_names"),
         description=f"registered by pelt study from {folder.name}/",

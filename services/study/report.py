@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,13 @@ def _stats(values: Sequence[float]) -> dict[str, float | int]:
     }
 
 
-def summarize(plan: StudyPlan, runs: Sequence[StudyRun]) -> dict[str, Any]:
+def summarize(
+    plan: StudyPlan, runs: Sequence[StudyRun], metrics: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """Per K and method: each task's test score (×100) as mean ± std over seeds, the paper's number, the
     average over the tasks (its std: over the seeds that every task has), the dev score, where the kept
-    checkpoint was and the cost; and per K the answer to the paper's claim."""
+    checkpoint was and the cost; and per K the answer to the paper's claim. `metrics`: each task's primary
+    metric (task name → metric name, as the registry has it), named in the report."""
     by_cell: dict[tuple[int, str, str], list[StudyRun]] = {}
     for run in runs:
         by_cell.setdefault((run.k, run.method, run.task), []).append(run)
@@ -81,7 +84,27 @@ def summarize(plan: StudyPlan, runs: Sequence[StudyRun]) -> dict[str, Any]:
             }
         table[str(k)] = {"methods": rows, "claim": _claim(rows)}
     devices = sorted({run.device for run in runs if run.device})
-    return {"plan": plan.to_dict(), "runs": len(runs), "devices": devices, "by_k": table}
+    return {
+        "plan": plan.to_dict(),
+        "runs": len(runs),
+        "devices": devices,
+        "metrics": {task: (metrics or {}).get(task) for task in plan.tasks},
+        "by_k": table,
+    }
+
+
+def metrics_sentence(metrics: Mapping[str, str | None]) -> str:
+    """The tasks' primary metrics in words: "pearson for stsb; accuracy for sst2, rte" (one name when
+    all share it; "each task's primary metric" when none is known)."""
+    by_metric: dict[str, list[str]] = {}
+    for task, metric in metrics.items():
+        by_metric.setdefault(metric or "its primary metric", []).append(task)
+    if not by_metric:
+        return "each task's primary metric"
+    if len(by_metric) == 1:
+        metric = next(iter(by_metric))
+        return "each task's primary metric" if metric == "its primary metric" else metric
+    return "; ".join(f"{metric} for {', '.join(tasks)}" for metric, tasks in by_metric.items())
 
 
 def _claim(rows: dict[str, Any]) -> dict[str, Any] | None:
@@ -138,7 +161,8 @@ def markdown(summary: dict[str, Any], command: str) -> str:
         f"every task: `{json.dumps(plan['hyperparameters'], sort_keys=True)}` (learning rates: each method's "
         "preset unless set).",
         "",
-        "Cells: test score ×100, mean ± std over seeds (accuracy; F1 for MRPC), the paper's BERT-base number "
+        f"Cells: test score ×100, mean ± std over seeds ({metrics_sentence(summary.get('metrics') or {})}), "
+        "the paper's BERT-base number "
         "in brackets where the paper gives one per task (K=100). *Avg (paper)* is the paper's average over its "
         "GLUE tasks, not over these three: compare the ordering of the methods, not the level.",
         "",
@@ -214,11 +238,18 @@ def average_figure(summary: dict[str, Any]) -> plots.Figure:
     )
 
 
-def write_report(out_dir: str | Path, plan: StudyPlan, runs: Sequence[StudyRun], command: str) -> list[Path]:
-    """report.md, report.json (the summary and every run) and metric-vs-k.svg in `out_dir`."""
+def write_report(
+    out_dir: str | Path,
+    plan: StudyPlan,
+    runs: Sequence[StudyRun],
+    command: str,
+    metrics: Mapping[str, str] | None = None,
+) -> list[Path]:
+    """report.md, report.json (the summary and every run) and metric-vs-k.svg in `out_dir`; `metrics`:
+    each task's primary metric, named in the report."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(plan, runs)
+    summary = summarize(plan, runs, metrics)
     written = [out / name for name in REPORT_FILES]
     written[0].write_text(markdown(summary, command))
     data = {**summary, "command": command, "run_list": [run.__dict__ for run in runs]}
@@ -232,4 +263,12 @@ def write_report(out_dir: str | Path, plan: StudyPlan, runs: Sequence[StudyRun],
     return written
 
 
-__all__ = ["MIXTURES", "REPORT_FILES", "average_figure", "markdown", "summarize", "write_report"]
+__all__ = [
+    "MIXTURES",
+    "REPORT_FILES",
+    "average_figure",
+    "markdown",
+    "metrics_sentence",
+    "summarize",
+    "write_report",
+]

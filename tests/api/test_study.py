@@ -124,6 +124,25 @@ def test_a_study_without_all_its_runs_says_the_claim_cannot_be_judged(
     assert "The claim cannot be judged at this K" in written[0].read_text()
 
 
+def test_the_report_names_each_tasks_metric_not_accuracy_and_f1_for_mrpc(tmp_path: Path):
+    study = StudyPlan(
+        tasks=("sst2", "stsb"),
+        k_values=(100,),
+        seeds=(0,),
+        methods=("lora",),
+        backbone=BACKBONE,
+        dev_rows=50,
+    )
+    metrics = {"sst2": "accuracy", "stsb": "pearson"}
+    report = write_report(tmp_path / "report", study, [], "pelt study", metrics)[0].read_text()
+    assert "mean ± std over seeds (accuracy for sst2; pearson for stsb)" in report
+    assert "F1 for MRPC" not in report
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["metrics"] == metrics
+    same = write_report(tmp_path / "same", study, [], "pelt study", dict.fromkeys(metrics, "pearson"))
+    assert "mean ± std over seeds (pearson)" in same[0].read_text()
+
+
 def test_a_study_folder_without_training_data_is_refused_before_anything_is_registered(
     client: PeltClient, tmp_path: Path
 ):
@@ -211,3 +230,35 @@ def test_a_rerun_queues_again_the_cells_whose_job_failed_or_was_cancelled(
     retried, queued = submit_study(client, study)
     assert queued == 1 and job_ids[0] not in retried and job_ids[1] in retried and len(retried) == 2
     assert submit_study(client, study) == (retried, 0)
+
+
+def test_pelt_study_starts_on_a_fresh_service_whose_registry_holds_no_job_on_the_packaged_backbone(
+    api: Api, sst2_folder: Path, tmp_path: Path, tiny_bert_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The study's default backbone is a packaged one that no job has registered yet: looking for the
+    study's jobs on it finds none (not a 404), and the study queues its sweep, which registers it."""
+    from click.testing import CliRunner
+
+    from pelt_core.backbones import Backbone
+    from services.commands import study
+
+    loaded: list[str] = []
+
+    def tiny_loader(source: str) -> Backbone:  # the packaged backbone, stood in for by the tiny BERT
+        loaded.append(source)
+        return Backbone.load(str(tiny_bert_dir))
+
+    api.operations._backbone_loader = tiny_loader
+    monkeypatch.setattr(study, "PeltClient", api.client)
+    assert [b.name for b in api.registry.list_backbones()] == [BACKBONE] and api.registry.list_jobs() == []
+    arguments = ["--task", f"sst2={sst2_folder}", "--k", "100", "--seeds", "0,1", "--methods", "lora"]
+    options = ["--dev-rows", "50", "--epochs", "5", "--out", str(tmp_path / "report"), "--no-wait"]
+    answer = CliRunner().invoke(study.study_command, [*arguments, *options])
+    assert answer.exit_code == 0, answer.output
+    assert "study: 2 of 2 jobs in the registry, 2 queued now" in answer.output
+    assert loaded == ["all-minilm-l6-v2"]
+    jobs = api.registry.list_jobs(task="sst2")
+    assert [(job.backbone, job.method, job.seed, job.status) for job in jobs] == [
+        ("all-minilm-l6-v2", "lora", 0, "queued"),
+        ("all-minilm-l6-v2", "lora", 1, "queued"),
+    ]

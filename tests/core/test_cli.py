@@ -144,6 +144,10 @@ def test_a_user_defined_method_from_a_json_file(model_dir, data_files, tmp_path)
         (["--method", "lora", "--set", "r=0"], "r: must be in [1, 16384], got 0"),
         (["--method", "lora", "--label-field", "stars"], "label field 'stars' is not in the data"),
         (["--method", "lora", "--set", "k_shot=1000"], "K=1000 is larger than the training set"),
+        (
+            ["--method", "lora", "--set", "epoch=2"],
+            "epoch: not a training hyperparameter and not a field of any module; did you mean epochs?",
+        ),
     ],
 )
 def test_bad_input_fails_with_a_message_naming_what_is_wrong(args, message, model_dir, data_files, tmp_path):
@@ -175,3 +179,39 @@ def test_an_unknown_backbone_names_the_packaged_ones(data_files, tmp_path):
         ],
     )
     assert result.exit_code != 0 and "all-minilm-l6-v2" in result.output
+
+
+def test_train_on_float_labelled_sentence_pairs_trains_a_regression_job_and_prints_pearson(
+    model_dir, tmp_path
+):
+    from .test_train import similarity_pairs
+
+    train, validation = tmp_path / "train.jsonl", tmp_path / "validation.jsonl"
+    first = [{"sentence1": "good good", "sentence2": "good", "label": score} for score in (5.0, 3.8, 3.8)]
+    train.write_text("".join(json.dumps(r) + "\n" for r in first + similarity_pairs(45, 0)))
+    validation.write_text("".join(json.dumps(r) + "\n" for r in similarity_pairs(16, 1)))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--backbone",
+            str(model_dir),
+            "--train",
+            str(train),
+            "--validation",
+            str(validation),
+            "--method",
+            "lora",
+            "--set",
+            "epochs=1",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert -1.0 <= summary["metrics"]["pearson"] <= 1.0
+    head = json.loads((out / "manifest.json").read_text())["head"]
+    assert head["problem_type"] == "regression" and head["text_fields"] == ["sentence1", "sentence2"]

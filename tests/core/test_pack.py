@@ -219,3 +219,27 @@ def test_the_shared_backbone_rests_in_eval_mode_after_training(make_backbone):
     spec = job("lora", 0) | {"eval_data": None}
     train_alone(backbone, spec)
     assert not backbone.model.training
+
+
+def test_a_jobs_training_seconds_span_its_optimizer_step_as_well_as_forward_and_backward(
+    make_backbone, monkeypatch
+):
+    """The clock a benchmark compares with a peer's whole loop: a step's clipping and AdamW update count
+    (a fake clock that only the optimizer step moves, by 100 s each time)."""
+    import pelt_core.pack
+
+    now = [0.0]
+    monkeypatch.setattr(pelt_core.pack.time, "perf_counter", lambda: now[0])
+    pack = Pack(make_backbone())
+    member = pack.join(**(job("lora", 0) | {"eval_data": None}))
+    real_step = member.optimizer.step
+
+    def slow_step(*args, **kwargs):
+        now[0] += 100.0
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(member.optimizer, "step", slow_step)
+    while not member.done:
+        pack.step()
+    assert member.error is None and member.result.steps > 0
+    assert member.result.train_seconds == pytest.approx(100.0 * member.result.steps)

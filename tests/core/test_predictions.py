@@ -90,3 +90,35 @@ def test_predict_takes_texts_and_text_pairs_mixed_in_one_batch(make_backbone):
     assert predict(model, texts) == [_approx(r) for r in one_by_one]
     with pytest.raises(ValueError, match="text 1: expected a string or a"):
         predict(model, ["fine", 3])
+
+
+def test_a_model_trained_on_sentence_pairs_refuses_a_single_sentence_naming_the_text_fields(
+    make_backbone, tmp_path
+):
+    from pelt_core import TrainConfig
+    from pelt_core.data import TaskFields
+    from pelt_core.delta import load_delta, save_delta
+    from pelt_core.train_setup import new_delta
+
+    backbone = make_backbone("bert")
+    pairs = TaskFields(("sentence1", "sentence2"), "label", "single_label_classification", ["0", "1"])
+    saved = save_delta(
+        new_delta(backbone, get_method("lora"), pairs, TrainConfig()), backbone, tmp_path / "d"
+    )
+    delta = load_delta(saved.path, backbone)  # as a pull loads it: the text fields come from the manifest
+    assert delta.text_fields == ("sentence1", "sentence2")
+    model = PeltModel(backbone, {"job": delta})
+    for serve in (
+        lambda texts: predict(model, texts),
+        lambda texts: fold_lora(backbone, delta).predict(texts),
+        lambda texts: multi_task(backbone, {"stsb": delta}).predict([("stsb", t) for t in texts]),
+    ):
+        assert len(serve([("a film", "a movie")])) == 1
+        with pytest.raises(ValueError, match=r"trained on sentence pairs \(sentence1, sentence2\)"):
+            serve([("a film", "a movie"), "a film"])
+    single = TaskFields(("sentence",), "label", "single_label_classification", ["0", "1"])
+    single_model = PeltModel(
+        backbone, {"job": new_delta(backbone, get_method("lora"), single, TrainConfig())}
+    )
+    with pytest.raises(ValueError, match=r"trained on single texts \(sentence\)"):
+        predict(single_model, [("a film", "a movie")])

@@ -10,6 +10,7 @@ import torch
 from pelt_core import TrainConfig, get_method
 from pelt_core.config import ConfigError
 from pelt_core.data import DataError, infer_task_fields, load_table, sample_k_shot
+from pelt_core.methods import list_methods
 from pelt_core.train import TrainingCancelled, TrainingError, train
 
 POSITIVE = ["good movie", "great film", "a very good film", "fun movie", "great fun", "the film is good"]
@@ -181,3 +182,117 @@ def test_bf16_backbone_trains_fp32_pelt_parameters(make_backbone):
     result = fit(backbone, "lora", bf16="true", epochs=1)
     assert all(p.dtype == torch.float32 for p in result.delta.parameters())
     assert result.bf16
+
+
+def similarity_pairs(n: int, seed: int) -> list[dict]:
+    """A sentence-pair similarity task on a 0–5 scale: the label counts the word "good" in the pair, give
+    or take a fraction (so that it reads as regression)."""
+    import random
+
+    rng = random.Random(seed)
+    fillers = ["movie", "film", "the", "a", "is", "w1", "w2", "w3"]
+    data = []
+    for _ in range(n):
+        count = rng.randint(0, 5)
+        words = ["good"] * count + [rng.choice(fillers) for _ in range(6 - count)]
+        rng.shuffle(words)
+        data.append(
+            {
+                "sentence1": " ".join(words[:3]),
+                "sentence2": " ".join(words[3:]),
+                "label": round(count * 0.9 + rng.random() / 2, 1),
+            }
+        )
+    return data
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "datasets"])
+def test_float_labels_with_a_fraction_anywhere_are_regression_in_every_format(fmt, tmp_path):
+    records = [
+        {"sentence1": "a", "sentence2": "b", "label": label} for label in (5.0, 3.8, 3.8, 0.0, 2.0, 0.5)
+    ]
+    task = infer_task_fields(load_table(write(tmp_path / f"t.{fmt}", records, fmt)))
+    assert task.problem_type == "regression" and task.num_labels == 1 and task.label_names == []
+    whole = [{"sentence": "a", "label": label} for label in (5.0, 1.0, 3.0)]
+    task = infer_task_fields(load_table(write(tmp_path / f"w.{fmt}", whole, fmt)))
+    assert task.problem_type == "single_label_classification" and task.label_names == ["1", "3", "5"]
+
+
+def test_labels_mixing_strings_and_fractional_numbers_ask_for_the_problem_type(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"sentence": "a", "label": "pos"}\n{"sentence": "b", "label": 0.5}\n')
+    with pytest.raises(DataError, match="--problem-type"):
+        infer_task_fields(load_table(path))
+    with pytest.raises(DataError, match="label field 'label'"):  # named: a 0.5 is still no class name
+        infer_task_fields(load_table(path), problem_type="single_label_classification")
+
+
+@pytest.mark.parametrize("method", list_methods())
+def test_every_preset_learns_a_regression_task_in_the_labels_units(method, make_backbone):
+    """Each preset, at its own learning rate, correlates with the labels and beats predicting their mean
+    (its mean squared error, in the labels' units, is below their variance)."""
+    import datasets
+
+    train_rows = datasets.Dataset.from_list(similarity_pairs(256, 0))
+    test_rows = datasets.Dataset.from_list(similarity_pairs(96, 1))
+    result = train(
+        make_backbone("bert"),
+        get_method(method),
+        train_rows,
+        test_rows,
+        TrainConfig(epochs=8, batch_size=8, bf16="false"),
+    )
+    variance = float(torch.tensor(test_rows["label"]).var(unbiased=False))
+    assert result.task.problem_type == "regression"
+    assert result.metrics["pearson"] > 0.5, result.metrics
+    assert result.metrics["mse"] < variance, (result.metrics, variance)
+
+
+def test_a_regression_head_starts_at_the_training_labels_mean_and_keeps_their_units(make_backbone, tmp_path):
+    import datasets
+
+    from pelt_core.delta import load_delta, save_delta
+    from pelt_core.model import PeltModel, predict
+
+    backbone = make_backbone("bert")
+    rows = similarity_pairs(64, 0)
+    labels = torch.tensor([r["label"] for r in rows], dtype=torch.float64)
+    result = train(
+        backbone,
+        get_method("lora"),
+        datasets.Dataset.from_list(rows),
+        None,
+        TrainConfig(epochs=1, batch_size=8, bf16="false", max_steps=1, learning_rate=1e-9),
+    )
+    head = result.delta.head
+    assert head.target_shift == pytest.approx(float(labels.mean()))
+    assert head.target_scale == pytest.approx(float(labels.std(unbiased=False)))
+    pairs = [(r["sentence1"], r["sentence2"]) for r in rows[:8]]
+    before = predict(PeltModel(backbone, {"job": result.delta}), pairs)
+    assert all(abs(p["value"] - float(labels.mean())) < 0.5 for p in before)  # barely trained: at the mean
+    saved = save_delta(result.delta, backbone, tmp_path / "d")
+    loaded = load_delta(saved.path, backbone)
+    after = predict(PeltModel(backbone, {"job": loaded}), pairs)
+    assert [p["value"] for p in after] == pytest.approx([p["value"] for p in before], abs=1e-5)
+
+
+def test_a_regression_delta_saved_before_target_scaling_loads_with_shift_0_and_scale_1(
+    make_backbone, tmp_path
+):
+    from pelt_core.data import TaskFields
+    from pelt_core.delta import load_delta, save_delta
+    from pelt_core.delta_format import read_manifest, write_manifest
+    from pelt_core.train_setup import new_delta
+
+    backbone = make_backbone("bert")
+    task = TaskFields(("sentence1", "sentence2"), "label", "regression", [])
+    delta = new_delta(backbone, get_method("lora"), task, TrainConfig())
+    delta.head.set_target_scaling(2.5, 1.5)
+    saved = save_delta(delta, backbone, tmp_path / "d")
+    manifest = read_manifest(saved.path)
+    assert (manifest["head"]["target_shift"], manifest["head"]["target_scale"]) == (2.5, 1.5)
+    for key in ("target_shift", "target_scale", "text_fields"):
+        del manifest["head"][key]
+    write_manifest(saved.path, manifest)
+    old = load_delta(saved.path, backbone)
+    assert (old.head.target_shift, old.head.target_scale, old.text_fields) == (0.0, 1.0, None)

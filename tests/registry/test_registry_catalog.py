@@ -132,13 +132,73 @@ def test_a_multi_label_task_collects_every_label_in_its_lists(registry: Registry
     assert task.label_names == ["art", "news", "sports"]
 
 
-def test_classification_labels_that_are_fractions_are_refused(registry: Registry, tmp_path: Path) -> None:
+def test_classification_labels_that_are_fractions_are_refused_when_classification_is_named(
+    registry: Registry, tmp_path: Path
+) -> None:
     path = write_jsonl(tmp_path / "frac.jsonl", [{"text": "a", "label": 0.5}, {"text": "b", "label": 1.0}])
     with pytest.raises(
         RegistryValidationError, match="class labels must be strings or whole numbers"
     ) as refused:
-        registry.register_task("frac", path, text_fields="text")
+        registry.register_task("frac", path, text_fields="text", problem_type="single_label_classification")
     assert refused.value.field == "label_field"
+
+
+def _similarity_rows() -> list[dict]:
+    """A sentence-pair similarity task whose first scores are whole (5.0) and later ones fractional."""
+    scores = [5.0, 3.8, 3.8, 0.0, 2.6, 4.25]
+    return [{"sentence1": f"a {i}", "sentence2": f"b {i}", "label": score} for i, score in enumerate(scores)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet", "datasets"])
+def test_float_labels_with_a_fraction_make_a_regression_task_with_detected_text_fields_in_every_format(
+    registry: Registry, tmp_path: Path, fmt: str
+) -> None:
+    rows = _similarity_rows()
+    if fmt == "jsonl":
+        source: Path = write_jsonl(tmp_path / "stsb.jsonl", rows)
+    elif fmt == "csv":
+        source = tmp_path / "stsb.csv"
+        pd.DataFrame(rows).to_csv(source, index=False)
+    elif fmt == "parquet":
+        source = tmp_path / "stsb.parquet"
+        pd.DataFrame(rows).to_parquet(source)
+    else:
+        datasets = pytest.importorskip("datasets")
+        source = tmp_path / "stsb"
+        datasets.Dataset.from_list(rows).save_to_disk(str(source))
+    task = registry.register_task("stsb", source)  # no text fields, no problem type: told by the data
+    assert task.problem_type == "regression" and task.label_names is None
+    assert task.text_fields == ["sentence1", "sentence2"]
+    assert (task.metric, task.metric_direction) == ("pearson", "max")
+
+
+def test_float_labels_that_are_all_whole_numbers_stay_classes(registry: Registry, tmp_path: Path) -> None:
+    whole = write_jsonl(tmp_path / "whole.jsonl", [{"text": "a", "label": 1.0}, {"text": "b", "label": 3.0}])
+    assert registry.register_task("whole", whole).label_names == ["1", "3"]
+
+
+def test_labels_mixing_strings_and_fractional_numbers_are_refused_naming_the_problem_type(
+    registry: Registry, tmp_path: Path
+) -> None:
+    from services.registry.dataset_probe.labels import LabelColumn
+
+    pa = pytest.importorskip("pyarrow")
+    column = LabelColumn("label", "train", None)
+    column.add(pa.array([0.5, 1.5]), 2)
+    column.add(pa.array(["pos", "neg"]), 2)  # a later batch of another kind
+    with pytest.raises(RegistryValidationError, match="--problem-type") as refused:
+        column.summary()
+    assert refused.value.field == "problem_type"
+
+
+def test_a_task_without_glue_style_columns_asks_for_its_text_field(
+    registry: Registry, tmp_path: Path
+) -> None:
+    path = write_jsonl(tmp_path / "odd.jsonl", [{"body": "a", "label": 1}, {"body": "b", "label": 0}])
+    with pytest.raises(RegistryValidationError, match="--text-field") as refused:
+        registry.register_task("odd", path)
+    assert refused.value.field == "text_fields" and "body" in str(refused.value)
+    assert registry.register_task("odd", path, text_fields="body").text_fields == ["body"]
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pelt_core.labels import ProblemTypeError, problem_type_for
 from pelt_core.limits import MAX_LABEL_CHARS
 from services.registry.dataset_probe.records import LabelSummary
 from services.registry.errors import RegistryValidationError
@@ -22,6 +23,7 @@ class LabelColumn:
         self.values: set[Any] = set()
         self.too_many = False
         self.non_finite = False
+        self.fractional = False  # a float label with a fractional part
 
     def add(self, column: Any, rows: int) -> None:
         """One batch's column (None: the batch has no such column, so its rows have no label)."""
@@ -52,8 +54,13 @@ class LabelColumn:
                     f"{self.field!r} holds a label of {longest} characters in the {self.split} "
                     f"split; a class label is at most {MAX_LABEL_CHARS} characters",
                 )
-        if pa.types.is_floating(values.type) and pc.any(pc.invert(pc.is_finite(values.drop_null()))).as_py():
-            self.non_finite = True
+        if pa.types.is_floating(values.type):
+            present = values.drop_null()
+            if pc.any(pc.invert(pc.is_finite(present))).as_py():
+                self.non_finite = True
+            finite = present.filter(pc.is_finite(present))
+            if kind == "float" and pc.any(pc.not_equal(finite, pc.floor(finite))).as_py():
+                self.fractional = True  # regression, by pelt_core.labels' rule
         if self.too_many:
             return
         self.values.update(pc.unique(values).drop_null().to_pylist())
@@ -110,6 +117,11 @@ class LabelColumn:
         kinds = set(self.kinds)
         if kinds == {"integer", "float"}:
             kinds = {"float"}
+        if self.fractional:  # fractional numbers beside strings or booleans: the user names the problem
+            try:
+                problem_type_for(kinds, self.fractional, str(self.field))
+            except ProblemTypeError as exc:
+                raise RegistryValidationError("problem_type", f"in the {self.split} split, {exc}") from None
         if len(kinds) > 1:
             raise RegistryValidationError(
                 "label_field",
@@ -122,6 +134,7 @@ class LabelColumn:
             values=None if self.too_many else list(self.values),
             names=self.names,
             non_finite=self.non_finite,
+            fractional=self.fractional,
         )
 
 

@@ -31,6 +31,7 @@ class LabelSummary:
     values: list[Any] | None  # distinct values (list elements for "list"); None when there are too many
     names: list[str] | None = None  # class names declared by the data itself (a `datasets` ClassLabel)
     non_finite: bool = False  # a float label is NaN or infinite
+    fractional: bool = False  # a float label has a fractional part (regression: pelt_core.labels)
 
 
 @dataclass(frozen=True)
