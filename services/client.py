@@ -147,9 +147,9 @@ class PeltClient:
         test: str | Path | None = None,
         *,
         dataset: str | Path | None = None,
-        text_fields: Sequence[str] | str,
+        text_fields: Sequence[str] | str | None = None,
         label_field: str = "label",
-        problem_type: str = "single_label_classification",
+        problem_type: str | None = None,
         metric: str | None = None,
         metric_direction: str | None = None,
         label_names: Sequence[str] | None = None,
@@ -158,9 +158,14 @@ class PeltClient:
     ) -> TaskOut:
         """Upload a task's data and register it: split files (JSON Lines, CSV/TSV, Parquet) or `dataset`,
         a folder written by `datasets`' save_to_disk (sent as a tar.gz). `metric`: the primary metric
-        (its name or an alias, see README's metric table); None: the problem type's default."""
+        (its name or an alias, see README's metric table); None: the problem type's default. No
+        `text_fields` or `problem_type`: the server detects them from the data as `pelt train` does."""
         definition = {
-            "text_fields": [text_fields] if isinstance(text_fields, str) else list(text_fields),
+            "text_fields": None
+            if text_fields is None
+            else [text_fields]
+            if isinstance(text_fields, str)
+            else list(text_fields),
             "label_field": label_field,
             "problem_type": problem_type,
             "metric": metric,
@@ -246,9 +251,11 @@ class PeltClient:
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         device: str = "any",
+        again: bool = False,
     ) -> SweepOut:
         """Queue methods × seeds × K values (None: the full training set) in one go; `device` ("any",
-        "cpu" or "gpu") applies to every job."""
+        "cpu" or "gpu") applies to every job. The same sweep as one already queued, running or done
+        returns that sweep's jobs (`already_submitted` true, nothing queued) unless `again=True`."""
         body = {
             "task": task,
             "methods": list(methods),
@@ -261,6 +268,7 @@ class PeltClient:
             "max_attempts": max_attempts,
             "idempotency_key": idempotency_key,
             **_placement(device),
+            **({"again": True} if again else {}),
         }
         return SweepOut.model_validate(self._post("/v1/sweeps", body))
 
@@ -413,6 +421,11 @@ class PeltClient:
         """Every stored delta version of the task, newest first."""
         return [VersionOut.model_validate(v) for v in self._get(f"/v1/tasks/{task}/deltas")]
 
+    def archive_version(self, task: str, version: str | int) -> VersionOut:
+        """Archive a version of a task (an admin token; audited): its aliases go, and no pull by name or
+        alias answers with it again; `version=` still pulls it."""
+        return VersionOut.model_validate(self._post(f"/v1/tasks/{task}/deltas/{version}/archive"))
+
     def delta_info(
         self,
         task: str,
@@ -491,9 +504,12 @@ class PeltClient:
         *,
         aliases: Sequence[str] = (),
         description: str = "",
+        allow_existing: bool = False,
         **options: Any,
     ) -> ComposeOut:
-        """Compose stored deltas into a new version of task `into`. op: merge (weights, how=linear|ties|dare,
+        """Compose stored deltas into a new version of `into`: a new name (pulled by that name, its latest
+        version), or a registered task among the sources; another registered task only with
+        `allow_existing=True` (else a 409 naming `into`). op: merge (weights, how=linear|ties|dare,
         density, seed, ...), average, merge_lora_svd (rank), multi_task (sources: {route: ref}).
         References: "task" (its best), "task@best-lora", "task/3"."""
         body = {
@@ -503,6 +519,7 @@ class PeltClient:
             "options": options,
             "aliases": list(aliases),
             "description": description,
+            **({"allow_existing": True} if allow_existing else {}),
         }
         return ComposeOut.model_validate(self._post("/v1/compose", body))
 

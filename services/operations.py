@@ -9,6 +9,7 @@ It joins the registry (tasks, methods, backbones, jobs, results, tokens), the up
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import io
 import logging
 import tempfile
@@ -43,6 +44,8 @@ from services.registry import (
     SweepRecord,
     TaskRecord,
     UnknownBackboneError,
+    UnknownMethodError,
+    UnknownTaskError,
 )
 from services.registry.models import DEFAULT_JOB_DEVICE
 from services.registry.validation import check_device, check_json_numbers
@@ -255,8 +258,10 @@ class PeltOperations:
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         device: str = DEFAULT_JOB_DEVICE,
+        again: bool = False,
     ) -> SweepRecord:
-        """Queue a sweep (`Registry.submit_sweep`); `device` applies to every job."""
+        """Queue a sweep (`Registry.submit_sweep`); `device` applies to every job. The same sweep as one
+        already queued, running or done answers with it (`already_submitted`) unless `again`."""
         self.registry.get_task(task)
         for method in methods:
             self.registry.get_method(method)
@@ -277,6 +282,7 @@ class PeltOperations:
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
             device=device,
+            again=again,
         )
 
     def get_job(self, job_id: int) -> JobRecord:
@@ -358,13 +364,17 @@ class PeltOperations:
             self.registry.get_task(task)  # an unknown task stays a 404 (naming the known tasks)
             return []
 
-    def delta_info(self, ref: str) -> Any:
-        """One version: "task" (its best), "task@alias" (e.g. best-lora) or "task/3"."""
-        return self._store().get_version(ref)
+    def delta_info(self, ref: Any) -> Any:
+        """One version: "task" (its best; a composition's name: its latest), "task@alias" (e.g.
+        best-lora), "task/3", or a `DeltaRef` (a method's best: an unknown method is refused naming it)."""
+        store = self._store()
+        self._check_ref_method(ref)
+        return store.get_version(ref)
 
-    def delta_archive(self, ref: str) -> DeltaArchive:
+    def delta_archive(self, ref: Any) -> DeltaArchive:
         """Download a version (checked against its sha256) and zip its files, in memory, for sending."""
         store = self._store()
+        self._check_ref_method(ref)
         info = store.get_version(ref)
         buffer = io.BytesIO()
         with tempfile.TemporaryDirectory(prefix="pelt-archive-") as scratch:
@@ -375,6 +385,35 @@ class PeltOperations:
                         archive.write(item, item.relative_to(folder).as_posix())
         return DeltaArchive(buffer.getvalue(), f"{info.task}-v{info.version}.zip", info)
 
+    def _check_ref_method(self, ref: Any) -> None:
+        """A reference to a method's best names a method some job could have run: else UnknownMethodError
+        naming it, the known methods listed nearest to it first."""
+        method = getattr(ref, "method", None)
+        if method is None:
+            return
+        try:
+            self.registry.check_method_known(method)
+        except UnknownMethodError as exc:
+            near = difflib.get_close_matches(method, exc.existing, n=3, cutoff=0.6)
+            known = [*near, *(name for name in exc.existing if name not in near)]
+            raise UnknownMethodError("method", method, known) from None
+
+    def archive_version(self, task: str, version: str | int) -> Any:
+        """Archive a version of a task (an admin's; audited): no pull by name or alias answers with it
+        again (its aliases are removed; best and best-<method> move to the best other version), while its
+        version number still pulls it. The audit event is recorded inside the store's step: a failure to
+        record it leaves the version as it was. Archiving an archived version records nothing."""
+        store = self._store()
+
+        def audit(info: Any) -> None:
+            self.registry.record_audit(
+                "delta.archive",
+                f"{info.task} version {info.version}",
+                {"kind": info.kind, "method": info.method, "aliases": list(info.aliases)},
+            )
+
+        return store.archive_version(task, version, on_written=audit)
+
     def compose(
         self,
         op: str,
@@ -383,16 +422,22 @@ class PeltOperations:
         options: Mapping[str, Any] | None = None,
         aliases: Sequence[str] = (),
         description: str = "",
+        allow_existing: bool = False,
     ) -> Any:
         """Compose deltas (merge, average, merge_lora_svd, multi_task) into a new version of `into`. The
         request is checked first (`check_compose_request`: pelt_core.compose's options), so no option reaches
         the store as one of its own parameters; the audit event is recorded inside the store's
-        all-or-nothing step, so a failure to record it takes the version back."""
+        all-or-nothing step, so a failure to record it takes the version back.
+
+        `into` is a new name (the composition's own: pulling it answers with its latest version), or a
+        registered task only when that task is among the sources or `allow_existing` says so: a
+        composition of other tasks' deltas does not become a version of a real task by accident."""
         from services.delta_store import check_compose_request
 
         options = dict(options or {})
         store = self._store()
         check_compose_request(op, sources, into, aliases, options)
+        self._check_compose_into(sources, into, allow_existing)
 
         def audit(stored: Any) -> None:
             self.registry.record_audit(
@@ -404,6 +449,31 @@ class PeltOperations:
         return store.compose(
             op, sources, into=into, aliases=aliases, description=description, on_written=audit, **options
         )
+
+    def _check_compose_into(
+        self, sources: Sequence[str] | Mapping[str, str], into: str, allow_existing: bool
+    ) -> None:
+        """AlreadyExistsError (409, naming `into`) when `into` is a registered task that no source comes
+        from and `allow_existing` is not set; nothing is pulled or written before."""
+        from services.delta_store import DeltaRef
+
+        if not isinstance(allow_existing, bool):
+            raise RegistryValidationError("allow_existing", f"must be true or false, got {allow_existing!r}")
+        if allow_existing:
+            return
+        try:
+            self.registry.get_task(into)
+        except UnknownTaskError:
+            return  # a name of its own: the composition's
+        refs = sources.values() if isinstance(sources, Mapping) else sources
+        tasks = {DeltaRef.parse(ref).task for ref in refs}
+        if into not in tasks:
+            raise AlreadyExistsError(
+                "into",
+                f"{into!r} is a registered task and none of the sources ({', '.join(sorted(tasks))}) is one "
+                "of its deltas: compose into a new name (it then pulls by that name), or set allow_existing "
+                "(`pelt compose --into-existing`) to add the composition to that task's versions",
+            )
 
 
 __all__ = ["DeltaArchive", "PeltOperations"]

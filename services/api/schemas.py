@@ -22,7 +22,6 @@ from pelt_core.vocabulary import (
     DIRECTIONS,
     METRIC_HELP,
     PROBLEM_TYPES,
-    SINGLE_LABEL,
 )
 
 ID = Field(ge=1, le=INT32_MAX)
@@ -53,9 +52,16 @@ class Response(BaseModel):
 class TaskDefinition(Request):
     """The part of a task registration that is not data (sent as the `definition` form field, JSON)."""
 
-    text_fields: list[str] | str = Field(description="column(s) holding the text; one or two")
+    text_fields: list[str] | str | None = Field(
+        default=None,
+        description="column(s) holding the text, one or two (default: GLUE-style names detected in the data)",
+    )
     label_field: str = "label"
-    problem_type: Literal[PROBLEM_TYPES] = SINGLE_LABEL  # a Literal of each name in the tuple
+    problem_type: Literal[PROBLEM_TYPES] | None = Field(  # a Literal of each name in the tuple
+        default=None,
+        description="default: told by the labels (lists: multi-label; numbers with a fractional part: "
+        "regression; anything else: single-label classification)",
+    )
     metric: str | None = Field(
         default=None,
         description=f"the primary metric, by name or alias (default: {DEFAULT_METRIC_HELP}; it must apply "
@@ -124,6 +130,11 @@ class SweepIn(Request):
     max_attempts: int | None = Field(default=None, ge=1, le=100)
     idempotency_key: str | None = Field(default=None, max_length=200)
     device: JobDevice = Field(default="any", description=f"{DEVICE_HELP}; applies to every job")
+    again: bool = Field(
+        default=False,
+        description="queue new runs even when the same sweep was already submitted (else that sweep is "
+        "the answer, with already_submitted true); not with an idempotency_key",
+    )
 
 
 class ComposeIn(Request):
@@ -141,6 +152,10 @@ class ComposeIn(Request):
     )
     aliases: list[str] = Field(default_factory=list, max_length=MAX_COMPOSE_ALIASES)
     description: str = Field(default="", max_length=10_000)
+    allow_existing: bool = Field(
+        default=False,
+        description="allow `into` a registered task that none of the sources comes from (refused otherwise)",
+    )
 
 
 # --- responses ------------------------------------------------------------------------------------
@@ -248,6 +263,10 @@ class SweepOut(Response):
     priority: int
     created_at: datetime
     job_ids: list[int]
+    already_submitted: bool = Field(
+        default=False,
+        description="true when the same sweep was submitted before: these are its jobs, nothing was queued now",
+    )
 
 
 class SweepCancelOut(Response):
@@ -360,6 +379,9 @@ class VersionOut(Response):
     tags: dict[str, str]
     created_at: datetime
     uri: str
+    archived: bool = Field(
+        default=False, description="archived by an admin: pulled only by its version number"
+    )
 
 
 class ComposeOut(Response):

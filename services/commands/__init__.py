@@ -2,8 +2,8 @@
 
 - `serve`: `pelt serve`, the whole service in one process;
 - `tasks`: `pelt task add|list|show`;
-- `jobs`: `pelt submit`, `sweep`, `jobs`, `watch`, `cancel`;
-- `deltas`: `pelt leaderboard`, `pull`, `compose`;
+- `jobs`: `pelt submit`, `sweep`, `jobs`, `watch`, `cancel`, `result`, `events`;
+- `deltas`: `pelt leaderboard`, `pull`, `compose`, `versions list|archive`;
 - `admin`: `pelt token create|list|revoke` (run next to the registry: tokens are made and revoked there,
   never over the API; each has a scope: read, write or admin) and `pelt audit`;
 - `study`: `pelt study`, UniPELT's low-resource study through the service (`services.study`);
@@ -14,8 +14,16 @@ the token `pelt serve` left in PELT_DATA_DIR/api_token.
 """
 
 from services.commands.admin import audit_command, token_group
-from services.commands.deltas import compose_command, leaderboard_command, pull_command
-from services.commands.jobs import cancel_command, jobs_command, submit_command, sweep_command, watch_command
+from services.commands.deltas import compose_command, leaderboard_command, pull_command, versions_group
+from services.commands.jobs import (
+    cancel_command,
+    events_command,
+    jobs_command,
+    result_command,
+    submit_command,
+    sweep_command,
+    watch_command,
+)
 from services.commands.serve import serve_command
 from services.commands.study import study_command
 from services.commands.tasks import task_group
@@ -28,9 +36,12 @@ SERVICE_COMMANDS = [
     jobs_command,
     watch_command,
     cancel_command,
+    result_command,
+    events_command,
     leaderboard_command,
     pull_command,
     compose_command,
+    versions_group,
     token_group,
     audit_command,
     study_command,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from pelt_core.vocabulary import COMPOSE_OPERATIONS
@@ -89,22 +91,57 @@ def _plot(task: str, path: str, view: str, k_shot: int | None, as_json: bool) ->
 @click.option("--version", default=None, help="a version number (default: the task's best)")
 @click.option("--alias", default=None, help="an alias, e.g. best-lora")
 @click.option("--method", default=None, help="the best version of this method")
+@click.option(
+    "--peft",
+    "as_peft",
+    is_flag=True,
+    help="also write a LoRA delta as a PEFT adapter in OUT/peft (loads its backbone here)",
+)
 @client_errors
-def pull_command(task: str, out: str, version: str | None, alias: str | None, method: str | None) -> None:
+def pull_command(
+    task: str, out: str, version: str | None, alias: str | None, method: str | None, as_peft: bool
+) -> None:
     """Download a task's delta by task name (its best by default), checked against its sha256."""
     with PeltClient() as client:
         info = client.download(task, out, version=version, alias=alias, method=method)
-    value = "" if info.metric_value is None else f", {info.metric} {info.metric_value:.4f}"
-    click.echo(
-        f"{info.task} version {info.version} ({info.kind}, {info.method}{value}) -> {out}  "
-        f"sha256 {info.sha256}"
-    )
+        value = "" if info.metric_value is None else f", {info.metric} {info.metric_value:.4f}"
+        click.echo(
+            f"{info.task} version {info.version} ({info.kind}, {info.method}{value}) -> {out}  "
+            f"sha256 {info.sha256}"
+        )
+        if as_peft:
+            click.echo(f"PEFT adapter -> {export_pulled_peft(client, info, Path(out))}")
+
+
+def export_pulled_peft(client: PeltClient, info, folder: Path) -> Path:
+    """The pulled LoRA delta written as a PEFT adapter folder (`folder/peft`, loaded by
+    `peft.PeftModel.from_pretrained` over the base model; its head beside it); a delta PEFT cannot load (not
+    plain LoRA, or a multi-task bundle) is a click error naming why."""
+    from pelt_core.delta import DeltaError, export_peft_lora
+
+    try:
+        pulled = client.pull(info.task, version=info.version, device="cpu")
+        return export_peft_lora(pulled.delta, pulled.backbone, folder / "peft")
+    except DeltaError as exc:
+        raise click.ClickException(
+            f"--peft: {info.task} version {info.version} ({info.method}): {exc}"
+        ) from None
 
 
 @click.command("compose")
 @click.argument("op", type=click.Choice(COMPOSE_OPERATIONS))
 @click.argument("sources", nargs=-1, required=True)
-@click.option("--into", required=True, help="the task whose new version the result becomes")
+@click.option(
+    "--into",
+    required=True,
+    help="a new name for the composition (pulled by that name), or a registered task among the sources",
+)
+@click.option(
+    "--into-existing",
+    "into_existing",
+    is_flag=True,
+    help="allow --into a registered task that none of the sources comes from",
+)
 @click.option(
     "--set",
     "assignments",
@@ -115,10 +152,16 @@ def pull_command(task: str, out: str, version: str | None, alias: str | None, me
 @click.option("--alias", "aliases", multiple=True, help="alias for the new version")
 @client_errors
 def compose_command(
-    op: str, sources: tuple[str, ...], into: str, assignments: tuple[str, ...], aliases: tuple[str, ...]
+    op: str,
+    sources: tuple[str, ...],
+    into: str,
+    into_existing: bool,
+    assignments: tuple[str, ...],
+    aliases: tuple[str, ...],
 ) -> None:
     """Compose stored deltas: SOURCES are "task" (its best), "task@alias" or "task/VERSION"; for
-    multi_task, "route=ref"."""
+    multi_task, "route=ref". --into a registered task is refused unless it is among the sources or
+    --into-existing is given."""
     named = (
         dict(s.split("=", 1) for s in sources)
         if op == "multi_task" and all("=" in s for s in sources)
@@ -130,6 +173,7 @@ def compose_command(
             named if named is not None else list(sources),
             into,
             aliases=aliases,
+            allow_existing=into_existing,
             **parse_set_options(assignments, compose=True),
         )
     click.echo(
@@ -137,4 +181,45 @@ def compose_command(
     )
 
 
-__all__ = ["compose_command", "leaderboard_command", "pull_command"]
+@click.group("versions")
+def versions_group() -> None:
+    """A task's stored delta versions: list them, archive one."""
+
+
+@versions_group.command("list")
+@click.argument("task")
+@client_errors
+def versions_list_command(task: str) -> None:
+    """Every stored version of TASK with its kind, method, aliases and whether it is archived."""
+    with PeltClient() as client:
+        versions = client.versions(task)
+    rows = [
+        {
+            "version": v.version,
+            "kind": v.kind,
+            "method": v.method,
+            "aliases": ",".join(v.aliases) or None,
+            "archived": "yes" if v.archived else "no",
+            "created": v.created_at.strftime("%Y-%m-%d %H:%M"),
+        }
+        for v in versions
+    ]
+    print_table(rows, ["version", "kind", "method", "aliases", "archived", "created"])
+
+
+@versions_group.command("archive")
+@click.argument("task")
+@click.argument("version", type=click.IntRange(min=1))
+@client_errors
+def versions_archive_command(task: str, version: int) -> None:
+    """Archive VERSION of TASK (an admin token; audited): its aliases go, and no pull by name or alias
+    answers with it again; `pelt pull TASK --version VERSION` still does."""
+    with PeltClient() as client:
+        info = client.archive_version(task, version)
+    click.echo(
+        f"{info.task} version {info.version} archived ({info.kind}, {info.method}); "
+        f"pulled only by --version {info.version} from now on"
+    )
+
+
+__all__ = ["compose_command", "leaderboard_command", "pull_command", "versions_group"]

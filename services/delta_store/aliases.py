@@ -1,6 +1,10 @@
 """The delta store's aliases: `best` and `best-<method>` as a projection of the registry's leaderboard,
 and the rules for the aliases a caller may set.
 
+An archived version (`archive_version`, an admin's) loses its aliases and never gets one back from a sync:
+its job is left out of the leaderboard the aliases follow, so the best of the other runs takes `best` and
+its method's `best-<method>`.
+
 Aliases are never written from a worker's own view: `sync_aliases(task)` reads the registry's leaderboard
 after the result row has committed, points `best-<method>` at each method's best job and `best` at the best
 of all (ties: fewer trainable parameters, then the older job: an alias moves only when a new result beats
@@ -11,6 +15,7 @@ is repaired by any later sync (the next completion on the task, `reconcile(task)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.delta_store.base import StoreBase, ignore_missing, log
@@ -19,7 +24,10 @@ from services.delta_store.values import (
     ALIAS_PATTERN,
     BEST,
     METHOD_ALIAS_PREFIX,
+    TAG_ARCHIVED,
+    VersionInfo,
     method_alias,
+    version_string,
     version_uri,
 )
 
@@ -62,13 +70,50 @@ class AliasMixin(StoreBase):
         log.warning("aliases of %s kept changing while they were synced; last set to %s", task, desired)
         return desired
 
-    def _desired_aliases(self, task: str, registry: Registry) -> dict[str, str]:
-        rows = registry.leaderboard(task)
+    def archive_version(
+        self,
+        task: str,
+        version: str | int,
+        *,
+        registry: Registry | None = None,
+        on_written: Callable[[VersionInfo], None] | None = None,
+    ) -> VersionInfo:
+        """Archive one version of a task: tagged archived, its aliases removed (best and best-<method> move
+        to the best of the other versions when the store has a registry), so no pull by name or alias
+        answers with it again; its number still pulls it. on_written: called once it is archived (the
+        service records its audit event there); if it raises, the version is as it was. Archiving an
+        archived version changes nothing and calls nothing."""
         model = self.model_name(task)
+        number = version_string(version)
+        info = self.get_version(f"{task}/{number}")
+        if info.archived:
+            return info
+        self.client.set_model_version_tag(model, number, TAG_ARCHIVED, "true")
+        removed = list(info.aliases)
+        try:
+            for alias in removed:
+                with ignore_missing():
+                    self.client.delete_registered_model_alias(model, alias)
+            if on_written is not None:
+                on_written(info)
+        except BaseException:
+            self.client.delete_model_version_tag(model, number, TAG_ARCHIVED)
+            for alias in removed:
+                self.client.set_registered_model_alias(model, alias, number)
+            raise
+        if removed and (registry or self.registry) is not None:
+            self.sync_aliases(task, registry)
+        return self.get_version(f"{task}/{number}")
+
+    def _desired_aliases(self, task: str, registry: Registry) -> dict[str, str]:
+        model = self.model_name(task)
+        archived = self._archived_versions(model)
+        left_out = [job_id for job_id in archived.values() if job_id is not None]
+        rows = registry.leaderboard(task, exclude_job_ids=left_out)
         desired: dict[str, str] = {}
         for row in rows:  # best first
             version = self._recorded_version(registry, model, row.best_job_id)
-            if version is None:
+            if version is None or version in archived:
                 continue
             desired[method_alias(row.method)] = version
             desired.setdefault(BEST, version)

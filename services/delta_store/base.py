@@ -25,6 +25,7 @@ from services.delta_store.errors import DeltaNotFoundError, DeltaStoreError
 from services.delta_store.values import (
     ARTIFACT_PATH,
     NAMESPACE_PATTERN,
+    TAG_ARCHIVED,
     TAG_JOB_ID,
     TAG_KIND,
     TAG_METHOD,
@@ -225,6 +226,12 @@ class StoreBase:
             if not token:
                 return sorted(found, key=lambda v: int(v.version))
 
+    def _archived_versions(self, model: str) -> dict[str, int | None]:
+        """The model's archived versions: {version number: the id of the job that trained it, or None}."""
+        found = self._versions(model, f"tags.`{TAG_ARCHIVED}` = 'true'")
+        job_ids = {str(v.version): (v.tags or {}).get(TAG_JOB_ID, "") for v in found}
+        return {version: int(job) if job.isdigit() else None for version, job in job_ids.items()}
+
     def _job_versions(self, model: str, job_id: int) -> list[ModelVersion]:
         return self._versions(model, f"tags.`{TAG_JOB_ID}` = '{int(job_id)}'")
 
@@ -301,6 +308,7 @@ class StoreBase:
             aliases=tuple(sorted(aliases.get(str(version.version), []))),
             tags=tags,
             created_at=datetime.fromtimestamp(version.creation_timestamp / 1000, UTC),
+            archived=tags.get(TAG_ARCHIVED) == "true",
         )
 
 

@@ -18,7 +18,9 @@ from services.delta_store.values import (
     ARTIFACT_PATH,
     BEST,
     METHOD_ALIAS_PREFIX,
+    TAG_ARCHIVED,
     TAG_ARTIFACT_PATH,
+    TAG_KIND,
     TAG_METHOD,
     TAG_SHA256,
     DeltaRef,
@@ -29,6 +31,8 @@ from services.delta_store.values import (
 
 if TYPE_CHECKING:
     from pelt_core.backbones import Backbone
+
+COMPOSED_KINDS = ("composed", MULTI_TASK)  # the kinds of version `compose` writes
 
 
 class ReadMixin(StoreBase):
@@ -48,7 +52,11 @@ class ReadMixin(StoreBase):
         version: str | int | None = None,
         alias: str | None = None,
     ) -> VersionInfo:
-        """Resolve a reference to one version; DeltaNotFoundError lists what exists."""
+        """Resolve a reference to one version; DeltaNotFoundError lists what exists.
+
+        A plain name is its `best` alias; a composition's own name (every version of it a composition)
+        has none, and answers with its latest version instead. An archived version answers only to its
+        version number, never to a name or an alias."""
         ref = resolve_ref(ref, method=method, version=version, alias=alias)
         model = self.model_name(ref.task)
         registered = self._registered_model(model)
@@ -74,6 +82,9 @@ class ReadMixin(StoreBase):
         else:
             wanted = ref.alias or BEST
             if wanted not in aliases:
+                latest = None if ref.alias is not None else self._latest_composition(model)
+                if latest is not None:
+                    return self._info(latest, self._aliases_by_version(registered))
                 versions = [str(v.version) for v in self._versions(model)]
                 hint = (
                     f" (its versions: {', '.join(versions)}; pick one with version=...)"
@@ -82,7 +93,16 @@ class ReadMixin(StoreBase):
                 )
                 raise DeltaNotFoundError("alias", wanted, aliases, where=f"on task {ref.task!r}", hint=hint)
         found = self.client.get_model_version_by_alias(model, wanted)
-        return self._info(found, self._aliases_by_version(registered))
+        info = self._info(found, self._aliases_by_version(registered))
+        if info.archived:  # archive_version moves aliases off; one set since then is not followed either
+            raise DeltaNotFoundError(
+                "alias",
+                wanted,
+                [a for a, v in aliases.items() if str(v) != info.version],
+                where=f"on task {ref.task!r}",
+                hint=f" (it points at version {info.version}, which is archived; pick it with version=...)",
+            )
+        return info
 
     def download(
         self, task: str | DeltaRef, version: str | int | None = None, dest: str | Path | None = None
@@ -115,6 +135,15 @@ class ReadMixin(StoreBase):
             return load_pulled(info, folder, lambda manifest: self._backbone(manifest, backbone), fold=fold)
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _latest_composition(self, model: str) -> Any:
+        """The latest version that is not archived, of a model every version of which is a composition
+        (a composition's own name); None for a task with trained or imported versions, or none left."""
+        versions = self._versions(model)
+        if not versions or any((v.tags or {}).get(TAG_KIND) not in COMPOSED_KINDS for v in versions):
+            return None
+        kept = [v for v in versions if (v.tags or {}).get(TAG_ARCHIVED) != "true"]
+        return kept[-1] if kept else None
 
     def _methods_with_aliases(self, model: str, aliases: Mapping[str, Any]) -> list[str]:
         methods = []

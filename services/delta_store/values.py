@@ -33,6 +33,7 @@ TAG_METRIC_VALUE = "pelt.metric_value"
 TAG_ARTIFACT_PATH = "pelt.artifact_path"
 TAG_OP = "pelt.composition.op"
 TAG_SOURCES = "pelt.composition.sources"
+TAG_ARCHIVED = "pelt.archived"  # "true" on a version an admin archived: never pulled by name or alias
 
 NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,49}$")
 TASK_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")  # the registry's task names
@@ -104,6 +105,7 @@ class VersionInfo:
     aliases: tuple[str, ...]
     tags: dict[str, str]
     created_at: datetime
+    archived: bool = False  # archived by an admin: pulled only by its version number
 
     @property
     def uri(self) -> str:

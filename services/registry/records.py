@@ -195,9 +195,10 @@ class SweepRecord:
     idempotency_key: str | None
     created_at: datetime
     job_ids: list[int]
+    already_submitted: bool = False  # the answer to a submit: this sweep existed, nothing was queued now
 
     @classmethod
-    def of(cls, row: models.Sweep, job_ids: list[int]) -> SweepRecord:
+    def of(cls, row: models.Sweep, job_ids: list[int], already_submitted: bool = False) -> SweepRecord:
         return cls(
             id=row.id,
             task=row.task.name,
@@ -211,6 +212,7 @@ class SweepRecord:
             idempotency_key=row.idempotency_key,
             created_at=row.created_at,
             job_ids=job_ids,
+            already_submitted=already_submitted,
         )
 
 

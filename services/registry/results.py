@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import false, func, select
 from sqlalchemy.orm import Session
 
 from services.registry import presets
@@ -14,7 +14,7 @@ from services.registry.errors import RegistryValidationError
 from services.registry.leaderboard import SPLITS, LeaderboardRow, OrderBy, Run, Split, rank_by_k, rank_methods
 from services.registry.models import Job, JobEvent, JobStatus, Method, Result
 from services.registry.records import JobEventRecord, JobRecord, LossHistoryRecord, ResultRecord
-from services.registry.rows import find_backbone, find_job, find_task
+from services.registry.rows import backbone_filter_id, find_job, find_task
 from services.registry.validation import check_int
 
 
@@ -79,7 +79,7 @@ class JobResults(RegistryCore):
             presets.check_known(session, method)
             query = query.where(Job.method_id.in_(select(Method.id).where(Method.name == method)))
         if backbone is not None:
-            query = query.where(Job.backbone_id == find_backbone(session, backbone).id)
+            query = _on_backbone(query, backbone_filter_id(session, backbone))
         if sweep_id is not None:
             query = query.where(Job.sweep_id == sweep_id)
         if status is not None:
@@ -119,17 +119,19 @@ class JobResults(RegistryCore):
         backbone: str | None = None,
         order_by: OrderBy = "best",
         split: Split = "test",
+        exclude_job_ids: Iterable[int] = (),
     ) -> list[LeaderboardRow]:
         """One row per method over the task's succeeded jobs (only K = `k_shot` when given; all runs,
         whatever their K, when None): best and mean ± std of the primary metric, run count, trainable
         percentage, median train time and the job and delta behind the best. Best first by the
         metric's direction; ties go to fewer trainable parameters. `split`: rank by the metric on the
         task's evaluation split ("test") or on the study protocol's dev split ("dev": only jobs that had
-        one)."""
+        one). `exclude_job_ids`: jobs left out (the delta store's archived versions, for its aliases)."""
         if k_shot is not None:
             check_int(k_shot, "k_shot", minimum=1)
         runs, direction = self._succeeded_runs(task, k_shot, backbone, split)
-        return rank_methods(runs, direction, order_by)
+        left_out = set(exclude_job_ids)
+        return rank_methods([run for run in runs if run.job_id not in left_out], direction, order_by)
 
     def leaderboard_by_k(
         self, task: str, *, backbone: str | None = None, order_by: OrderBy = "best", split: Split = "test"
@@ -173,8 +175,13 @@ class JobResults(RegistryCore):
             if k_shot is not None:
                 query = query.where(Job.k_shot == k_shot)
             if backbone is not None:
-                query = query.where(Job.backbone_id == find_backbone(session, backbone).id)
+                query = _on_backbone(query, backbone_filter_id(session, backbone))
             return [Run(*row) for row in session.execute(query)], task_row.metric_direction
+
+
+def _on_backbone(query: Any, backbone_id: int | None) -> Any:
+    """The query narrowed to jobs on that backbone; to nothing for a packaged one not registered yet."""
+    return query.where(false()) if backbone_id is None else query.where(Job.backbone_id == backbone_id)
 
 
 __all__ = ["JobResults"]

@@ -63,6 +63,20 @@ def find_backbone(session: Session, name: str) -> Backbone:
     return row
 
 
+def backbone_filter_id(session: Session, name: str) -> int | None:
+    """The id of the backbone named `name`, for filtering jobs or results by it: None for a packaged
+    backbone (`pelt_core.backbones`: its name or an alias) that no submit has registered yet, so no job
+    can have run on it (the filter matches nothing); UnknownBackboneError for any other unknown name."""
+    row = session.scalar(select(Backbone.id).where(Backbone.name == name))
+    if row is not None:
+        return row
+    from pelt_core.backbones import BACKBONE_ALIASES, PACKAGED_BACKBONES
+
+    if name in PACKAGED_BACKBONES or name in BACKBONE_ALIASES:
+        return None
+    return find_backbone(session, name).id  # raises, listing the registered backbones
+
+
 def find_job(session: Session, job_id: int, *, lock: bool = False) -> Job:
     """The job of that id, locked `FOR UPDATE` when asked (UnknownJobError when there is none)."""
     if isinstance(job_id, bool) or not isinstance(job_id, int):
@@ -280,6 +294,7 @@ __all__ = [
     "MAX_ERROR_CHARS",
     "PlannedJob",
     "audit",
+    "backbone_filter_id",
     "check_worker",
     "clip",
     "distinct_list",

@@ -3,10 +3,18 @@ written, idempotent by key, capped per actor.
 
 A job's `device` (`any`, `cpu`, `gpu`) is placement, not part of what the job is: an idempotent retry
 compares the task, method, backbone, seed, K and hyperparameters only, so resubmitting under the same key
-with another device returns the jobs already made, on the device they were first given."""
+with another device returns the jobs already made, on the device they were first given.
+
+A sweep submitted without a key is idempotent too: its key is then derived from the identities of the jobs
+it plans (`_job_identity`, the same tuple an idempotent retry of a job compares), so the same sweep again
+answers with the sweep already queued, running or done (`already_submitted`) instead of queueing its jobs
+twice. `again=True` queues new runs (the derived key moves to the new sweep), and so does a repeat of a
+sweep whose every job failed or was cancelled."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -155,18 +163,29 @@ class Submissions(RegistryCore):
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         device: str = DEFAULT_JOB_DEVICE,
+        again: bool = False,
     ) -> SweepRecord:
         """Queue methods × seeds × K values for one task in one transaction (all jobs or none).
 
         `k_values` entries of None mean the full training set. `hyperparameters` apply to every
         method; `method_hyperparameters[method]` add to or override them for one method (e.g. a rank
         that only LoRA has). `device` (`any`, `cpu`, `gpu`) applies to every job. The same idempotency
-        key returns the sweep it made, whatever `device` the retry names."""
+        key returns the sweep it made, whatever `device` the retry names. Without a key, the same sweep
+        as one already queued, running or done returns that sweep (`already_submitted`), unless `again`
+        (module docstring); `again` with an idempotency key is refused."""
         request = self._check_sweep_request(methods, seeds, k_values, hyperparameters, method_hyperparameters)
         _, _, priority, max_attempts, key = self._check_job_args(
             0, None, priority, max_attempts, idempotency_key
         )
         device = check_device(device)
+        if not isinstance(again, bool):
+            raise RegistryValidationError("again", f"must be true or false, got {again!r}")
+        if again and key is not None:
+            raise RegistryValidationError(
+                "again",
+                "an idempotency_key names one sweep, so it cannot be submitted again under it: "
+                "drop the key, or drop again",
+            )
 
         def write() -> SweepRecord:
             with self._writing() as session:
@@ -186,11 +205,20 @@ class Submissions(RegistryCore):
                         now,
                     )
                 ]
+                stored_key = key
                 if key is not None:
                     existing = session.scalar(select(Sweep).where(Sweep.idempotency_key == key))
                     if existing is not None:
                         _check_same_sweep(existing, task_row, backbone_row, request, key)
-                        return SweepRecord.of(existing, sweep_job_ids(session, existing.id))
+                        return SweepRecord.of(existing, sweep_job_ids(session, existing.id), True)
+                else:
+                    stored_key = _derived_sweep_key(task_row, backbone_row, planned)
+                    existing = session.scalar(select(Sweep).where(Sweep.idempotency_key == stored_key))
+                    if existing is not None:
+                        if not again and _has_live_jobs(session, existing):
+                            return SweepRecord.of(existing, sweep_job_ids(session, existing.id), True)
+                        existing.idempotency_key = None  # the identity moves to the new runs
+                        session.flush()
                 self._check_queue_quota(session, len(planned))
                 return self._queue_sweep(
                     session,
@@ -201,7 +229,7 @@ class Submissions(RegistryCore):
                     priority,
                     max_attempts,
                     device,
-                    key,
+                    stored_key,
                     now,
                 )
 
@@ -392,10 +420,15 @@ class Submissions(RegistryCore):
             )
 
 
+def _job_identity(plan: PlannedJob, task: Task, backbone: Backbone) -> tuple[Any, ...]:
+    """What a job is, for idempotency: task, method, backbone, seed, K and hyperparameters (its device,
+    priority and attempts are how it runs, not what it is)."""
+    return (task.id, plan.method.id, backbone.id, plan.seed, plan.k_shot, jsonable(plan.hyperparameters))
+
+
 def _check_same_job(existing: Job, plan: PlannedJob, task: Task, backbone: Backbone, key: str) -> None:
     """IdempotencyConflictError unless the job made under `key` was this same request (its device is
     placement, not identity: not compared)."""
-    request = (task.id, plan.method.id, backbone.id, plan.seed, plan.k_shot, jsonable(plan.hyperparameters))
     found = (
         existing.task_id,
         existing.method_id,
@@ -404,8 +437,27 @@ def _check_same_job(existing: Job, plan: PlannedJob, task: Task, backbone: Backb
         existing.k_shot,
         jsonable(existing.hyperparameters),
     )
-    if request != found:
+    if _job_identity(plan, task, backbone) != found:
         raise IdempotencyConflictError(key, "job")
+
+
+SWEEP_KEY_PREFIX = "sweep:"
+
+
+def _derived_sweep_key(task: Task, backbone: Backbone, planned: Sequence[PlannedJob]) -> str:
+    """The idempotency key of a sweep submitted without one: a digest of its jobs' identities, in no
+    particular order (the same methods, seeds and K values listed in another order are the same sweep)."""
+    identities = sorted(
+        json.dumps(_job_identity(plan, task, backbone), sort_keys=True, default=str) for plan in planned
+    )
+    return SWEEP_KEY_PREFIX + hashlib.sha256("\n".join(identities).encode()).hexdigest()
+
+
+def _has_live_jobs(session: Session, sweep: Sweep) -> bool:
+    """Whether some job of the sweep is queued, running or succeeded (not every one failed or cancelled)."""
+    ended_badly = [JobStatus.FAILED.value, JobStatus.CANCELLED.value]
+    query = select(Job.id).where(Job.sweep_id == sweep.id, Job.status.not_in(ended_badly)).limit(1)
+    return session.scalar(query) is not None
 
 
 def _check_same_sweep(

@@ -92,6 +92,37 @@ def test_pulling_an_unknown_task_method_alias_or_version_lists_what_exists(store
         store.pull("sst2", alias="soup")
 
 
+def test_an_archived_version_is_never_the_best_and_its_aliases_go_to_the_best_other_run(
+    store, registry, trained
+):
+    run_job(store, registry, trained["lora-0"], accuracy=0.60)  # version 1
+    run_job(store, registry, trained["lora-1"], accuracy=0.80)  # version 2: best, best-lora
+    run_job(store, registry, trained["bitfit-0"], accuracy=0.70)  # version 3: best-bitfit
+    assert store.get_version("sst2").version == "2"
+
+    archived = store.archive_version("sst2", 2)
+    assert archived.archived and archived.aliases == ()
+    assert store.get_version("sst2").version == "3"  # bitfit's 0.70 beats lora's 0.60 now
+    assert store.get_version("sst2", method="lora").version == "1"
+    assert store.pull("sst2", version=2).info.archived  # its number still pulls it
+
+    run_job(store, registry, trained["lora-r4"], accuracy=0.75)  # version 4: a later sync leaves 2 out too
+    assert store.get_version("sst2").version == "4" and store.get_version("sst2@best-lora").version == "4"
+    assert [v.version for v in store.list_versions("sst2") if v.archived] == ["2"]
+
+
+def test_a_compositions_own_name_pulls_its_latest_version(store, registry, trained):
+    run_job(store, registry, trained["lora-0"], accuracy=0.6)
+    run_job(store, registry, trained["lora-1"], accuracy=0.7)
+    store.compose("merge", ["sst2/1", "sst2/2"], into="soup", weights=[0.5, 0.5])
+    latest = store.compose("merge", ["sst2/1", "sst2/2"], into="soup", weights=[0.9, 0.1])
+    assert store.pull("soup").version == latest.version == "2"
+    with pytest.raises(DeltaNotFoundError, match="no alias 'best'"):
+        store.get_version("soup@best")  # only the plain name falls back to the latest
+    store.archive_version("soup", 2)
+    assert store.get_version("soup").version == "1"
+
+
 def test_a_delta_is_refused_by_another_backbone(store, registry, trained, tmp_path):
     run_job(store, registry, trained["lora-0"], accuracy=0.7)
     other = tiny_bert(str(tmp_path), seed=1)  # same shapes, other weights: another content hash

@@ -73,6 +73,7 @@ def test_a_submitted_job_is_queued_with_its_resolved_training_config_and_method_
         ({"hyperparameters": {"epochs": True}}, "epochs", "expected float"),
         ({"hyperparameters": {"dropout": "lots"}}, "dropout", "expected a number"),
         ({"hyperparameters": {"rnak": 4}}, "rnak", "not a field of any module"),
+        ({"hyperparameters": {"epoch": 2}}, "epoch", "did you mean epochs?"),
         ({"hyperparameters": {"seed": 3}}, "seed", "pass seed as its own argument"),
         (
             {"k_shot": 37},
@@ -110,6 +111,34 @@ def test_unknown_names_raise_not_found_errors_that_are_validation_errors(ready: 
         with pytest.raises(error) as refused:
             ready.submit_job(**{"task": "sst2", "method": "lora", "backbone": "tiny-bert", **changes})
         assert isinstance(refused.value, LookupError) and refused.value.name == "x"
+
+
+@pytest.mark.parametrize("packaged", ["all-minilm-l6-v2", "minilm", "smollm2-135m"])
+def test_filtering_by_a_packaged_backbone_no_job_has_registered_yet_finds_nothing(
+    ready: Registry, packaged: str
+) -> None:
+    ready.submit_job("sst2", "lora", "tiny-bert")
+    assert ready.list_jobs(task="sst2", backbone=packaged) == []
+    assert sum(ready.job_counts(task="sst2", backbone=packaged).values()) == 0
+    assert ready.leaderboard("sst2", backbone=packaged) == []
+    assert ready.leaderboard_by_k("sst2", backbone=packaged) == {}
+    assert [job.backbone for job in ready.list_jobs(task="sst2", backbone="tiny-bert")] == ["tiny-bert"]
+
+
+def test_filtering_by_a_backbone_neither_registered_nor_packaged_names_it_in_a_not_found_error(
+    ready: Registry,
+) -> None:
+    for read in (
+        lambda: ready.list_jobs(task="sst2", backbone="no-such-bert"),
+        lambda: ready.job_counts(backbone="no-such-bert"),
+        lambda: ready.leaderboard("sst2", backbone="no-such-bert"),
+    ):
+        with pytest.raises(
+            UnknownBackboneError, match="unknown backbone 'no-such-bert'; known backbones: tiny-bert"
+        ):
+            read()
+    with pytest.raises(UnknownTaskError):  # an unknown task is still named first
+        ready.list_jobs(task="nope", backbone="minilm")
 
 
 def test_a_user_defined_preset_can_be_submitted_like_a_builtin(ready: Registry) -> None:
@@ -212,6 +241,47 @@ def test_a_sweep_is_idempotent_by_key(ready: Registry) -> None:
     with pytest.raises(IdempotencyConflictError):
         ready.submit_sweep("sst2", ["lora"], [0, 1], [8], "tiny-bert", idempotency_key="sweep-1")
     assert ready.job_counts()["queued"] == 3
+
+
+def test_the_same_sweep_submitted_again_without_a_key_answers_with_the_first_and_queues_nothing(
+    ready: Registry,
+) -> None:
+    first = ready.submit_sweep("sst2", ["lora", "bitfit"], [0, 1], [8], "tiny-bert", {"lr": 1e-3})
+    assert not first.already_submitted
+    before = row_counts(ready)
+    # the same jobs, listed in another order and with the training key under its full name
+    again = ready.submit_sweep(
+        "sst2", ["bitfit", "lora"], [1, 0], [8], "tiny-bert", {"learning_rate": 1e-3}, device="gpu"
+    )
+    assert again.already_submitted and (again.id, again.job_ids) == (first.id, first.job_ids)
+    assert row_counts(ready) == before  # no sweep, job, event or audit row
+
+
+def test_a_sweep_with_new_seeds_or_asked_again_queues_new_runs(ready: Registry) -> None:
+    first = ready.submit_sweep("sst2", ["lora"], [0], [8], "tiny-bert")
+    more_seeds = ready.submit_sweep("sst2", ["lora"], [0, 1], [8], "tiny-bert")
+    assert not more_seeds.already_submitted and more_seeds.id != first.id and len(more_seeds.job_ids) == 2
+    rerun = ready.submit_sweep("sst2", ["lora"], [0], [8], "tiny-bert", again=True)
+    assert not rerun.already_submitted and set(rerun.job_ids).isdisjoint(first.job_ids)
+    latest = ready.submit_sweep("sst2", ["lora"], [0], [8], "tiny-bert")
+    assert latest.already_submitted and latest.id == rerun.id  # the newest runs answer from now on
+    assert ready.job_counts()["queued"] == 4
+
+
+def test_a_sweep_whose_every_job_failed_or_was_cancelled_is_queued_again(ready: Registry) -> None:
+    first = ready.submit_sweep("sst2", ["lora", "bitfit"], [0], [8], "tiny-bert")
+    ready.cancel_sweep(first.id)
+    second = ready.submit_sweep("sst2", ["lora", "bitfit"], [0], [8], "tiny-bert")
+    assert not second.already_submitted and second.id != first.id
+    assert ready.job_counts(sweep_id=second.id)["queued"] == 2
+
+
+def test_again_with_an_idempotency_key_is_refused_and_writes_nothing(ready: Registry) -> None:
+    before = row_counts(ready)
+    with pytest.raises(RegistryValidationError) as refused:
+        ready.submit_sweep("sst2", ["lora"], [0], [8], "tiny-bert", idempotency_key="k", again=True)
+    assert refused.value.field == "again" and "idempotency_key" in str(refused.value)
+    assert row_counts(ready) == before
 
 
 @pytest.mark.parametrize(

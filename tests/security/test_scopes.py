@@ -27,7 +27,11 @@ from services.settings import Settings, get_settings
 from tests.api.conftest import BACKBONE, Api
 from tests.api.helpers import tiny_lora_spec
 
-ADMIN_ROUTES = {("post", "/v1/backbones"), ("get", "/v1/audit")}
+ADMIN_ROUTES = {
+    ("post", "/v1/backbones"),
+    ("get", "/v1/audit"),
+    ("post", "/v1/tasks/{name}/deltas/{version}/archive"),
+}
 SET_UP = [
     (None, "backbone.register", BACKBONE),
     (None, "token.create", "tests"),

@@ -1,40 +1,41 @@
 """/v1/tasks/{name}/deltas and /v1/compose: a task's stored delta versions, which one a reference
-resolves to, their files as a zip, and new versions composed from stored ones."""
+resolves to, their files as a zip, archiving one (an admin's), and new versions composed from stored
+ones."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
+from fastapi import Path as PathParam
 from fastapi.responses import Response
 
 from services.api.bodies import BoundedJsonRoute
-from services.api.dependencies import READ, WRITE, Name, Operations
+from services.api.dependencies import ADMIN, READ, WRITE, Name, Operations
 from services.api.schemas import ComposeIn, ComposeOut, VersionOut
+from services.delta_store import DeltaRef
 from services.errors import ServiceError
 
 router = APIRouter(tags=["deltas"], route_class=BoundedJsonRoute)  # JSON nests at most MAX_JSON_DEPTH deep
 
 RefQuery = Annotated[str | None, Query(max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")]
 VersionQuery = Annotated[str | None, Query(pattern=r"^[0-9]{1,9}$", description="a version number")]
+VersionPath = Annotated[str, PathParam(pattern=r"^[0-9]{1,9}$", description="a version number")]
 
 
 def reference(
     name: Name, version: VersionQuery = None, alias: RefQuery = None, method: RefQuery = None
-) -> str:
+) -> DeltaRef:
     """The store's reference to one version of task `name`: by its number, an alias or a method's best
-    (at most one of them; default: the task's best)."""
+    (at most one of them; default: the task's best, or a composition's latest). A method stays a method
+    (not its alias), so an unknown one is refused as a method."""
     given = [x for x in (version, alias, method) if x]
     if len(given) > 1:
         raise ServiceError("give at most one of version, alias and method", status=422, field="version")
-    if version:
-        return f"{name}/{version}"
-    if method:
-        return f"{name}@best-{method.replace('.', '_')}"
-    return f"{name}@{alias}" if alias else name
+    return DeltaRef(name, version=version or None, alias=alias or None, method=method or None)
 
 
-Reference = Annotated[str, Depends(reference)]
+Reference = Annotated[DeltaRef, Depends(reference)]
 
 
 def version_out(info: Any) -> VersionOut:
@@ -54,6 +55,7 @@ def version_out(info: Any) -> VersionOut:
         tags=dict(info.tags),
         created_at=info.created_at,
         uri=info.uri,
+        archived=info.archived,
     )
 
 
@@ -91,12 +93,26 @@ def delta_download(operations: Operations, ref: Reference) -> Response:
     )
 
 
+@router.post("/tasks/{name}/deltas/{version}/archive", response_model=VersionOut, dependencies=[ADMIN])
+def archive_version(operations: Operations, name: Name, version: VersionPath) -> Any:
+    """Archive a version (admin; audited): its aliases go, no pull by name or alias answers with it
+    again; its version number still pulls it."""
+    return version_out(operations.archive_version(name, version))
+
+
 @router.post("/compose", response_model=ComposeOut, status_code=201, dependencies=[WRITE])
 def compose(operations: Operations, body: ComposeIn) -> Any:
     """Compose stored deltas into a new version of `into` (merge: linear, TIES, DARE; average;
-    merge_lora_svd; multi_task bundle)."""
+    merge_lora_svd; multi_task bundle). `into` a registered task is refused (409) unless that task is
+    among the sources or `allow_existing` is set."""
     composed = operations.compose(
-        body.op, body.sources, body.into, body.options, body.aliases, body.description
+        body.op,
+        body.sources,
+        body.into,
+        body.options,
+        body.aliases,
+        body.description,
+        allow_existing=body.allow_existing,
     )
     return ComposeOut(
         task=composed.task,

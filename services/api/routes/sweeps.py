@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from fastapi import Path as PathParam
 
 from pelt_core.limits import INT32_MAX
@@ -18,9 +18,14 @@ SweepId = Annotated[int, PathParam(ge=1, le=INT32_MAX, description="a sweep id")
 
 
 @router.post("/sweeps", response_model=SweepOut, status_code=201, dependencies=[WRITE])
-def submit_sweep(operations: Operations, body: SweepIn) -> Any:
-    """Queue methods × seeds × K values for one task (all jobs or none)."""
-    return operations.submit_sweep(**body.model_dump())
+def submit_sweep(operations: Operations, body: SweepIn, response: Response) -> Any:
+    """Queue methods × seeds × K values for one task (all jobs or none): 201. The same sweep as one
+    already queued, running or done (or the same idempotency key) answers with that sweep, 200 and
+    `already_submitted`, unless `again` asks for new runs."""
+    sweep = operations.submit_sweep(**body.model_dump())
+    if sweep.already_submitted:
+        response.status_code = 200
+    return sweep
 
 
 @router.get("/sweeps/{sweep_id}", response_model=SweepOut, dependencies=[READ])
