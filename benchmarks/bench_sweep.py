@@ -17,6 +17,12 @@ job's K rows, evaluation = each job's dev set. Targets: share >= 75% (packed), s
 
     python benchmarks/bench_sweep.py --json sweep.json
     python benchmarks/bench_sweep.py --jobs 2 --k 8 --epochs 1   # a smoke test
+    python benchmarks/bench_sweep.py --sizes 2,4,8,16 --json sizes.json   # packs against slots, per size
+    python benchmarks/bench_sweep.py --sizes 2 --k 8 --epochs 1 --sweep-pack-size 4   # its smoke test
+
+`--sizes` runs, instead, sweeps of each size with packs against one job per slot (one warm service per
+mode, the sizes in turn) and prints packed/slots per size: target <= 1.05x at every size (packs never
+slower beyond noise: the dispatcher gives every job a CPU of its own before any pack takes a second one).
 
 SST-2 and RTE come from /work/shared/data/glue/{sst2,rte} (override with PELT_GLUE_DIR).
 """
@@ -54,6 +60,7 @@ PEAK_TOKENS = (448, 2048)  # the fp32 matmul peak at tokens x hidden x intermedi
 TRAIN_FLOPS_PER_TOKEN, EVAL_FLOPS_PER_TOKEN = 4, 2
 TARGET_SHARE = 0.75  # of the node's fp32 limit, for the packed service
 TARGET_SPEEDUP = 3.0  # PEFT scripts' wall / the packed service's, as bench_workers (b)'s target
+TARGET_PACKED_OVER_SLOTS = 1.05  # --sizes: a packed sweep's wall / one job per slot's, at every size
 
 
 @dataclass(frozen=True)
@@ -147,37 +154,90 @@ def sweep_service(
     try:
         warm = warm_up(service, methods, folder)
         start_seconds = time.perf_counter() - service.started
-        started = time.perf_counter()
-        job_ids = [
-            service.submit(MINILM, [job.seed], task=job.task, method=job.method, k_shot=k, epochs=epochs)[0]
-            for job in jobs
-        ]
-        done = service.wait_ended(job_ids, 3600)
-        wall = time.perf_counter() - started
-        failed = [(job.id, job.last_error) for job in done if job.status != "succeeded"]
-        if failed:
-            raise RuntimeError(f"sweep jobs failed (pack size {pack_size}): {failed[:2]}")
-        accuracy = {
-            task: statistics.mean(
-                service.registry.get_result(j).metrics["accuracy"]
-                for j, job in zip(job_ids, jobs, strict=True)
-                if job.task == task
-            )
-            for task in sorted({job.task for job in jobs})
-        }
         return {
             "pack_size": pack_size,
             "workers": service.workers,
             "places_per_worker": service.places_per_worker,
-            "seconds": wall,
+            **timed_sweep(service, jobs, k, epochs, pack_size),
             "start_seconds": start_seconds,
             "warm_up_jobs": warm["jobs"],
             "warm_workers": warm["workers"],
-            "workers_used": len(workers_of(service, job_ids)),
-            "accuracy": accuracy,
         }
     finally:
         service.close()
+
+
+def timed_sweep(
+    service: Service, jobs: list[SweepJob], k: int, epochs: int, pack_size: int
+) -> dict[str, Any]:
+    """One sweep submitted to a warm service: its wall-clock from the first submit to the last result, the
+    workers that ran it and its mean dev accuracy per task."""
+    started = time.perf_counter()
+    job_ids = [
+        service.submit(MINILM, [job.seed], task=job.task, method=job.method, k_shot=k, epochs=epochs)[0]
+        for job in jobs
+    ]
+    done = service.wait_ended(job_ids, 3600)
+    wall = time.perf_counter() - started
+    failed = [(job.id, job.last_error) for job in done if job.status != "succeeded"]
+    if failed:
+        raise RuntimeError(f"sweep jobs failed (pack size {pack_size}): {failed[:2]}")
+    accuracy = {
+        task: statistics.mean(
+            service.registry.get_result(j).metrics["accuracy"]
+            for j, job in zip(job_ids, jobs, strict=True)
+            if job.task == task
+        )
+        for task in sorted({job.task for job in jobs})
+    }
+    return {"seconds": wall, "workers_used": len(workers_of(service, job_ids)), "accuracy": accuracy}
+
+
+def run_size_table(
+    sizes: list[int], slots: int, pack_size: int, k: int, epochs: int, methods: list[str], work: Path
+) -> dict[str, Any]:
+    """Sweeps of each of `sizes` jobs through the service with packs of `pack_size` against one job per
+    worker slot, in one run on the same cores: one warm service per mode (its start-up and warm-up
+    untimed), the sizes in turn; per size the walls and packed/slots (target <= TARGET_PACKED_OVER_SLOTS:
+    packs never slower beyond noise, however few the jobs)."""
+    print(
+        f"\npacks against one job per slot: sweeps of {', '.join(map(str, sizes))} jobs on {MINILM} "
+        f"({', '.join(methods)} cycled, SST-2 and RTE alternating, K={k}, {epochs} epoch(s), batch 16, fp32, "
+        f"one dev evaluation each), {slots} slot(s); packs of {pack_size}",
+        flush=True,
+    )
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, size in (("slots", 1), ("packed", pack_size)):
+        folder = work / "sizes" / name
+        service = Service(folder, slots=slots, backbones=[MINILM], pack_size=size, tasks=SWEEP_TASKS)
+        try:
+            warm_up(service, methods, folder)
+            runs[name] = {
+                count: timed_sweep(service, sweep_jobs(count, methods), k, epochs, size) for count in sizes
+            }
+        finally:
+            service.close()
+    rows = []
+    print(f"  {'jobs':>5} {'slots s':>9} {'packed s':>9} {'packed/slots':>13}  workers (slots, packed)")
+    for count in sizes:
+        slotted, packed = runs["slots"][count], runs["packed"][count]
+        ratio = packed["seconds"] / slotted["seconds"]
+        rows.append(
+            {
+                "jobs": count,
+                "slots": slotted,
+                "packed": packed,
+                "packed_over_slots": ratio,
+                "met": ratio <= TARGET_PACKED_OVER_SLOTS,
+            }
+        )
+        print(
+            f"  {count:>5} {slotted['seconds']:>9.1f} {packed['seconds']:>9.1f} {ratio:>12.2f}x  "
+            f"{slotted['workers_used']}, {packed['workers_used']}; target <= {TARGET_PACKED_OVER_SLOTS:g}x: "
+            f"{'met' if ratio <= TARGET_PACKED_OVER_SLOTS else 'NOT met'}",
+            flush=True,
+        )
+    return {"sizes": sizes, "slots": slots, "pack_size": pack_size, "k": k, "epochs": epochs, "rows": rows}
 
 
 def sweep_scripts(jobs: list[SweepJob], k: int, epochs: int, folder: Path) -> dict[str, Any]:
@@ -289,7 +349,7 @@ def run_sweep(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -304,8 +364,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "pelt-bench-workers"))
+    parser.add_argument(
+        "--sizes",
+        help="instead of the sweep above: sweeps of these many jobs (e.g. 2,4,8,16), packed against one job "
+        "per slot, and packed/slots per size",
+    )
     parser.add_argument("--json", help="write the numbers here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     print(
         f"bench_sweep: {platform.node()}, {os.cpu_count()} CPUs, load average "
@@ -314,11 +379,19 @@ def main() -> None:
     )
     started = time.perf_counter()
     methods = [m.strip() for m in args.sweep_methods.split(",") if m.strip()]
-    report = {
-        "sweep": run_sweep(
-            args.jobs, args.slots, args.sweep_pack_size, args.k, args.epochs, methods, Path(args.workdir)
-        )
-    }
+    if args.sizes:
+        sizes = [int(size) for size in args.sizes.split(",") if size.strip()]
+        report = {
+            "sizes": run_size_table(
+                sizes, args.slots, args.sweep_pack_size, args.k, args.epochs, methods, Path(args.workdir)
+            )
+        }
+    else:
+        report = {
+            "sweep": run_sweep(
+                args.jobs, args.slots, args.sweep_pack_size, args.k, args.epochs, methods, Path(args.workdir)
+            )
+        }
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}; total {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

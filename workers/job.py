@@ -92,6 +92,9 @@ class LeaseLost(RuntimeError):
     """The lease is gone (expired and taken back, or the job ended elsewhere): stop and record nothing."""
 
 
+LOSS_POINTS = 256  # a job's loss curve: at most this many [step, loss] points (the registry keeps as many)
+
+
 class JobLease(Protocol):
     """The worker's side of a job's lease in the registry. Every call raises LeaseLost when the lease
     is gone; other exceptions are transient (the worker retries heartbeats until the lease would lapse)."""
@@ -101,7 +104,8 @@ class JobLease(Protocol):
 
     def heartbeat(self, progress: dict[str, Any] | None = None) -> bool:
         """Renew the lease and report progress ({step, total, loss, tokens_per_second, epoch,
-        learning_rate}); True when cancellation was requested."""
+        learning_rate}, and `losses`: the loss curve's [step, mean loss] points since the last report);
+        True when cancellation was requested."""
 
     def complete(self, result: dict[str, Any]) -> None:
         """Record the result (metrics, parameter counts, train_seconds, delta_uri, delta_sha256, ...)."""

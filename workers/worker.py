@@ -66,7 +66,7 @@ from pelt_core.devices import DeviceOutOfMemory
 from pelt_core.methods import get_method
 from pelt_core.spec import SpecError
 from pelt_core.train import Progress, TrainingCancelled, TrainingError, train
-from workers.job import DeltaSink, JobLease, JobOutcome, JobSpec, LeaseLost
+from workers.job import LOSS_POINTS, DeltaSink, JobLease, JobOutcome, JobSpec, LeaseLost
 from workers.pack_runner import PackRunner
 
 log = logging.getLogger("pelt.workers")
@@ -99,7 +99,10 @@ class WorkerConfig:
     )
     slots: int = 1  # jobs run at once, each in its own thread, sharing this process and its backbones
     pack_size: int = 1  # > 1: the worker has this many places, and jobs on one backbone train as a pack
-    heartbeat_seconds: float = 15.0  # how often the lease is renewed and progress reported
+    heartbeat_seconds: float = 15.0  # how often the lease is renewed (and progress reported, at the least)
+    # once the trainer has taken a step, a heartbeat goes out this often (its steps, its losses; and a
+    # cancel request is seen this soon, in training and in evaluation); at most heartbeat_seconds
+    progress_seconds: float = 2.0
     lease_seconds: float = 60.0  # after this long without a heartbeat getting through, assume the lease lost
     max_backbones: int = 2  # warm backbones kept per worker (least recently used dropped first)
     namespace: str | None = None  # Ray namespace of the node's backbone host
@@ -127,6 +130,7 @@ class _Attempt:
         self.reason: str | None = None
         self.detail = ""
         self.progress: dict[str, Any] | None = None
+        self.curve = LossCurve()
         self.started = time.monotonic()
         self._lock = threading.Lock()
 
@@ -138,6 +142,7 @@ class _Attempt:
             self.stopping.set()
 
     def report(self, progress: Progress) -> None:
+        """The trainer's report after each step: the last one kept, its loss added to the curve."""
         self.progress = {
             "step": progress.step,
             "total": progress.total_steps,
@@ -146,24 +151,102 @@ class _Attempt:
             "epoch": round(progress.epoch, 4),
             "learning_rate": progress.learning_rate,
         }
+        self.curve.add(progress.step, progress.total_steps, progress.loss)
+
+    def beat_report(self) -> dict[str, Any] | None:
+        """What the next heartbeat sends: the last report, with the curve's points since the last beat."""
+        progress = self.progress
+        if progress is None:
+            return None
+        points = self.curve.take()
+        return {**progress, "losses": points} if points else dict(progress)
+
+    def final_report(self, steps: int, stopped_early: bool) -> dict[str, Any] | None:
+        """The report of a job that trained to its end (`steps` taken): step N of N with the last loss (N
+        the steps it took when it stopped early), and the rest of its curve."""
+        if self.progress is None:
+            return None
+        total = steps if stopped_early else max(self.progress["total"], steps)
+        report = {**self.progress, "step": min(steps, total), "total": total}
+        points = [point for point in self.curve.flush() if point[0] <= total]
+        return {**report, "losses": points} if points else report
+
+
+class LossCurve:
+    """A job's per-step losses, thinned evenly for the registry: the mean loss of every `stride` steps
+    (stride = ceil(total steps / LOSS_POINTS)), as [step, loss] points that each heartbeat takes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[list[float]] = []
+        self._sum, self._count, self._step = 0.0, 0, 0
+
+    def add(self, step: int, total: int, loss: float) -> None:
+        """A step's loss (a non-finite one is left out); a point when its stride is complete or it is the last."""
+        if not math.isfinite(loss):
+            return
+        stride = max(1, math.ceil(total / LOSS_POINTS))
+        with self._lock:
+            self._sum, self._count, self._step = self._sum + float(loss), self._count + 1, step
+            if step % stride == 0 or step >= total:
+                self._close()
+
+    def _close(self) -> None:
+        self._pending.append([self._step, self._sum / self._count])
+        self._sum, self._count = 0.0, 0
+
+    def take(self) -> list[list[float]]:
+        """The points not sent yet (the caller sends them; `restore` them if it could not)."""
+        with self._lock:
+            points, self._pending = self._pending, []
+        return points
+
+    def restore(self, points: list[list[float]]) -> None:
+        """Points `take` gave that did not reach the registry: sent with the next beat."""
+        with self._lock:
+            self._pending = points + self._pending
+
+    def flush(self) -> list[list[float]]:
+        """Every point not sent yet, the last steps' mean included (training ended)."""
+        with self._lock:
+            if self._count:
+                self._close()
+        return self.take()
 
 
 class _Heartbeat(threading.Thread):
-    """Renews the lease every `interval` seconds (at once on start) until stopped; turns a cancel
-    request or a lost lease into the attempt's stop flag."""
+    """Renews the lease every `interval` seconds (at once on start), and every `progress_interval` once
+    the trainer has reported a step (while it trains, evaluates, stores), until stopped; turns a cancel request or a lost lease into the attempt's stop
+    flag."""
 
-    def __init__(self, lease: JobLease, attempt: _Attempt, interval: float, give_up_after: float) -> None:
+    def __init__(
+        self,
+        lease: JobLease,
+        attempt: _Attempt,
+        interval: float,
+        give_up_after: float,
+        progress_interval: float | None = None,
+    ) -> None:
         super().__init__(name=f"heartbeat-{attempt.job_id}", daemon=True)
         self.lease, self.attempt = lease, attempt
         self.interval, self.give_up_after = interval, give_up_after
+        self.progress_interval = min(interval, progress_interval or interval)
         self.halt = threading.Event()
         self.beats = 0
 
     def run(self) -> None:
         last_ok = time.monotonic()
+        last_beat = -math.inf
         while not self.halt.is_set():
+            now = time.monotonic()
+            training = self.attempt.progress is not None  # (its evaluations too: no steps, still stoppable)
+            if now - last_beat < self.interval and (not training or now - last_beat < self.progress_interval):
+                self.halt.wait(min(self.progress_interval, self.interval - (now - last_beat)))
+                continue
+            last_beat = now
+            report = self.attempt.beat_report()
             try:
-                if self.lease.heartbeat(self.attempt.progress):
+                if self.lease.heartbeat(report):
                     self.attempt.stop("cancel", "cancellation requested")
                 last_ok = time.monotonic()
                 self.beats += 1
@@ -171,6 +254,7 @@ class _Heartbeat(threading.Thread):
                 self.attempt.stop("lease_lost", str(exc))
                 return
             except Exception as exc:  # the registry is unreachable for now: keep trying while the lease lasts
+                self.attempt.curve.restore((report or {}).get("losses") or [])
                 silent = time.monotonic() - last_ok
                 log.warning(
                     "job %s: heartbeat failed (%s); %.0f s since the last one",
@@ -181,7 +265,6 @@ class _Heartbeat(threading.Thread):
                 if silent > self.give_up_after:
                     self.attempt.stop("lease_lost", f"no heartbeat got through for {silent:.0f} s: {exc}")
                     return
-            self.halt.wait(self.interval)
 
     def finish(self) -> None:
         self.halt.set()
@@ -311,7 +394,13 @@ class PeltWorker:
                     f"job(s) {', '.join(str(j) for j in self._attempts)}"
                 )
             self._attempts[job.job_id] = attempt
-        beat = _Heartbeat(lease, attempt, self.config.heartbeat_seconds, self.config.lease_seconds)
+        beat = _Heartbeat(
+            lease,
+            attempt,
+            self.config.heartbeat_seconds,
+            self.config.lease_seconds,
+            self.config.progress_seconds,
+        )
         beat.start()
         try:
             outcome = self._attempt_job(job, lease, sink, attempt, beat)
@@ -345,6 +434,7 @@ class PeltWorker:
             beat.finish()  # no heartbeat may race the final call
             if attempt.reason == "lease_lost":
                 return ended("lease_lost", error=attempt.detail)
+            self._final_progress(lease, attempt, result)
             try:
                 lease.complete(
                     {
@@ -388,6 +478,17 @@ class PeltWorker:
             except LeaseLost as lost:
                 return ended("lease_lost", error=str(lost))
             return ended("failed", error=error, retryable=not permanent)
+
+    def _final_progress(self, lease: JobLease, attempt: _Attempt, result: Any) -> None:
+        """Report the last step and loss and the rest of the loss curve before the result (a job shorter
+        than a heartbeat has no other report); best effort: the result is recorded either way."""
+        report = attempt.final_report(int(result.steps), bool(result.stopped_early))
+        if report is None:
+            return
+        try:
+            lease.heartbeat(report)
+        except Exception as exc:  # LeaseLost too: completing may still be allowed, and it tells
+            log.warning("job %s: its final progress was not recorded: %s", attempt.job_id, exc)
 
     def _train_and_store(self, job: JobSpec, sink: DeltaSink, attempt: _Attempt) -> tuple[Any, Backbone, Any]:
         """Train the job on a replica of its backbone lent to this slot, then store its delta."""

@@ -1,4 +1,5 @@
-"""`pelt submit|sweep|jobs|watch|cancel`: queue jobs and sweeps, list and follow them, cancel them."""
+"""`pelt submit|sweep|jobs|watch|cancel|result|events`: queue jobs and sweeps, list and follow them, cancel
+them, read what a job ended with and what happened to it."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def submit_command(
 ) -> None:
     """Queue one job; prints its id."""
     with PeltClient() as client:
+        say_if_first_use(client, backbone)
         job = client.submit(
             task,
             method,
@@ -63,6 +65,17 @@ def submit_command(
             _watch(client, [job.id])
 
 
+def say_if_first_use(client: PeltClient, backbone: str) -> None:
+    """Before a submit that may wait: say so when the backbone is not registered yet (the service registers
+    a packaged one on first use, loading and hashing its weights, which can take a minute)."""
+    if backbone not in {known.name for known in client.backbones()}:
+        click.echo(
+            f"backbone {backbone} is not registered yet: registering it on first use (hashing its weights; "
+            "this can take a minute)…",
+            err=True,
+        )
+
+
 @click.command("sweep")
 @click.argument("task")
 @click.option("--methods", required=True, help="comma-separated, e.g. lora,bitfit,prefix")
@@ -74,6 +87,11 @@ def submit_command(
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="applies to every job")
 @click.option("--priority", default=0, show_default=True)
 @device_option
+@click.option(
+    "--again",
+    is_flag=True,
+    help="queue new runs even if the same sweep was already submitted (else that sweep's jobs are shown)",
+)
 @click.option("--watch", is_flag=True, help="then show the jobs' progress until they end")
 @client_errors
 def sweep_command(
@@ -85,10 +103,13 @@ def sweep_command(
     assignments: tuple[str, ...],
     priority: int,
     device: str,
+    again: bool,
     watch: bool,
 ) -> None:
-    """Queue methods × seeds × K values for a task."""
+    """Queue methods × seeds × K values for a task; the same sweep again queues nothing (it shows the
+    jobs already submitted) unless --again."""
     with PeltClient() as client:
+        say_if_first_use(client, backbone)
         sweep = client.sweep(
             task,
             [m.strip() for m in methods.split(",") if m.strip()],
@@ -98,10 +119,16 @@ def sweep_command(
             hyperparameters=parse_set_options(assignments),
             priority=priority,
             device=device,
+            again=again,
         )
-        click.echo(
-            f"sweep {sweep.id}: {len(sweep.job_ids)} jobs queued ({sweep.job_ids[0]}..{sweep.job_ids[-1]})"
-        )
+        span = f"({sweep.job_ids[0]}..{sweep.job_ids[-1]})"
+        if sweep.already_submitted:
+            click.echo(
+                f"sweep {sweep.id}: already submitted: its {len(sweep.job_ids)} jobs {span} are queued, "
+                "running or done; nothing queued now (--again queues new runs)"
+            )
+        else:
+            click.echo(f"sweep {sweep.id}: {len(sweep.job_ids)} jobs queued {span}")
         if watch:
             _watch(client, sweep.job_ids)
 
@@ -185,4 +212,62 @@ def cancel_command(job_ids: tuple[int, ...], sweep_id: int | None) -> None:
             click.echo(f"sweep {sweep_id}: {client.cancel_sweep(sweep_id)} job(s) cancelled")
 
 
-__all__ = ["cancel_command", "jobs_command", "submit_command", "sweep_command", "watch_command"]
+@click.command("result")
+@click.argument("job_id", type=int)
+@click.option("--json", "as_json", is_flag=True, help="print the whole result as JSON")
+@client_errors
+def result_command(job_id: int, as_json: bool) -> None:
+    """A succeeded job's result: its metrics, where and how long it trained, its delta version."""
+    with PeltClient() as client:
+        result = client.result(job_id)
+    if as_json:
+        click.echo(result.model_dump_json(indent=2))
+        return
+    metrics = ", ".join(f"{name} {value:.4f}" for name, value in result.metrics.items() if _number(value))
+    click.echo(f"job {result.job_id} (attempt {result.attempt}): {metrics}")
+    if result.dev_metrics:
+        dev = ", ".join(f"{name} {value:.4f}" for name, value in result.dev_metrics.items() if _number(value))
+        click.echo(f"  dev (the kept checkpoint): {dev}")
+    click.echo(
+        f"  trained {result.train_seconds:.1f} s on {result.device or '-'}; "
+        f"{result.trainable_params:,} trainable parameters ({result.trainable_percent:.3f}%)"
+    )
+    click.echo(f"  delta: version {result.mlflow_model_version or '-'}, sha256 {result.delta_sha256 or '-'}")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@click.command("events")
+@click.argument("job_id", type=int)
+@client_errors
+def events_command(job_id: int) -> None:
+    """A job's history: each change of status, when, why and on which worker."""
+    with PeltClient() as client:
+        events = client.events(job_id)
+    print_table(
+        [
+            {
+                "at": e.at.isoformat(timespec="seconds"),
+                "from": e.from_status,
+                "to": e.to_status,
+                "worker": e.worker_id,
+                "reason": e.reason,
+            }
+            for e in events
+        ],
+        ["at", "from", "to", "worker", "reason"],
+    )
+
+
+__all__ = [
+    "cancel_command",
+    "events_command",
+    "jobs_command",
+    "result_command",
+    "say_if_first_use",
+    "submit_command",
+    "sweep_command",
+    "watch_command",
+]

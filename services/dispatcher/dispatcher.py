@@ -458,19 +458,25 @@ class Dispatcher:
         self._warned_no_gpu = bool(stuck)
 
     def _assign_kind(self, kind: str, open_: list[WorkerSlots], queued: int) -> None:
-        """Hand `queued` jobs this kind may run to its free places: warm workers first take jobs on the
-        backbones they hold; more workers start while nodes have room; new workers take anything; and only
-        when no node has room do warm workers switch to another backbone. A pack worker that runs jobs takes
-        only jobs on their backbone (a pack never mixes backbones), so it neither counts as new nor switches."""
+        """Hand `queued` jobs this kind may run to its free places, spreading them over the node's compute
+        before any pack fills: each job first gets a compute stream of its own (a job slot, or a pack
+        worker with no job yet), and a pack takes a second job only when every stream has a worker.
+
+        1. warm workers take jobs on the backbones they hold, one per idle stream; 2. more workers start,
+        one per job still without a stream, while nodes have room; 3. new workers take anything, one per
+        idle stream; and only when no node has room: 4. idle warm workers switch to another backbone, and
+        5. packs fill, least loaded first, up to an even share each (the jobs that starting workers will
+        take left for them). A pack that runs jobs takes only jobs on their backbone (a pack never mixes
+        backbones), so it neither counts as new nor switches."""
         of_kind = [w for w in self.workers.values() if w.device == kind]
         for worker in [w for w in open_ if w.claim_backbones() is not None]:  # 1. warm: backbones it holds
-            while worker.free_slots() and queued > 0 and self._claim_for(worker, worker.claim_backbones()):
-                queued -= 1
+            queued -= self._claim_into(worker, idle_streams(worker), worker.claim_backbones)
         open_ = [w for w in open_ if w.free_slots()]
-        starting = sum(w.slots for w in of_kind if not w.ready)
+        starting = sum(streams(w) for w in of_kind if not w.ready)
         fresh = [w for w in open_ if w.claim_backbones() is None]
-        waiting = queued - sum(len(w.free_slots()) for w in fresh) - starting
-        for _ in range(max(0, -(-waiting // self.config.places(kind)))):  # 2. more workers, room allowing
+        waiting = queued - sum(idle_streams(w) for w in fresh) - starting
+        per_worker = 1 if self.config.pack_size_of(kind) > 1 else self.config.places(kind)
+        for _ in range(max(0, -(-waiting // per_worker))):  # 2. more workers, room allowing
             node_id = self.nodes.roomiest(self.workers.values(), kind)
             if node_id is None or not self.lock.may_act():
                 break
@@ -482,22 +488,48 @@ class Dispatcher:
                 kind=kind,
             )
             self.workers[worker.worker_id] = worker
+            starting += streams(worker)
         for worker in fresh:  # 3. new workers take anything
-            if not self._fill_anywhere(worker):
+            limit = idle_streams(worker)
+            claimed = self._claim_into(worker, limit, lambda: None)
+            queued -= claimed
+            if claimed < limit:
                 return  # nothing runnable left
-        if self.nodes.roomiest(self.workers.values(), kind) is None:  # 4. no room: warm workers switch
-            for worker in [w for w in open_ if w.backbones and not (w.packed and w.jobs)]:
-                if not self._fill_anywhere(worker):
-                    return
+        if self.nodes.roomiest(self.workers.values(), kind) is not None:
+            return  # every job gets a stream of its own before any pack takes a second one
+        for worker in [w for w in open_ if w.backbones and not w.jobs]:  # 4. no room: warm workers switch
+            limit = idle_streams(worker)
+            claimed = self._claim_into(worker, limit, lambda: None)
+            queued -= claimed
+            if claimed < limit:
+                return
+        self._fill_packs([w for w in open_ if w.packed], queued - starting, starting)
 
-    def _fill_anywhere(self, worker: WorkerSlots) -> bool:
-        """Claim jobs on any backbone into the worker's free slots (once a pack has a job: on its
-        backbone only); False when no job on any backbone is runnable."""
-        while worker.free_slots():
-            backbones = worker.claim_backbones() if worker.packed and worker.jobs else None
-            if not self._claim_for(worker, backbones):
-                return backbones is not None  # only the pack's backbone has nothing runnable
-        return True
+    def _claim_into(self, worker: WorkerSlots, limit: int, backbones: Any) -> int:
+        """Claim up to `limit` jobs into the worker's free places, each on one of `backbones()` (None:
+        any backbone); how many it claimed (fewer: none runnable)."""
+        claimed = 0
+        while claimed < limit and worker.free_slots() and self._claim_for(worker, backbones()):
+            claimed += 1
+        return claimed
+
+    def _fill_packs(self, packs: list[WorkerSlots], spare: int, starting: int) -> None:
+        """Every stream has a worker: hand up to `spare` more jobs to the packs' free places, a job at a
+        time to the least loaded pack, none above an even share of the running and queued jobs over the
+        packs and the `starting` workers (a pack that runs jobs takes only jobs on their backbone)."""
+        if not packs or spare <= 0:
+            return
+        share = -(-(sum(len(w.jobs) for w in packs) + spare + starting) // (len(packs) + starting))
+        candidates = list(packs)
+        while spare > 0 and candidates:
+            worker = min(candidates, key=lambda w: (len(w.jobs), w.worker_id))
+            if len(worker.jobs) >= share or not worker.free_slots():
+                candidates.remove(worker)
+                continue
+            if self._claim_for(worker, worker.claim_backbones() if worker.jobs else None):
+                spare -= 1
+            else:
+                candidates.remove(worker)
 
     def _claim_for(self, worker: WorkerSlots, backbones: list[str] | None) -> bool:
         """Claim a job (on one of `backbones`; None: any) for the worker's first free slot and start it
@@ -552,3 +584,15 @@ class Dispatcher:
             }
             for w in self.workers.values()
         ]
+
+
+def streams(worker: WorkerSlots) -> int:
+    """The worker's compute streams: one for a pack (it steps its places together), else one per slot."""
+    return 1 if worker.packed else worker.slots
+
+
+def idle_streams(worker: WorkerSlots) -> int:
+    """Its compute streams with no job: a pack with no job has one; a worker of job slots, its free slots."""
+    if worker.packed:
+        return 0 if worker.jobs else 1
+    return len(worker.free_slots())

@@ -33,7 +33,13 @@ from services.registry.rows import (
     transition,
     worker_ever_held,
 )
-from services.registry.validation import check_devices, check_int, check_progress, check_result
+from services.registry.validation import (
+    check_devices,
+    check_int,
+    check_loss_points,
+    check_progress,
+    check_result,
+)
 
 log = logging.getLogger("pelt.registry")
 
@@ -143,11 +149,14 @@ class JobQueue(RegistryCore):
 
         `progress`: a fraction in [0, 1], or the worker's report {step, total, loss, tokens_per_second,
         epoch, learning_rate} (kept as `progress_detail`; the fraction becomes step / total). A report
-        whose step advanced and whose loss is a finite number adds (step, loss) to the attempt's loss
-        curve (`loss_history`, see `with_loss_point`).
+        with `losses` ([[step, loss], ...]: the worker's thinned per-step losses since its last report)
+        adds those points to the attempt's loss curve (`loss_history`, at most LOSS_HISTORY_POINTS,
+        see `with_loss_points`); a report without them adds its own (step, loss) when its step advanced
+        and its loss is a finite number.
         Raises LeaseLostError when the worker no longer holds the job: it must stop."""
         check_worker(worker_id)
         fraction, detail = check_progress(progress)
+        points = check_loss_points(progress)
         lease = self._lease(lease_seconds)
         with self._writing() as session:
             job = held_job(session, job_id, worker_id)
@@ -158,7 +167,9 @@ class JobQueue(RegistryCore):
             if fraction is not None:
                 job.progress = fraction
                 job.progress_detail = detail
-                if detail is not None:
+                if points is not None:
+                    job.loss_history = with_loss_points(job.loss_history, points)
+                elif detail is not None:
                     job.loss_history = with_loss_point(job.loss_history, detail)
             return job.cancel_requested
 
@@ -417,4 +428,11 @@ def with_loss_point(history: list[Any] | None, report: Mapping[str, Any]) -> lis
     return [*points, [step, float(loss)]]
 
 
-__all__ = ["LOSS_HISTORY_POINTS", "JobQueue", "with_loss_point"]
+def with_loss_points(history: list[Any] | None, points: Iterable[Any]) -> list[Any] | None:
+    """The loss curve `history` with each [step, loss] point added as `with_loss_point` adds one."""
+    for step, loss in points:
+        history = with_loss_point(history, {"step": step, "loss": loss})
+    return history
+
+
+__all__ = ["LOSS_HISTORY_POINTS", "JobQueue", "with_loss_point", "with_loss_points"]

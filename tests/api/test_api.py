@@ -31,6 +31,29 @@ def test_a_task_registers_from_uploaded_json_lines_and_its_labels_are_inferred(c
     assert stored == ["train.jsonl", "validation.jsonl"]  # kept by the service, content-addressed
 
 
+def test_pelt_task_add_detects_the_text_fields_and_regression_from_float_labels(api, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from services.commands import tasks
+    from services.registry.testing import write_jsonl
+
+    monkeypatch.setattr(tasks, "PeltClient", api.client)
+    scores = [5.0, 3.8, 3.8, 0.0, 2.6, 4.2]
+    rows = [{"sentence1": f"a {i}", "sentence2": f"b {i}", "label": s} for i, s in enumerate(scores)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    validation = write_jsonl(tmp_path / "validation.jsonl", rows[:3])
+    result = CliRunner().invoke(
+        tasks.task_group, ["add", "stsb", "--train", str(train), "--validation", str(validation)]
+    )
+    assert result.exit_code == 0, result.output
+    task = api.registry.get_task("stsb")
+    assert (task.problem_type, task.text_fields, task.metric) == (
+        "regression",
+        ["sentence1", "sentence2"],
+        "pearson",
+    )
+
+
 def test_a_task_registers_from_csv_and_parquet(client, toy_files):
     task = client.register_task(
         "toy-csv",
@@ -308,6 +331,39 @@ def test_a_result_says_where_the_job_trained_and_its_own_memory(client, toy_task
     assert (raw["device"], raw["job_memory_bytes"]) == (H100, 3 * 2**20)
 
 
+def test_pelt_result_and_pelt_events_show_what_a_job_ended_with_and_what_happened_to_it(
+    api, toy_task, monkeypatch
+):
+    import json
+
+    from click.testing import CliRunner
+
+    from services.commands import jobs
+
+    monkeypatch.setattr(jobs, "PeltClient", api.client)
+    job = api.client().submit(toy_task, "lora", backbone=BACKBONE, device="gpu")
+    pending = CliRunner().invoke(jobs.result_command, [str(job.id)])
+    assert pending.exit_code != 0 and "result" in pending.output.lower()  # nothing yet: the service says so
+    complete_on_a_gpu(api, job.id)
+
+    shown = CliRunner().invoke(jobs.result_command, [str(job.id)])
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.splitlines()[0] == f"job {job.id} (attempt 1): accuracy 0.8000"
+    assert f"on {H100}" in shown.output and "10 trainable parameters (0.100%)" in shown.output
+    as_json = CliRunner().invoke(jobs.result_command, [str(job.id), "--json"])
+    assert json.loads(as_json.output)["metrics"] == {"accuracy": 0.8}
+
+    events = CliRunner().invoke(jobs.events_command, [str(job.id)])
+    assert events.exit_code == 0, events.output
+    header, *rows = events.output.splitlines()
+    assert header.split() == ["at", "from", "to", "worker", "reason"]
+    assert [row.split()[1:3] for row in rows] == [
+        ["-", "queued"],
+        ["queued", "running"],
+        ["running", "succeeded"],
+    ]
+
+
 def test_pelt_submit_sweep_and_jobs_take_and_show_the_device(api, toy_task, monkeypatch):
     from click.testing import CliRunner
 
@@ -388,6 +444,67 @@ def test_a_sweep_queues_methods_times_seeds_times_k_and_cancels_as_one(client, t
     }
     assert client.cancel_sweep(sweep.id) == 8
     assert {j.status for j in client.jobs(sweep_id=sweep.id)} == {"cancelled"}
+
+
+def test_the_same_sweep_again_answers_with_its_jobs_already_submitted_unless_asked_again(
+    client, toy_task, api
+):
+    body = {"task": toy_task, "methods": ["lora", "bitfit"], "backbone": BACKBONE, "seeds": [0, 1]}
+    first = client.http.post("/v1/sweeps", json=body)
+    assert first.status_code == 201 and first.json()["already_submitted"] is False
+    repeat = client.http.post("/v1/sweeps", json=body)
+    assert repeat.status_code == 200 and repeat.json()["already_submitted"] is True
+    assert repeat.json()["job_ids"] == first.json()["job_ids"] and len(api.registry.list_jobs()) == 4
+
+    existing = client.sweep(toy_task, ["lora", "bitfit"], backbone=BACKBONE, seeds=[0, 1])
+    assert existing.already_submitted and existing.job_ids == first.json()["job_ids"]
+    rerun = client.sweep(toy_task, ["lora", "bitfit"], backbone=BACKBONE, seeds=[0, 1], again=True)
+    assert not rerun.already_submitted and set(rerun.job_ids).isdisjoint(existing.job_ids)
+    assert len(api.registry.list_jobs()) == 8
+    refused(
+        lambda: client.sweep(toy_task, ["lora"], backbone=BACKBONE, again=True, idempotency_key="k"),
+        422,
+        "again",
+    )
+
+
+def test_pelt_sweep_run_twice_says_already_submitted_and_queues_again_only_with_again(
+    api, toy_task, monkeypatch
+):
+    from click.testing import CliRunner
+
+    from services.commands import jobs
+
+    monkeypatch.setattr(jobs, "PeltClient", api.client)
+    arguments = [toy_task, "--methods", "lora,bitfit", "--seeds", "0,1", "--backbone", BACKBONE]
+    runner = CliRunner()
+    first = runner.invoke(jobs.sweep_command, arguments)
+    assert first.exit_code == 0 and "4 jobs queued (1..4)" in first.output, first.output
+    repeat = runner.invoke(jobs.sweep_command, arguments)
+    assert repeat.exit_code == 0, repeat.output
+    assert "already submitted: its 4 jobs (1..4)" in repeat.output and "--again" in repeat.output
+    assert len(api.registry.list_jobs()) == 4
+    again = runner.invoke(jobs.sweep_command, [*arguments, "--again"])
+    assert again.exit_code == 0 and "4 jobs queued (5..8)" in again.output, again.output
+    assert len(api.registry.list_jobs()) == 8
+
+
+def test_a_sweeps_k_takes_full_for_the_whole_training_set_and_refuses_all_naming_full(
+    api, toy_task, monkeypatch
+):
+    from click.testing import CliRunner
+
+    from services.commands import jobs
+
+    monkeypatch.setattr(jobs, "PeltClient", api.client)
+    arguments = [toy_task, "--methods", "lora", "--backbone", BACKBONE]
+    for spelling in ("all", "none"):
+        refused_k = CliRunner().invoke(jobs.sweep_command, [*arguments, "--k", spelling])
+        assert refused_k.exit_code != 0 and "write 'full' for the whole training set" in refused_k.output
+    assert api.registry.list_jobs() == []
+    swept = CliRunner().invoke(jobs.sweep_command, [*arguments, "--k", "16,full"])
+    assert swept.exit_code == 0, swept.output
+    assert sorted(job.k_shot or 0 for job in api.registry.list_jobs()) == [0, 16]
 
 
 def test_a_sweep_with_one_bad_method_queues_nothing(client, toy_task, api):
@@ -527,3 +644,26 @@ def test_health_names_no_addresses(api):
     body = api.client().http.get("/health").json()
     assert body["registry"] == "sqlite" and body["delta_store"] == "mlflow-embedded"
     assert str(api.settings.data_dir) not in str(body)
+
+
+@pytest.mark.parametrize("command", ["submit", "sweep"])
+def test_pelt_submit_and_sweep_say_before_the_wait_that_a_backbone_registers_on_first_use(
+    api, toy_task, monkeypatch, command
+):
+    from click.testing import CliRunner
+
+    from services.commands import jobs
+
+    monkeypatch.setattr(jobs, "PeltClient", api.client)
+    function, args = {
+        "submit": (jobs.submit_command, [toy_task, "lora"]),
+        "sweep": (jobs.sweep_command, [toy_task, "--methods", "lora"]),
+    }[command]
+    registered = CliRunner().invoke(function, [*args, "--backbone", BACKBONE])
+    first_use = CliRunner().invoke(function, [*args, "--backbone", "not-registered-yet"])
+
+    assert registered.exit_code == 0 and "first use" not in registered.output
+    said = (
+        "backbone not-registered-yet is not registered yet: registering it on first use (hashing its weights"
+    )
+    assert first_use.output.startswith(said)  # before the request that waits (here: refused, not packaged)

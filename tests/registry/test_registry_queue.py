@@ -576,3 +576,48 @@ def test_cancel_requests_names_the_running_jobs_whose_cancel_was_requested(ready
 def test_an_unknown_job_is_reported(ready: Registry) -> None:
     with pytest.raises(UnknownJobError, match="unknown job 999"):
         ready.get_job(999)
+
+
+def test_a_reports_losses_add_every_point_to_the_curve_and_the_last_report_says_step_n_of_n(
+    ready: Registry,
+) -> None:
+    job_id = submit(ready)
+    ready.claim_job("w1")
+    first = [[step, 1.0 / step] for step in range(1, 11)]
+    ready.heartbeat(job_id, "w1", progress={**loss_report(10, 0.1, total=20), "losses": first})
+    rest = [[step, 1.0 / step] for step in range(11, 21)]
+    ready.heartbeat(job_id, "w1", progress={**loss_report(20, 0.05, total=20), "losses": rest})
+
+    assert ready.loss_history(job_id).points == [(step, 1.0 / step) for step in range(1, 21)]
+    assert {k: ready.get_job(job_id).progress_detail[k] for k in ("step", "total", "loss")} == {
+        "step": 20,
+        "total": 20,
+        "loss": 0.05,
+    }
+    assert "losses" not in ready.get_job(job_id).progress_detail
+
+
+def test_a_reports_losses_keep_the_curve_at_most_loss_history_points_long(ready: Registry) -> None:
+    job_id = submit(ready)
+    ready.claim_job("w1")
+    total = 4 * LOSS_HISTORY_POINTS
+    for start in range(1, total + 1, 100):
+        points = [[step, 0.5] for step in range(start, min(start + 100, total + 1))]
+        ready.heartbeat(
+            job_id, "w1", progress={**loss_report(points[-1][0], 0.5, total=total), "losses": points}
+        )
+    curve = ready.loss_history(job_id).points
+    assert 20 <= len(curve) <= LOSS_HISTORY_POINTS and curve[0] == (1, 0.5)
+
+
+@pytest.mark.parametrize(
+    "losses",
+    [[[3, float("nan")]], [[11, 0.5]], [[1]], "1,0.5", [[1, 0.5]] * 1025],
+    ids=["nan", "past-total", "no-loss", "not-a-list", "too-many"],
+)
+def test_a_reports_losses_out_of_range_or_malformed_are_refused(ready: Registry, losses: object) -> None:
+    job_id = submit(ready)
+    ready.claim_job("w1")
+    with pytest.raises(RegistryValidationError, match=r"progress\.losses"):
+        ready.heartbeat(job_id, "w1", progress={**loss_report(5, 0.5, total=10), "losses": losses})
+    assert ready.loss_history(job_id).points == []

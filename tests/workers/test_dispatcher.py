@@ -620,3 +620,54 @@ def test_pelt_serve_and_dispatcher_offer_pack_size_and_refuse_it_beside_job_slot
     assert shown.exit_code == 0 and "--pack-size" in shown.output
     assert f"[default: {DEFAULT_PACK_SIZE}; 1<=x<={MAX_PACK_SIZE}]" in " ".join(shown.output.split())
     assert refused.exit_code == 2 and "choose --pack-size or --jobs-per-worker" in refused.output
+
+
+def test_a_sweep_of_four_jobs_on_two_cpus_gets_a_pack_worker_per_cpu_before_any_pack_takes_a_second_job(
+    registry, tmp_path, namespace, monkeypatch
+):
+    import workers.worker
+
+    node_id = "cd" * 28
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeID": node_id, "Resources": {"CPU": 2.0}}])
+    monkeypatch.setattr(workers.worker, "worker_actor_class", FakeActorClass)
+    job_ids = submit(registry, 4)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, pack_size=4)
+    dispatcher.nodes.refresh()
+
+    dispatcher._assign()  # round 1: the workers start (none ready yet)
+    started = list(dispatcher.workers.values())
+    assert len(started) == 2 and not any(w.jobs for w in started)  # one per CPU, not one per 4 jobs
+
+    first, second = started
+    first.ready = True
+    dispatcher._assign()  # round 2: one is up and takes its even share; the other's share waits for it
+    assert (len(first.jobs), len(second.jobs)) == (2, 0)
+    assert registry.queued_by_device()["any"] == 2
+
+    second.ready = True
+    dispatcher._assign()  # round 3: the other takes its share
+    assert (len(first.jobs), len(second.jobs)) == (2, 2)
+    assert sorted(j.job_id for w in started for j in w.jobs.values()) == sorted(job_ids)
+    assert len(dispatcher.workers) == 2
+
+
+def test_packs_fill_only_once_no_node_has_room_for_another_worker(registry, tmp_path, namespace, monkeypatch):
+    import workers.worker
+
+    node_id = "ef" * 28
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeID": node_id, "Resources": {"CPU": 2.0}}])
+    monkeypatch.setattr(workers.worker, "worker_actor_class", FakeActorClass)
+    (running,) = submit(registry, 1)
+    (queued,) = submit(registry, 1, seed0=1)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, pack_size=4)
+    dispatcher.nodes.refresh()
+    worker = pack_worker(dispatcher, 4, packed=True, running={running: BACKBONE})
+    worker.node_id = node_id
+
+    dispatcher._assign()  # the node has room for a second worker: the queued job waits for it
+
+    assert running_on(worker) == {worker.owner(0): running}
+    (other,) = [w for w in dispatcher.workers.values() if w is not worker]
+    other.ready = True
+    dispatcher._assign()
+    assert running_on(other) == {other.owner(0): queued}

@@ -394,3 +394,81 @@ def test_a_packing_worker_trains_its_jobs_through_shared_steps_and_ends_each_on_
     first.join(120)
     assert outcomes[1].status == "cancelled" and leases[1].ends() == ["cancelled"]
     assert sorted(p.name for p in (tmp_path / "deltas" / "toy").iterdir()) == ["job-2", "job-3"]
+
+
+# --- progress at the end, the loss curve, and how soon a cancel is seen (issue 25) ----------------------
+
+
+class CancelOnRequest(RecordingLease):
+    """A lease whose heartbeats report a cancel request once `requested` is set (as the registry would)."""
+
+    def __init__(self, job_id: int) -> None:
+        super().__init__(job_id)
+        self.requested = threading.Event()
+
+    def heartbeat(self, progress: dict[str, Any] | None = None) -> bool:
+        super().heartbeat(progress)
+        return self.requested.is_set()
+
+
+def test_a_job_shorter_than_a_heartbeat_reports_step_n_of_n_its_last_loss_and_its_curve_before_its_result(
+    tiny_backbone, toy_data, tmp_path
+):
+    worker = PeltWorker(
+        "w1", WorkerConfig(threads=None, heartbeat_seconds=600, lease_seconds=900), backbones=LocalBackbones()
+    )
+    lease = RecordingLease(1)
+    outcome = worker.run(job_spec(tiny_backbone, toy_data, steps=30), lease, LocalDeltaSink(tmp_path))
+
+    assert outcome.status == "succeeded" and lease.ends() == ["complete"]
+    names = [name for name, _ in lease.calls]
+    final = lease.calls[names.index("complete") - 1]
+    assert final[0] == "heartbeat" and final[1] is not None, "no progress went out before the result"
+    report = final[1]
+    assert (report["step"], report["total"]) == (30, 30)
+    curve = [point for beat in lease.reports for point in beat.get("losses", [])]
+    assert [step for step, _ in curve] == list(range(1, 31))  # every step of a short job: >= 20 points
+    assert report["loss"] is not None and curve[-1][1] == pytest.approx(report["loss"])
+
+
+def test_the_loss_curve_keeps_at_most_256_even_points_each_the_mean_of_its_steps() -> None:
+    from workers.worker import LossCurve
+
+    long, short = LossCurve(), LossCurve()
+    for step in range(1, 1001):
+        long.add(step, 1000, float(step))
+    for step in range(1, 21):
+        short.add(step, 57, 1.0)
+    short.add(21, 57, float("nan"))  # a non-finite loss is left out
+
+    points = long.take()
+    assert [step for step, _ in points] == list(range(4, 1001, 4))  # 250 points, stride ceil(1000 / 256)
+    assert points[0][1] == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert short.flush() == [[step, 1.0] for step in range(1, 21)]
+
+
+def test_a_cancel_requested_while_a_job_trains_is_seen_within_a_progress_interval_not_a_heartbeat_interval(
+    tiny_backbone, toy_data, tmp_path
+):
+    worker = PeltWorker(
+        "w1",
+        WorkerConfig(threads=None, heartbeat_seconds=600, lease_seconds=900, progress_seconds=0.05),
+        backbones=LocalBackbones(),
+    )
+    lease = CancelOnRequest(1)
+    outcome: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: outcome.append(
+            worker.run(job_spec(tiny_backbone, toy_data, steps=UNENDING), lease, LocalDeltaSink(tmp_path))
+        )
+    )
+    thread.start()
+    try:
+        wait_for(lambda: lease.reports, 60, "training to report its steps (a heartbeat is 600 s away)")
+        lease.requested.set()
+        thread.join(60)  # far below the 600 s heartbeat: only a beat while training can see it in time
+        assert not thread.is_alive(), "the cancel was not seen while the job trained"
+    finally:
+        worker.stop(1, "cancel")
+        thread.join()
+    assert outcome[0].status == "cancelled" and lease.ends() == ["cancelled"]
