@@ -21,7 +21,10 @@ from pelt_core.vocabulary import (
     DEFAULT_METRIC,
     DIRECTIONS,
     METRIC_DIRECTIONS,
+    MULTI_LABEL,
+    PROBLEM_TYPES,
     REGRESSION,
+    SINGLE_LABEL,
     canonical_problem_type,
     check_task_metric,
 )
@@ -141,7 +144,9 @@ def check_task_definition(
     except ValueError as exc:
         raise RegistryValidationError("problem_type", str(exc)) from None
     names = _check_label_names(label_names, problem)
-    if problem is None:  # checked once the data have told the problem type
+    if problem is None:  # checked again once the data have told the problem type
+        if metric is not None:  # already now: a metric that no type the task can still be reports
+            _check_metric_for_any(metric, metric_direction, names)
         canonical, direction = metric or "", metric_direction or ""
     else:
         canonical, direction = _check_metric(
@@ -160,6 +165,20 @@ def check_task_definition(
         label_names=names,
         max_length=max_length,
     )
+
+
+def _check_metric_for_any(metric: str, direction: str | None, names: list[str] | None) -> None:
+    """Refuse (with the first candidate's reason) a metric that no problem type the data could still tell
+    would report: declared class names leave the two classification types, else all three."""
+    candidates = [SINGLE_LABEL, MULTI_LABEL] if names is not None else list(PROBLEM_TYPES)
+    refusals = []
+    for candidate in candidates:
+        try:
+            _check_metric(metric, direction, candidate, None if names is None else len(names))
+            return
+        except RegistryValidationError as exc:
+            refusals.append(exc)
+    raise refusals[0]
 
 
 def _check_label_names(label_names: Sequence[str] | None, problem: str | None) -> list[str] | None:

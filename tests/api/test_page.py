@@ -189,7 +189,7 @@ def test_pelt_serve_prints_the_pages_url_and_serves_it(tmp_path: Path):
         assert line.split()[1] == f"{url}/"
         assert f"paste the token from {data / 'api_token'}" in line
         clients = read_line_until(lines, "clients:")
-        assert clients.split(maxsplit=1)[1] == f"export PELT_API_URL={url} PELT_DATA_DIR={data}"
+        assert clients.split(maxsplit=1)[1].strip() == f"export PELT_API_URL={url} PELT_DATA_DIR={data}"
         page = httpx.get(f"{url}/")
         assert page.status_code == 200 and page.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
         assert "token-input" in page.text
