@@ -73,11 +73,6 @@ def build_manifest(
             "label_names": delta.label_names,
             "pooling": delta.head.pooling,
             **({"text_fields": list(delta.text_fields)} if delta.text_fields else {}),
-            **(
-                {"target_shift": delta.head.target_shift, "target_scale": delta.head.target_scale}
-                if delta.problem_type == "regression"
-                else {}
-            ),
         },
         "parameters": {
             "pelt": counts["pelt"],
@@ -163,13 +158,6 @@ def load_delta(path: str | Path, backbone: Backbone, expected_sha256: str | None
         ):
             raise DeltaError(f"{folder}: the manifest's head.text_fields must be one or two column names")
         delta.text_fields = tuple(fields)
-    if head["problem_type"] == "regression":  # deltas saved before target scaling: shift 0, scale 1
-        try:
-            delta.head.set_target_scaling(
-                float(head.get("target_shift", 0.0)), float(head.get("target_scale", 1.0))
-            )
-        except (TypeError, ValueError) as exc:
-            raise DeltaError(f"{folder}: the manifest's head has a bad target scaling: {exc}") from None
     state = load_file(str(folder / DELTA_FILE))
     missing, unexpected = delta.load_state_dict(state, strict=False)
     if missing or unexpected:

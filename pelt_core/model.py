@@ -35,10 +35,14 @@ from pelt_core.vocabulary import PROBLEM_TYPES
 class Head(nn.Module):
     """Pool the sequence (cls / mean / last token), then dropout and a linear classifier or regressor.
 
-    A regressor predicts in standardized units, mapped back to the labels' units by `target_shift +
-    target_scale * output` (the training labels' mean and standard deviation, set by the trainer and kept
-    in the delta's manifest; 0 and 1 for classifiers and for deltas saved before they existed). Its output
-    starts at the label mean and its steps are sized to the labels' spread, whatever their scale."""
+    A regressor trains on standardized targets: while it trains, the trainer sets the training labels'
+    mean and standard deviation (`set_target_scaling`), the head's training output is in standardized units
+    (compared with `standardized(labels)`) and its evaluation output is mapped back to the labels' units by
+    `target_shift + target_scale * output`; at the end the trainer folds the two into the regressor's weights
+    (`fold_target_scaling`), so a finished delta predicts in the labels' units with no scaling of its own
+    (merges and PEFT exports see plain weights). Its output starts at the label mean and the loss and its
+    steps are sized to the labels' spread, whatever their scale. The linear layer runs in fp32 even under
+    bf16 autocast: it is tiny, and a regression value near 1,000 would otherwise round to steps of 4."""
 
     def __init__(self, hidden_size: int, num_labels: int, pooling: str, dropout: float = 0.1):
         super().__init__()
@@ -60,6 +64,23 @@ class Head(nn.Module):
             )
         self.target_shift, self.target_scale = float(shift), float(scale)
 
+    def standardized(self, labels: torch.Tensor) -> torch.Tensor:
+        """Training targets in the units of the head's training output (labels as they are for a classifier
+        or a regressor without scaling)."""
+        if self.target_scale == 1.0 and self.target_shift == 0.0:
+            return labels
+        return (labels.float() - self.target_shift) / self.target_scale
+
+    @torch.no_grad()
+    def fold_target_scaling(self) -> None:
+        """Fold the target scaling into the regressor's weight and bias (output' = scale * output + shift):
+        the same predictions, in training and evaluation mode alike, with no scaling left on the side."""
+        if self.target_scale == 1.0 and self.target_shift == 0.0:
+            return
+        self.classifier.weight.mul_(self.target_scale)
+        self.classifier.bias.mul_(self.target_scale).add_(self.target_shift)
+        self.target_shift, self.target_scale = 0.0, 1.0
+
     def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(self.classifier.weight.dtype)
         if self.pooling == "cls":
@@ -71,9 +92,11 @@ class Head(nn.Module):
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        output = self.classifier(self.dropout(self.pool(hidden, attention_mask)))
-        if self.target_scale != 1.0 or self.target_shift != 0.0:
-            output = output * self.target_scale + self.target_shift
+        pooled = self.dropout(self.pool(hidden, attention_mask))
+        with torch.autocast(pooled.device.type, enabled=False):
+            output = self.classifier(pooled.to(self.classifier.weight.dtype))
+            if not self.training and (self.target_scale != 1.0 or self.target_shift != 0.0):
+                output = output * self.target_scale + self.target_shift
         return output
 
 

@@ -311,7 +311,7 @@ class Pack:
     ) -> list[tuple[PackMember, torch.Tensor]]:
         """Each member's loss on its own rows, from one backbone forward of all their rows."""
         return [
-            (member, loss_fn(member.task.problem_type, logits, labels))
+            (member, loss_fn(member.task.problem_type, logits, member.delta.head.standardized(labels)))
             for member, logits, labels in self._routed_forward(batches)
         ]
 
@@ -485,6 +485,7 @@ class Pack:
     # -- leaving ----------------------------------------------------------------------------------------
     def _finish(self, member: PackMember, test_metrics: dict[str, float] | None = None) -> None:
         member.delta.eval()
+        member.delta.head.fold_target_scaling()  # a finished regressor predicts in its labels' units
         member.result = finished_result(
             member.delta,
             member.task,

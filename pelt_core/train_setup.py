@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from pelt_core.backbones import Backbone
 from pelt_core.config import ConfigError, TrainConfig
-from pelt_core.data import Encoded, TaskFields, encode
+from pelt_core.data import DataError, Encoded, TaskFields, encode
 from pelt_core.limits import LimitError, check_train_steps, fitted_max_length
 from pelt_core.model import JobDelta
 from pelt_core.spec import MethodSpec
@@ -116,15 +116,21 @@ def new_delta(backbone: Backbone, method: MethodSpec, task: TaskFields, config: 
 
 
 def scale_regression_targets(delta: JobDelta, task: TaskFields, train_set: Encoded) -> None:
-    """A regression head predicts standardized targets: its output is mapped back by the training labels'
-    mean and standard deviation (1 when they are all equal), so it starts at the mean and learns at the
-    labels' scale whatever their units (`pelt_core.model.Head`). Classification heads are left as they are."""
+    """A regression head trains on standardized targets: the training labels' mean and standard deviation
+    (1 when they are all equal) go to its head (`pelt_core.model.Head`), so it starts at the mean and learns
+    at the labels' scale whatever their units. Classification heads are left as they are. A label that is
+    not a finite number is a DataError naming it, before any step."""
     if task.problem_type != "regression" or len(train_set) == 0:
         return
-    labels = torch.as_tensor(train_set.labels, dtype=torch.float64)
-    labels = labels[torch.isfinite(labels)]  # a NaN label ends the job at its first step (the loss check)
-    if len(labels) == 0:
-        return
+    labels = torch.as_tensor(train_set.labels, dtype=torch.float64).reshape(len(train_set), -1)[:, 0]
+    bad = torch.nonzero(~torch.isfinite(labels)).flatten()
+    if len(bad):
+        first = int(bad[0])
+        raise DataError(
+            f"label field {task.label_field!r}: regression labels must be finite numbers; {len(bad)} of the "
+            f"{len(labels)} training rows are not (the first: row {first} of the training sample, "
+            f"{float(labels[first])})"
+        )
     mean = float(labels.mean())
     std = float(labels.std(unbiased=False)) if len(labels) > 1 else 0.0
     delta.head.set_target_scaling(mean, std if std > 1e-8 else 1.0)

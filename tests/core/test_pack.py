@@ -100,14 +100,25 @@ def test_jobs_join_a_running_pack_and_leave_it_without_changing_their_mates(make
         assert_same_delta(member.result, expected)
 
 
-def test_a_failing_or_cancelled_job_leaves_and_its_mates_finish_as_alone(make_backbone):
+def test_a_failing_or_cancelled_job_leaves_and_its_mates_finish_as_alone(make_backbone, monkeypatch):
+    import pelt_core.pack
+
     backbone = make_backbone("bert")
     healthy = job("lora", 0)
-    diverging = job("pfeiffer", 1)  # a regression job whose 5th row scores NaN: its loss turns NaN
+    diverging = job("pfeiffer", 1)  # the pack's one regression job: its loss turns NaN at its third step
+    real_loss, regression_losses = pelt_core.pack.loss_fn, []
+
+    def loss_fn(problem_type, logits, labels):
+        loss = real_loss(problem_type, logits, labels)
+        if problem_type == "regression" and torch.is_grad_enabled():
+            regression_losses.append(loss)
+            return loss * float("nan") if len(regression_losses) >= 3 else loss
+        return loss
+
+    monkeypatch.setattr(pelt_core.pack, "loss_fn", loss_fn)
     scores = [
         {"sentence": row["sentence"], "score": float(i)} for i, row in enumerate(diverging["train_data"])
     ]
-    scores[4]["score"] = float("nan")
     diverging["train_data"] = datasets.Dataset.from_list(scores)
     diverging["eval_data"] = None
     diverging["task"] = TaskFields(("sentence",), "score", "regression", [])
