@@ -111,6 +111,12 @@ class WorkerConfig:
     # (each warm backbone copied once onto this process's GPU: one worker per GPU holds one copy)
     device: str = "cpu"
 
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_seconds", "progress_seconds", "lease_seconds"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
     @property
     def places(self) -> int:
         """Jobs the worker runs at once: its pack places, or its job slots when it does not pack."""
@@ -159,6 +165,10 @@ class _Attempt:
         if progress is None:
             return None
         points = self.curve.take()
+        ahead = [point for point in points if point[0] > progress["step"]]  # a step reported meanwhile
+        if ahead:
+            self.curve.restore(ahead)  # they go with the report of their step
+            points = points[: len(points) - len(ahead)]
         return {**progress, "losses": points} if points else dict(progress)
 
     def final_report(self, steps: int, stopped_early: bool) -> dict[str, Any] | None:
@@ -168,7 +178,7 @@ class _Attempt:
             return None
         total = steps if stopped_early else max(self.progress["total"], steps)
         report = {**self.progress, "step": min(steps, total), "total": total}
-        points = [point for point in self.curve.flush() if point[0] <= total]
+        points = [point for point in self.curve.flush() if point[0] <= report["step"]]
         return {**report, "losses": points} if points else report
 
 
@@ -253,18 +263,28 @@ class _Heartbeat(threading.Thread):
             except LeaseLost as exc:
                 self.attempt.stop("lease_lost", str(exc))
                 return
-            except Exception as exc:  # the registry is unreachable for now: keep trying while the lease lasts
-                self.attempt.curve.restore((report or {}).get("losses") or [])
-                silent = time.monotonic() - last_ok
-                log.warning(
-                    "job %s: heartbeat failed (%s); %.0f s since the last one",
-                    self.attempt.job_id,
-                    exc,
-                    silent,
-                )
-                if silent > self.give_up_after:
-                    self.attempt.stop("lease_lost", f"no heartbeat got through for {silent:.0f} s: {exc}")
+            except ValueError as exc:  # the registry refused the report: its loss points go, and the
+                if (report or {}).get("losses"):  # lease is renewed at once without them
+                    log.error("job %s: the registry refused its loss points (%s)", self.attempt.job_id, exc)
+                    last_beat = -math.inf
+                elif self._gave_up(exc, report, last_ok):
                     return
+            except Exception as exc:  # the registry is unreachable for now: keep trying while the lease lasts
+                if self._gave_up(exc, report, last_ok):
+                    return
+
+    def _gave_up(self, exc: Exception, report: dict[str, Any] | None, last_ok: float) -> bool:
+        """A heartbeat did not get through: its loss points wait for the next one; past the lease, the
+        attempt stops as lease_lost (True)."""
+        self.attempt.curve.restore((report or {}).get("losses") or [])
+        silent = time.monotonic() - last_ok
+        log.warning(
+            "job %s: heartbeat failed (%s); %.0f s since the last one", self.attempt.job_id, exc, silent
+        )
+        if silent > self.give_up_after:
+            self.attempt.stop("lease_lost", f"no heartbeat got through for {silent:.0f} s: {exc}")
+            return True
+        return False
 
     def finish(self) -> None:
         self.halt.set()
@@ -486,7 +506,13 @@ class PeltWorker:
         if report is None:
             return
         try:
-            lease.heartbeat(report)
+            try:
+                lease.heartbeat(report)
+            except ValueError as exc:  # its loss points refused: the last step and loss still count
+                if not report.get("losses"):
+                    raise
+                log.error("job %s: the registry refused its loss points (%s)", attempt.job_id, exc)
+                lease.heartbeat({k: v for k, v in report.items() if k != "losses"})
         except Exception as exc:  # LeaseLost too: completing may still be allowed, and it tells
             log.warning("job %s: its final progress was not recorded: %s", attempt.job_id, exc)
 

@@ -497,7 +497,8 @@ class Dispatcher:
                 return  # nothing runnable left
         if self.nodes.roomiest(self.workers.values(), kind) is not None:
             return  # every job gets a stream of its own before any pack takes a second one
-        for worker in [w for w in open_ if w.backbones and not w.jobs]:  # 4. no room: warm workers switch
+        # 4. no room: warm workers switch backbone (a pack only while it runs nothing: it never mixes them)
+        for worker in [w for w in open_ if w.backbones and not (w.packed and w.jobs)]:
             limit = idle_streams(worker)
             claimed = self._claim_into(worker, limit, lambda: None)
             queued -= claimed

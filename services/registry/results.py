@@ -14,7 +14,7 @@ from services.registry.errors import RegistryValidationError
 from services.registry.leaderboard import SPLITS, LeaderboardRow, OrderBy, Run, Split, rank_by_k, rank_methods
 from services.registry.models import Job, JobEvent, JobStatus, Method, Result
 from services.registry.records import JobEventRecord, JobRecord, LossHistoryRecord, ResultRecord
-from services.registry.rows import backbone_filter_id, find_job, find_task
+from services.registry.rows import backbone_filter_ids, find_job, find_task
 from services.registry.validation import check_int
 
 
@@ -79,7 +79,7 @@ class JobResults(RegistryCore):
             presets.check_known(session, method)
             query = query.where(Job.method_id.in_(select(Method.id).where(Method.name == method)))
         if backbone is not None:
-            query = _on_backbone(query, backbone_filter_id(session, backbone))
+            query = _on_backbone(query, backbone_filter_ids(session, backbone))
         if sweep_id is not None:
             query = query.where(Job.sweep_id == sweep_id)
         if status is not None:
@@ -175,13 +175,13 @@ class JobResults(RegistryCore):
             if k_shot is not None:
                 query = query.where(Job.k_shot == k_shot)
             if backbone is not None:
-                query = _on_backbone(query, backbone_filter_id(session, backbone))
+                query = _on_backbone(query, backbone_filter_ids(session, backbone))
             return [Run(*row) for row in session.execute(query)], task_row.metric_direction
 
 
-def _on_backbone(query: Any, backbone_id: int | None) -> Any:
-    """The query narrowed to jobs on that backbone; to nothing for a packaged one not registered yet."""
-    return query.where(false()) if backbone_id is None else query.where(Job.backbone_id == backbone_id)
+def _on_backbone(query: Any, backbone_ids: list[int]) -> Any:
+    """The query narrowed to jobs on those backbones (none: to nothing)."""
+    return query.where(Job.backbone_id.in_(backbone_ids)) if backbone_ids else query.where(false())
 
 
 __all__ = ["JobResults"]

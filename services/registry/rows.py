@@ -63,18 +63,18 @@ def find_backbone(session: Session, name: str) -> Backbone:
     return row
 
 
-def backbone_filter_id(session: Session, name: str) -> int | None:
-    """The id of the backbone named `name`, for filtering jobs or results by it: None for a packaged
-    backbone (`pelt_core.backbones`: its name or an alias) that no submit has registered yet, so no job
-    can have run on it (the filter matches nothing); UnknownBackboneError for any other unknown name."""
-    row = session.scalar(select(Backbone.id).where(Backbone.name == name))
-    if row is not None:
-        return row
+def backbone_filter_ids(session: Session, name: str) -> list[int]:
+    """The ids of the backbones `name` means, for filtering jobs or results by it: the registered one of
+    that name; for a packaged backbone (`pelt_core.backbones`: its name or an alias), every registered row
+    under any of its names (jobs submitted as `minilm` are found by `all-minilm-l6-v2`), none while no
+    submit has registered it (the filter matches nothing); UnknownBackboneError for any other name."""
     from pelt_core.backbones import BACKBONE_ALIASES, PACKAGED_BACKBONES
 
-    if name in PACKAGED_BACKBONES or name in BACKBONE_ALIASES:
-        return None
-    return find_backbone(session, name).id  # raises, listing the registered backbones
+    canonical = BACKBONE_ALIASES.get(name, name)
+    if canonical not in PACKAGED_BACKBONES:
+        return [find_backbone(session, name).id]  # raises, listing the registered backbones
+    names = {canonical} | {alias for alias, target in BACKBONE_ALIASES.items() if target == canonical}
+    return list(session.scalars(select(Backbone.id).where(Backbone.name.in_(names))))
 
 
 def find_job(session: Session, job_id: int, *, lock: bool = False) -> Job:
@@ -294,7 +294,7 @@ __all__ = [
     "MAX_ERROR_CHARS",
     "PlannedJob",
     "audit",
-    "backbone_filter_id",
+    "backbone_filter_ids",
     "check_worker",
     "clip",
     "distinct_list",

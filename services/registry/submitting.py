@@ -177,6 +177,11 @@ class Submissions(RegistryCore):
         _, _, priority, max_attempts, key = self._check_job_args(
             0, None, priority, max_attempts, idempotency_key
         )
+        if key is not None and key.startswith(SWEEP_KEY_PREFIX):
+            raise RegistryValidationError(
+                "idempotency_key",
+                f"keys starting {SWEEP_KEY_PREFIX!r} are the service's own (a sweep's identity)",
+            )
         device = check_device(device)
         if not isinstance(again, bool):
             raise RegistryValidationError("again", f"must be true or false, got {again!r}")
@@ -447,8 +452,11 @@ SWEEP_KEY_PREFIX = "sweep:"
 def _derived_sweep_key(task: Task, backbone: Backbone, planned: Sequence[PlannedJob]) -> str:
     """The idempotency key of a sweep submitted without one: a digest of its jobs' identities, in no
     particular order (the same methods, seeds and K values listed in another order are the same sweep)."""
-    identities = sorted(
-        json.dumps(_job_identity(plan, task, backbone), sort_keys=True, default=str) for plan in planned
+    identities = sorted(  # the preset's fingerprint too: a preset changed by an upgrade is a new sweep
+        json.dumps(
+            [*_job_identity(plan, task, backbone), plan.method_fingerprint], sort_keys=True, default=str
+        )
+        for plan in planned
     )
     return SWEEP_KEY_PREFIX + hashlib.sha256("\n".join(identities).encode()).hexdigest()
 

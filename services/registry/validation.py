@@ -599,8 +599,9 @@ def check_progress(progress: Any) -> tuple[float | None, dict[str, Any] | None]:
 
 
 def check_loss_points(progress: Any) -> list[list[float]] | None:
-    """A worker report's loss-curve points (`losses`: [[step, loss], ...], steps in [0, total], losses
-    finite), or None when the report has none. Call after `check_progress` (which checked `total`)."""
+    """A worker report's loss-curve points (`losses`: [[step, loss], ...], steps in [0, the report's step]
+    — none ahead of the step it reports — losses finite), or None when the report has none. Call after
+    `check_progress` (which checked `step` and `total`)."""
     if not isinstance(progress, Mapping) or progress.get(LOSS_POINTS_FIELD) is None:
         return None
     points = progress[LOSS_POINTS_FIELD]
@@ -612,7 +613,7 @@ def check_loss_points(progress: Any) -> list[list[float]] | None:
     for point in points:
         if not isinstance(point, list | tuple) or len(point) != 2:
             raise RegistryValidationError("progress.losses[]", f"must be a [step, loss] pair, got {point!r}")
-        step = check_int(point[0], "progress.losses[].step", minimum=0, maximum=int(progress["total"]))
+        step = check_int(point[0], "progress.losses[].step", minimum=0, maximum=int(progress["step"]))
         checked.append([step, _number(point[1], "progress.losses[].loss")])
     return checked
 

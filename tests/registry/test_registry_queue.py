@@ -612,8 +612,8 @@ def test_a_reports_losses_keep_the_curve_at_most_loss_history_points_long(ready:
 
 @pytest.mark.parametrize(
     "losses",
-    [[[3, float("nan")]], [[11, 0.5]], [[1]], "1,0.5", [[1, 0.5]] * 1025],
-    ids=["nan", "past-total", "no-loss", "not-a-list", "too-many"],
+    [[[3, float("nan")]], [[11, 0.5]], [[6, 0.5]], [[1]], "1,0.5", [[1, 0.5]] * 1025],
+    ids=["nan", "past-total", "ahead-of-its-step", "no-loss", "not-a-list", "too-many"],
 )
 def test_a_reports_losses_out_of_range_or_malformed_are_refused(ready: Registry, losses: object) -> None:
     job_id = submit(ready)

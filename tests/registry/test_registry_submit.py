@@ -3,11 +3,14 @@ and a sweep as one all-or-nothing submit of methods × seeds × K values."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 from sqlalchemy import func, select
 
+import pelt_core
+import pelt_core.methods
 from services.registry import (
     IdempotencyConflictError,
     JobStatus,
@@ -123,6 +126,19 @@ def test_filtering_by_a_packaged_backbone_no_job_has_registered_yet_finds_nothin
     assert ready.leaderboard("sst2", backbone=packaged) == []
     assert ready.leaderboard_by_k("sst2", backbone=packaged) == {}
     assert [job.backbone for job in ready.list_jobs(task="sst2", backbone="tiny-bert")] == ["tiny-bert"]
+
+
+@pytest.mark.parametrize(
+    ("registered", "asked"), [("minilm", "all-minilm-l6-v2"), ("all-minilm-l6-v2", "minilm")]
+)
+def test_filtering_by_any_name_of_a_packaged_backbone_finds_the_jobs_submitted_under_another(
+    ready: Registry, registered: str, asked: str
+) -> None:
+    ready.register_backbone(registered, "all-minilm-l6-v2", "sha256:" + "cd" * 32, {"hidden_size": 32})
+    job = ready.submit_job("sst2", "lora", registered)
+    ready.submit_job("sst2", "lora", "tiny-bert")
+    assert [j.id for j in ready.list_jobs(task="sst2", backbone=asked)] == [job.id]
+    assert sum(ready.job_counts(task="sst2", backbone=asked).values()) == 1
 
 
 def test_filtering_by_a_backbone_neither_registered_nor_packaged_names_it_in_a_not_found_error(
@@ -266,6 +282,23 @@ def test_a_sweep_with_new_seeds_or_asked_again_queues_new_runs(ready: Registry) 
     latest = ready.submit_sweep("sst2", ["lora"], [0], [8], "tiny-bert")
     assert latest.already_submitted and latest.id == rerun.id  # the newest runs answer from now on
     assert ready.job_counts()["queued"] == 4
+
+
+def test_the_same_sweep_after_its_preset_changed_is_a_new_sweep(
+    ready: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = ready.submit_sweep("sst2", ["lora"], [0], [8], "tiny-bert")
+    edited = dataclasses.replace(pelt_core.get_method("lora"), defaults={"learning_rate": 4e-3})
+    monkeypatch.setitem(pelt_core.methods.BUILTIN_METHODS, "lora", edited)  # an upgrade changed the preset
+    second = ready.submit_sweep("sst2", ["lora"], [0], [8], "tiny-bert")
+    assert not second.already_submitted and set(second.job_ids).isdisjoint(first.job_ids)
+
+
+def test_a_key_in_the_services_own_sweep_key_form_is_refused_and_writes_nothing(ready: Registry) -> None:
+    before = row_counts(ready)
+    with pytest.raises(RegistryValidationError, match="idempotency_key: keys starting 'sweep:'"):
+        ready.submit_sweep("sst2", ["lora"], [0], [8], "tiny-bert", idempotency_key="sweep:" + "0" * 64)
+    assert row_counts(ready) == before
 
 
 def test_a_sweep_whose_every_job_failed_or_was_cancelled_is_queued_again(ready: Registry) -> None:

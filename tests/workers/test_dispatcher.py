@@ -600,6 +600,20 @@ def test_job_slots_without_packs_still_take_the_oldest_job_on_any_backbone(
     assert running_on(worker) == {worker.owner(0): running, worker.owner(1): other}
 
 
+def test_a_warm_worker_of_job_slots_running_a_job_takes_one_on_another_backbone_when_no_node_has_room(
+    registry, tmp_path, namespace, tiny_backbone
+):
+    (running,) = submit(registry, 1)
+    other = submit_on_other_backbone(registry, tiny_backbone)
+    dispatcher = dispatcher_for(registry, tmp_path, namespace, jobs_per_worker=2)
+    worker = pack_worker(dispatcher, 2, packed=False, running={running: BACKBONE})
+    worker.backbones = {BACKBONE}  # warm on the running job's backbone only
+
+    dispatcher._assign()  # no node has room for another worker: its free slot must not idle
+
+    assert running_on(worker) == {worker.owner(0): running, worker.owner(1): other}
+
+
 @pytest.mark.parametrize("command", ["serve", "dispatcher"])
 def test_pelt_serve_and_dispatcher_offer_pack_size_and_refuse_it_beside_job_slots(command, monkeypatch):
     from click.testing import CliRunner

@@ -472,3 +472,42 @@ def test_a_cancel_requested_while_a_job_trains_is_seen_within_a_progress_interva
         worker.stop(1, "cancel")
         thread.join()
     assert outcome[0].status == "cancelled" and lease.ends() == ["cancelled"]
+
+
+class RefusesLossPoints(RecordingLease):
+    """A lease whose registry refuses every report that carries loss points (a ValueError, as the
+    registry's validation error is), and renews the lease for any other."""
+
+    refused_before: list[int]  # for each refused report, the number of calls recorded then
+
+    def heartbeat(self, progress: dict[str, Any] | None = None) -> bool:
+        if progress and progress.get("losses"):
+            self.refused_before = [*getattr(self, "refused_before", []), len(self.calls)]
+            raise ValueError("progress.losses[].step: must be at most the report's step")
+        return super().heartbeat(progress)
+
+
+def test_a_report_the_registry_refuses_drops_its_loss_points_and_the_lease_is_renewed_without_them(
+    tiny_backbone, toy_data, tmp_path
+):
+    """Not an outage: the job is not ended as lease_lost after resending the same points for a lease."""
+    worker = PeltWorker(
+        "w1",
+        WorkerConfig(threads=None, heartbeat_seconds=600, lease_seconds=900, progress_seconds=0.05),
+        backbones=LocalBackbones(),
+    )
+    lease = RefusesLossPoints(1)
+    outcome = worker.run(job_spec(tiny_backbone, toy_data, steps=30), lease, LocalDeltaSink(tmp_path))
+
+    assert outcome.status == "succeeded" and lease.ends() == ["complete"]
+    assert lease.refused_before
+    for index in lease.refused_before:
+        name, report = lease.calls[index]  # the call right after the refusal
+        assert name == "heartbeat" and not (report or {}).get("losses")  # renewed at once, without them
+
+
+@pytest.mark.parametrize("field", ["heartbeat_seconds", "progress_seconds", "lease_seconds"])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan")])
+def test_a_worker_config_with_a_time_that_is_not_positive_is_refused_naming_it(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a positive number of seconds"):
+        WorkerConfig(**{field: value})
