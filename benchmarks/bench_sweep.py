@@ -56,7 +56,7 @@ SWEEP_TASKS = ("sst2", "rte")  # alternating, job by job
 PEAK_TOKENS = (448, 2048)  # the fp32 matmul peak at tokens x hidden x intermediate
 # FLOPs per non-padding token, x N (the backbone's non-embedding parameters): training = the forward (2·N)
 # and the input-gradient half of the backward (2·N; the frozen backbone takes no weight gradients);
-# evaluation = the forward (../shared/DESIGN.md, "Reading the packs numbers")
+# evaluation = the forward alone
 TRAIN_FLOPS_PER_TOKEN, EVAL_FLOPS_PER_TOKEN = 4, 2
 TARGET_SHARE = 0.75  # of the node's fp32 limit, for the packed service
 TARGET_SPEEDUP = 3.0  # PEFT scripts' wall / the packed service's, as bench_workers (b)'s target

@@ -66,7 +66,8 @@ from pelt_core.devices import DeviceOutOfMemory
 from pelt_core.methods import get_method
 from pelt_core.spec import SpecError
 from pelt_core.train import Progress, TrainingCancelled, TrainingError, train
-from workers.job import LOSS_POINTS, DeltaSink, JobLease, JobOutcome, JobSpec, LeaseLost
+from workers.job import DeltaSink, JobLease, JobOutcome, JobSpec, LeaseLost
+from workers.loss_curve import LossCurve
 from workers.pack_runner import PackRunner
 
 log = logging.getLogger("pelt.workers")
@@ -180,48 +181,6 @@ class _Attempt:
         report = {**self.progress, "step": min(steps, total), "total": total}
         points = [point for point in self.curve.flush() if point[0] <= report["step"]]
         return {**report, "losses": points} if points else report
-
-
-class LossCurve:
-    """A job's per-step losses, thinned evenly for the registry: the mean loss of every `stride` steps
-    (stride = ceil(total steps / LOSS_POINTS)), as [step, loss] points that each heartbeat takes."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: list[list[float]] = []
-        self._sum, self._count, self._step = 0.0, 0, 0
-
-    def add(self, step: int, total: int, loss: float) -> None:
-        """A step's loss (a non-finite one is left out); a point when its stride is complete or it is the last."""
-        if not math.isfinite(loss):
-            return
-        stride = max(1, math.ceil(total / LOSS_POINTS))
-        with self._lock:
-            self._sum, self._count, self._step = self._sum + float(loss), self._count + 1, step
-            if step % stride == 0 or step >= total:
-                self._close()
-
-    def _close(self) -> None:
-        self._pending.append([self._step, self._sum / self._count])
-        self._sum, self._count = 0.0, 0
-
-    def take(self) -> list[list[float]]:
-        """The points not sent yet (the caller sends them; `restore` them if it could not)."""
-        with self._lock:
-            points, self._pending = self._pending, []
-        return points
-
-    def restore(self, points: list[list[float]]) -> None:
-        """Points `take` gave that did not reach the registry: sent with the next beat."""
-        with self._lock:
-            self._pending = points + self._pending
-
-    def flush(self) -> list[list[float]]:
-        """Every point not sent yet, the last steps' mean included (training ended)."""
-        with self._lock:
-            if self._count:
-                self._close()
-        return self.take()
 
 
 class _Heartbeat(threading.Thread):
