@@ -67,6 +67,7 @@ class Workload:
     k: int
     batch_size: int
     max_length: int
+    forward_tokens: int | None = None  # a pack's cap on padded tokens per backbone forward (None: pelt's)
 
     def config(self, job: Job, max_steps: int) -> TrainConfig:
         """The job's settings: its seed and K-shot sample, fp32, no evaluation between epochs."""
@@ -136,7 +137,7 @@ def run_pack(work: Workload, jobs: list[Job], max_steps: int, evaluate: bool = F
     counter = ForwardCounter(work.backbone)
     try:
         started = time.perf_counter()
-        pack = Pack(work.backbone)
+        pack = Pack(work.backbone, forward_tokens=work.forward_tokens)
         members = [work.join(pack, job, max_steps, evaluate) for job in jobs]
         joined = time.perf_counter()
         while not all(member.done for member in members):
@@ -276,7 +277,7 @@ def profile_step(work: Workload, jobs: list[Job], top: int = 15) -> dict:
     the profiled wall − the self time of every op."""
     from torch.profiler import ProfilerActivity, profile
 
-    pack = Pack(work.backbone)
+    pack = Pack(work.backbone, forward_tokens=work.forward_tokens)
     for job in jobs:
         work.join(pack, job, 2)
     started = time.perf_counter()
@@ -459,6 +460,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-rows", type=int, default=872, help="SST-2 validation rows per dev pass")
     parser.add_argument("--eval-sizes", type=comma_ints, default=[1, 8], help="jobs per dev pass")
     parser.add_argument("--peak-tokens", type=comma_ints, default=list(PEAK_TOKENS))
+    parser.add_argument(
+        "--forward-tokens",
+        type=int,
+        help="padded tokens per backbone forward of a pack (default: pelt's cap, 1,024 on a CPU; "
+        "a large number such as 1000000: one forward per packed step)",
+    )
     parser.add_argument("--profile", action="store_true", help="profile one packed step of mixed jobs")
     parser.add_argument("--profile-jobs", type=int, default=8, help="jobs in the profiled pack (default 8)")
     parser.add_argument("--json", help="write every number to this file")
@@ -478,6 +485,7 @@ def load_workload(args: argparse.Namespace) -> Workload:
         k=args.k,
         batch_size=args.batch_size,
         max_length=args.max_length,
+        forward_tokens=args.forward_tokens,
     )
 
 
@@ -529,7 +537,8 @@ def main() -> None:
     print(f"CPU: {cpu['model']} ({flags})")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}; "
-        f"K={args.k}, {args.steps} steps per job, batch {args.batch_size}, max_length {args.max_length}, fp32",
+        f"K={args.k}, {args.steps} steps per job, batch {args.batch_size}, max_length {args.max_length}, fp32, "
+        f"{args.forward_tokens or 'pelt default'} padded tokens per packed forward",
         flush=True,
     )
     shapes = [(tokens, hidden, intermediate) for tokens in args.peak_tokens]
