@@ -3,6 +3,7 @@ tokenisation once, then dynamic padding over length-grouped batches."""
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +15,8 @@ import torch
 
 from pelt_core.json_nesting import json_depth, too_deep_line
 from pelt_core.labels import ProblemTypeError, class_names, infer_problem_type, label_index
-from pelt_core.limits import MAX_JSON_ROW_DEPTH, dev_split_rows
+from pelt_core.limits import MAX_DATASET_BYTES, MAX_JSON_ROW_DEPTH, dev_split_rows
+from pelt_core.parquet_size import DecodedSizeError, check_parquet_decoded_size
 from pelt_core.saved_dataset import SavedDatasetError, load_saved_dataset
 from pelt_core.vocabulary import LABEL_FIELD_CANDIDATES, find_text_fields
 
@@ -23,12 +25,14 @@ class DataError(ValueError):
     """A dataset file cannot be read or lacks a field the task needs; the message names it."""
 
 
-def load_table(path: str | Path, split: str | None = None):
+def load_table(path: str | Path, split: str | None = None, *, max_decoded_bytes: int = MAX_DATASET_BYTES):
     """Read a JSON Lines, JSON, CSV or Parquet file, or a `datasets` folder (save_to_disk), as a Dataset.
 
     A folder is checked first (`pelt_core.saved_dataset`): it may only name its own Arrow files, and its
     tables are built from them with their checked features. JSON rows may nest at most
-    `limits.MAX_JSON_ROW_DEPTH` deep (pyarrow's reader crashes on deeper ones)."""
+    `limits.MAX_JSON_ROW_DEPTH` deep (pyarrow's reader crashes on deeper ones). A Parquet file is read
+    in bounded batches first and refused when it decodes to more than `max_decoded_bytes`
+    (PELT_MAX_DATASET_BYTES; a repeated text counts once per row: `pelt_core.parquet_size`)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -59,6 +63,7 @@ def load_table(path: str | Path, split: str | None = None):
         if suffix in (".tsv",):
             return datasets.Dataset.from_csv(str(p), sep="\t")
         if suffix == ".parquet":
+            _check_parquet(p, max_decoded_bytes)
             return datasets.Dataset.from_parquet(str(p))
     except DataError:
         raise
@@ -70,6 +75,23 @@ def load_table(path: str | Path, split: str | None = None):
         f"{path}: unsupported file type {p.suffix!r}; use .jsonl, .json, .csv, .tsv, .parquet "
         "or a datasets folder"
     )
+
+
+def _check_parquet(path: Path, max_decoded_bytes: int) -> None:
+    """A Parquet file decoding past `max_decoded_bytes` is a DataError naming it (checked once per version
+    of a file: a worker loads a task's data for every job)."""
+    status = path.stat()
+    try:
+        _parquet_decoded_bytes(str(path.resolve()), status.st_size, status.st_mtime_ns, max_decoded_bytes)
+    except DecodedSizeError as exc:
+        raise DataError(f"{path}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _parquet_decoded_bytes(path: str, size: int, modified_ns: int, max_decoded_bytes: int) -> int:
+    """`check_parquet_decoded_size`, cached by the file's path, size and modification time (a refusal
+    raises, so it is never cached)."""
+    return check_parquet_decoded_size(path, max_decoded_bytes)
 
 
 def _check_json_nesting(path: Path, suffix: str) -> None:
@@ -87,13 +109,13 @@ def _check_json_nesting(path: Path, suffix: str) -> None:
             raise DataError(f"{path}: JSON nested more than {MAX_JSON_ROW_DEPTH} levels deep")
 
 
-def load_split(spec: str | Path):
-    """`path` or `path:split` (for a DatasetDict folder)."""
+def load_split(spec: str | Path, *, max_decoded_bytes: int = MAX_DATASET_BYTES):
+    """`path` or `path:split` (for a DatasetDict folder), read as `load_table` reads it."""
     text = str(spec)
     if ":" in text and not Path(text).exists():
         path, split = text.rsplit(":", 1)
-        return load_table(path, split)
-    return load_table(text)
+        return load_table(path, split, max_decoded_bytes=max_decoded_bytes)
+    return load_table(text, max_decoded_bytes=max_decoded_bytes)
 
 
 @dataclass

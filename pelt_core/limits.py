@@ -11,8 +11,10 @@ Pure Python (no torch): the service imports it on its request path.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -236,9 +238,20 @@ SWEEP_LIST_LENGTH = 1_000  # entries of a sweep's methods, seeds or k_values lis
 DEFAULT_MAX_SWEEP_JOBS = 2_000  # jobs of one sweep; PELT_MAX_SWEEP_JOBS changes it
 
 
+# --- list answers ------------------------------------------------------------------------------------------
+
+DEFAULT_COMPOSE_MEMORY_BYTES = (
+    4 << 30
+)  # PELT_COMPOSE_MEMORY_BYTES: one composition's estimated memory for its deltas
+MAX_PAGE_LIMIT = 1_000  # rows of one list answer (GET /v1/jobs, /v1/audit: `limit`); clients page beyond it
+
+
 # --- the backbone: ranges that depend on it, and a job's memory --------------------------------------------
 
-DEFAULT_WORKER_MEMORY_BYTES = 32 << 30  # PELT_WORKER_MEMORY_BYTES changes the budget the service checks
+UNKNOWN_MACHINE_MEMORY_BYTES = 8 << 30  # the budget where a machine's memory cannot be read at all
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # where cgroup v2 (and v1's memory/ controller) is mounted
+_PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+_NO_LIMIT = 1 << 62  # cgroup v1 writes "no limit" as a number near 2**63
 _FLOAT = (
     4  # bytes: PELT parameters, their gradients, AdamW's moments and activations are fp32 (an upper bound)
 )
@@ -365,13 +378,40 @@ def check_against_backbone(
                     f"{where}.layers",
                     f"layer {beyond[0]} does not exist: the backbone has {layers} layers (0 to {layers - 1})",
                 )
+    if memory_budget is not None:
+        check_job_memory(train_config, method_spec, known, memory_budget)
+
+
+def check_job_memory(
+    train_config: Mapping[str, Any],
+    method_spec: Mapping[str, Any],
+    facts: Mapping[str, Any],
+    memory_budget: int,
+) -> MemoryEstimate | None:
+    """`estimate_job_memory` within `memory_budget` bytes, else a MemoryBudgetError whose field names what
+    to lower. The registry checks it at submission (`check_against_backbone`), and the worker that takes
+    the job checks it again against its own machine's budget. Returns the estimate; None (nothing checked)
+    when the facts lack hidden_size, num_layers or num_heads, or the config its max_length."""
+    known = {key: value for key in facts if (value := _positive(facts, key)) is not None}
     needed = ("hidden_size", "num_layers", "num_heads")
-    if memory_budget is None or not all(key in known for key in needed) or max_length is None:
-        return
+    if not all(key in known for key in needed) or train_config.get("max_length") is None:
+        return None
     estimate = estimate_job_memory(train_config, method_spec, known)
     if estimate.total <= memory_budget:
-        return
-    if estimate.activations >= estimate.parameters or estimate.largest_module is None:
+        return estimate
+    name = method_spec.get("name") or "method"
+    if estimate.backbone >= memory_budget:
+        field = "backbone"
+        halved = (
+            ""
+            if train_config.get("backbone_dtype") == "bfloat16"
+            else "backbone_dtype=bfloat16 halves them; "
+        )
+        advice = (
+            f"the backbone's weights alone need {_gib(estimate.backbone)}: {halved}a smaller backbone or a "
+            "worker with more memory (PELT_WORKER_MEMORY_BYTES) would fit"
+        )
+    elif estimate.activations >= estimate.parameters or estimate.largest_module is None:
         field, advice = "batch_size", "lower batch_size, eval_batch_size or max_length"
     elif (method_spec.get("modules") or {})[estimate.largest_module].get("form") == "dense":
         field = "method"
@@ -430,6 +470,77 @@ def _module_parameters(module: Mapping[str, Any], hidden: int, ffn: int, kv: int
 
 def _gib(count: int) -> str:
     return f"{count / (1 << 30):.1f} GiB"
+
+
+def machine_memory_bytes() -> int:
+    """The memory this process may use, in bytes: the least of the machine's physical memory, its cgroup's
+    memory limit (`cgroup_memory_limit`) and its address-space limit (RLIMIT_AS) where one is set.
+    PELT_WORKER_MEMORY_BYTES's default on the API host, and a worker's budget on its own host (a few small
+    reads; UNKNOWN_MACHINE_MEMORY_BYTES where none of them can be read)."""
+    bounds = [
+        bound
+        for bound in (physical_memory_bytes(), cgroup_memory_limit(), address_space_limit())
+        if bound is not None
+    ]
+    return min(bounds, default=UNKNOWN_MACHINE_MEMORY_BYTES)
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's physical memory (SC_PHYS_PAGES x SC_PAGE_SIZE); None where the system does not say."""
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return pages * page_size if pages > 0 and page_size > 0 else None
+
+
+def address_space_limit() -> int | None:
+    """This process's RLIMIT_AS (the soft limit) in bytes; None when it has none."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY or soft <= 0 else soft
+
+
+def cgroup_memory_limit(root: Path = CGROUP_ROOT, membership: Path = _PROC_SELF_CGROUP) -> int | None:
+    """The lowest memory limit of this process's cgroup and the cgroups above it, in bytes: cgroup v2's
+    memory.max under `root`, or v1's memory.limit_in_bytes under `root`/memory; None when there is none
+    (no cgroup file, "max", or v1's no-limit value). `membership`: /proc/self/cgroup."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        lines = []
+    places: list[tuple[Path, str]] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            places.append((root / path.lstrip("/"), "memory.max"))
+        elif "memory" in controllers.split(","):
+            places.append((root / "memory" / path.lstrip("/"), "memory.limit_in_bytes"))
+    places += [(root, "memory.max"), (root / "memory", "memory.limit_in_bytes")]
+    limits = []
+    for folder, name in places:
+        for level in (folder, *folder.parents):
+            limit = _read_limit(level / name)
+            if limit is not None:
+                limits.append(limit)
+            if level == root:
+                break
+    return min(limits, default=None)
+
+
+def _read_limit(file: Path) -> int | None:
+    try:
+        text = file.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text.isdigit():  # "max": no limit
+        return None
+    value = int(text)
+    return value if 0 < value < _NO_LIMIT else None
 
 
 # --- uploaded datasets: rows, decoded bytes, archives, JSON nesting, the held-out dev split ----------------
@@ -500,8 +611,14 @@ def limits_table_markdown() -> str:
         f"| sources of a composition | <= {MAX_COMPOSE_SOURCES} | aliases: <= {MAX_COMPOSE_ALIASES} |",
         f"| jobs of a sweep | <= {DEFAULT_MAX_SWEEP_JOBS:,} | `PELT_MAX_SWEEP_JOBS`; each list <= {SWEEP_LIST_LENGTH:,}"
         " entries |",
-        f"| a job's memory estimate | <= {_gib(DEFAULT_WORKER_MEMORY_BYTES)} | `PELT_WORKER_MEMORY_BYTES`: backbone, "
-        "parameters with AdamW state, activations |",
+        "| a job's memory estimate | <= the machine's memory (`PELT_WORKER_MEMORY_BYTES`) | backbone, "
+        "parameters with AdamW state, activations; checked at submission and by the worker that takes the "
+        "job, each against its own machine |",
+        f"| a composition's memory estimate | <= {_gib(DEFAULT_COMPOSE_MEMORY_BYTES)} | `PELT_COMPOSE_MEMORY_BYTES`: "
+        "the sources' stored bytes x 4 (DARE 6, multi_task 2) + 6 x the largest, + the dense ΔW of LoRA "
+        "modules for TIES/DARE; computed in a child process bounded by that + the backbone + 3 GiB |",
+        f"| rows of one list answer | <= {MAX_PAGE_LIMIT:,} | `limit` of `GET /v1/jobs` and `GET /v1/audit`; "
+        "clients page with `offset` beyond it |",
     ]
     return "\n".join(lines) + "\n"
 
@@ -514,11 +631,12 @@ __all__ = [
     "ARCHIVE_EXPANSION_FLOOR_BYTES",
     "BACKBONE_CONFIG",
     "BACKBONE_WEIGHT_BYTES_ALLOWANCE",
+    "CGROUP_ROOT",
     "COMPOSE_RANGES",
     "DATASET_PROBE_MEMORY_HEADROOM_BYTES",
+    "DEFAULT_COMPOSE_MEMORY_BYTES",
     "DEFAULT_DATASET_PROBE_CONCURRENCY",
     "DEFAULT_MAX_SWEEP_JOBS",
-    "DEFAULT_WORKER_MEMORY_BYTES",
     "DEV_SPLIT_FRACTION",
     "DEV_SPLIT_MAX_ROWS",
     "INT32_MAX",
@@ -533,6 +651,7 @@ __all__ = [
     "MAX_DATASET_ROWS",
     "MAX_JSON_DEPTH",
     "MAX_MODULES",
+    "MAX_PAGE_LIMIT",
     "MAX_TAR_HEADER_BYTES",
     "MAX_TRAIN_STEPS",
     "REQUIRED_BACKBONE_CONFIG",
@@ -540,14 +659,20 @@ __all__ = [
     "SPEC_RANGES",
     "SWEEP_LIST_LENGTH",
     "TRAIN_RANGES",
+    "UNKNOWN_MACHINE_MEMORY_BYTES",
     "LimitError",
     "MemoryBudgetError",
     "MemoryEstimate",
     "Range",
+    "address_space_limit",
+    "cgroup_memory_limit",
     "check_against_backbone",
+    "check_job_memory",
     "check_train_steps",
     "dev_split_rows",
     "estimate_job_memory",
     "fitted_max_length",
     "limits_table_markdown",
+    "machine_memory_bytes",
+    "physical_memory_bytes",
 ]

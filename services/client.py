@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from pelt_core.delta_format import sha256_mismatch
+from pelt_core.limits import MAX_PAGE_LIMIT
 from pelt_core.pulled import MULTI_TASK, PulledModel, load_pulled
 from services.api.schemas import (
     DEFAULT_BACKBONE,
@@ -130,6 +131,17 @@ class PeltClient:
     def _get(self, path: str, **params: Any) -> Any:
         clean = {k: v for k, v in params.items() if v is not None}
         return self._request("GET", path, params=clean).json()
+
+    def _pages(self, path: str, limit: int | None, offset: int, **params: Any) -> list[Any]:
+        """`limit` rows (None: every one) of a list route from `offset` on, a page of at most
+        MAX_PAGE_LIMIT rows a request (the most the service answers), until a page comes back short."""
+        rows: list[Any] = []
+        while True:
+            size = MAX_PAGE_LIMIT if limit is None else min(MAX_PAGE_LIMIT, limit - len(rows))
+            page = self._get(path, **params, limit=size, offset=offset + len(rows))
+            rows += page
+            if len(page) < size or (limit is not None and len(rows) >= limit):
+                return rows
 
     def _post(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
         return self._request("POST", path, json=body or {}).json()
@@ -283,26 +295,31 @@ class PeltClient:
         method: str | None = None,
         backbone: str | None = None,
         sweep_id: int | None = None,
-        limit: int = 100,
+        limit: int | None = 100,
         offset: int = 0,
     ) -> list[JobOut]:
+        """Jobs matching every filter given, oldest first: `limit` of them (None: every one) from `offset`
+        on, fetched a page of at most MAX_PAGE_LIMIT at a time."""
         statuses = [status] if isinstance(status, str) else status
-        found = self._get(
+        found = self._pages(
             "/v1/jobs",
+            limit,
+            offset,
             task=task,
             status=statuses,
             method=method,
             backbone=backbone,
             sweep_id=sweep_id,
-            limit=limit,
-            offset=offset,
         )
         return [JobOut.model_validate(j) for j in found]
 
     def cancel(self, job_id: int) -> JobOut:
+        """Cancel a job this token submitted (any job, with an admin token; else a 403)."""
         return JobOut.model_validate(self._post(f"/v1/jobs/{int(job_id)}/cancel"))
 
     def cancel_sweep(self, sweep_id: int) -> int:
+        """Cancel the unfinished jobs of a sweep this token submitted (any, with an admin token); returns
+        how many were cancelled or asked to stop."""
         return int(self._post(f"/v1/sweeps/{int(sweep_id)}/cancel")["cancelled"])
 
     def events(self, job_id: int) -> list[EventOut]:
@@ -332,8 +349,8 @@ class PeltClient:
         bars: dict[int, Any] = {}
         try:
             while True:
-                if sweep_id is not None:  # one request per poll for the whole sweep
-                    found = {job.id: job for job in self.jobs(sweep_id=sweep_id, limit=10_000)}
+                if sweep_id is not None:  # a request per poll for the whole sweep (per 1,000 jobs)
+                    found = {job.id: job for job in self.jobs(sweep_id=sweep_id, limit=None)}
                     current = {job_id: found[job_id] for job_id in ids}
                 else:
                     current = {job_id: self.job(job_id) for job_id in ids}
@@ -523,10 +540,11 @@ class PeltClient:
         }
         return ComposeOut.model_validate(self._post("/v1/compose", body))
 
-    def audit(self, limit: int = 100, offset: int = 0) -> list[AuditEventOut]:
+    def audit(self, limit: int | None = 100, offset: int = 0) -> list[AuditEventOut]:
         """Who registered, submitted, cancelled, composed, created or revoked what, newest first (an admin
-        token)."""
-        return [AuditEventOut.model_validate(e) for e in self._get("/v1/audit", limit=limit, offset=offset)]
+        token): `limit` events (None: every one) from `offset` on, a page of at most MAX_PAGE_LIMIT at a
+        time."""
+        return [AuditEventOut.model_validate(e) for e in self._pages("/v1/audit", limit, offset)]
 
 
 # --- helpers --------------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ def expected_errors() -> tuple[type[Exception], ...]:
 def classify(exc: BaseException) -> ErrorView | None:
     """The HTTP view of an expected error (None: unexpected, a 500)."""
     from services.delta_store.errors import (
+        ComposeMemoryError,
         DeltaIntegrityError,
         DeltaNotFoundError,
         StoreNotReadyError,
@@ -79,6 +80,7 @@ def classify(exc: BaseException) -> ErrorView | None:
         IdempotencyConflictError,
         JobStateError,
         NotFoundError,
+        NotOwnerError,
         QuotaExceededError,
         RegistryBusyError,
         RegistryError,
@@ -102,10 +104,14 @@ def classify(exc: BaseException) -> ErrorView | None:
         return ErrorView(422, kind, str(exc), exc.field)
     if isinstance(exc, JobStateError):
         return ErrorView(409, kind, str(exc), "job_id")
+    if isinstance(exc, NotOwnerError):  # another token's job or sweep: the admin scope's
+        return ErrorView(403, kind, str(exc), exc.field)
     if isinstance(exc, RegistryBusyError):  # other writers held the database: nothing was written, try again
         return ErrorView(
             503, kind, str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
         )
+    if isinstance(exc, ComposeMemoryError):  # a composition above PELT_COMPOSE_MEMORY_BYTES
+        return ErrorView(413, kind, str(exc), exc.field)
     if isinstance(exc, DeltaNotFoundError):
         return ErrorView(404, kind, str(exc), getattr(exc, "field", None))
     if isinstance(exc, StoreNotReadyError):  # its message names the store's URI: for the operator's log only

@@ -8,12 +8,15 @@ It joins the registry (tasks, methods, backbones, jobs, results, tokens), the up
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
-import io
 import logging
+import os
+import shutil
 import tempfile
 import threading
+import time
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,15 +56,25 @@ from services.settings import Settings, get_settings
 from services.uploads import TaskUploads, Upload
 
 log = logging.getLogger("pelt.operations")
+COMPOSE_RETRY_AFTER_SECONDS = 5  # Retry-After of a composition refused while PELT_COMPOSE_CONCURRENCY run
+
+
+SCRATCH_DIR = "scratch"  # under PELT_DATA_DIR: downloads zipped while they are sent, each removed once sent
+STALE_SCRATCH_SECONDS = 24 * 3600  # a download folder this old outlived its server (a crash): removed
 
 
 @dataclass(frozen=True)
 class DeltaArchive:
-    """A version's files, zipped, for download (deltas are small: KB to a few MB)."""
+    """A version's files, zipped into a private temporary file for download: `path` (0600) in a folder
+    (0700) of its own under PELT_DATA_DIR/scratch, sent from disk; `discard()` removes both once sent."""
 
-    content: bytes
+    path: Path
     filename: str
     info: Any  # services.delta_store.VersionInfo
+
+    def discard(self) -> None:
+        """Remove the archive and its folder (again: nothing happens)."""
+        shutil.rmtree(self.path.parent, ignore_errors=True)
 
 
 class PeltOperations:
@@ -88,6 +101,8 @@ class PeltOperations:
         self._backbone_loader = backbone_loader
         self._backbone_lock = threading.Lock()
         self.uploads = TaskUploads(registry, self.settings)
+        # compositions computed at once, each in a child process (PELT_COMPOSE_CONCURRENCY)
+        self._compose_slots = threading.BoundedSemaphore(self.settings.compose_concurrency)
 
     # --- tasks -----------------------------------------------------------------------------------
 
@@ -312,11 +327,14 @@ class PeltOperations:
             offset=offset,
         )
 
-    def cancel_job(self, job_id: int) -> JobRecord:
-        return self.registry.cancel_job(job_id)
+    def cancel_job(self, job_id: int, *, own_only: bool = False) -> JobRecord:
+        """Cancel a job; `own_only` (a token without the admin scope): only one the caller's token
+        submitted, else NotOwnerError (a 403 naming the admin scope and whose job it is)."""
+        return self.registry.cancel_job(job_id, own_only=own_only)
 
-    def cancel_sweep(self, sweep_id: int) -> int:
-        return self.registry.cancel_sweep(sweep_id)
+    def cancel_sweep(self, sweep_id: int, *, own_only: bool = False) -> int:
+        """Cancel a sweep's unfinished jobs; `own_only` as for cancel_job (refused as a whole)."""
+        return self.registry.cancel_sweep(sweep_id, own_only=own_only)
 
     def job_events(self, job_id: int) -> list[JobEventRecord]:
         return self.registry.job_events(job_id)
@@ -372,18 +390,28 @@ class PeltOperations:
         return store.get_version(ref)
 
     def delta_archive(self, ref: Any) -> DeltaArchive:
-        """Download a version (checked against its sha256) and zip its files, in memory, for sending."""
+        """Download a version (checked against its sha256) and zip its files into a private temporary
+        file, to be sent from disk: the caller discards it once sent (`DeltaArchive.discard`)."""
         store = self._store()
         self._check_ref_method(ref)
         info = store.get_version(ref)
-        buffer = io.BytesIO()
-        with tempfile.TemporaryDirectory(prefix="pelt-archive-") as scratch:
-            folder = store.download(info.task, info.version, dest=Path(scratch) / "delta")
-            with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-                for item in sorted(folder.rglob("*")):
+        scratch = self.settings.data_dir / SCRATCH_DIR
+        scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _remove_stale_downloads(scratch)
+        folder = Path(tempfile.mkdtemp(prefix="download-", dir=scratch))  # 0700
+        archive = DeltaArchive(folder / "delta.zip", f"{info.task}-v{info.version}.zip", info)
+        try:
+            delta = store.download(info.task, info.version, dest=folder / "delta")
+            private = os.open(archive.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with open(private, "wb") as file, zipfile.ZipFile(file, "w", zipfile.ZIP_DEFLATED) as zipped:
+                for item in sorted(delta.rglob("*")):
                     if item.is_file():
-                        archive.write(item, item.relative_to(folder).as_posix())
-        return DeltaArchive(buffer.getvalue(), f"{info.task}-v{info.version}.zip", info)
+                        zipped.write(item, item.relative_to(delta).as_posix())
+            shutil.rmtree(delta)  # only the archive waits for the client
+        except BaseException:
+            archive.discard()
+            raise
+        return archive
 
     def _check_ref_method(self, ref: Any) -> None:
         """A reference to a method's best names a method some job could have run: else UnknownMethodError
@@ -427,12 +455,18 @@ class PeltOperations:
         """Compose deltas (merge, average, merge_lora_svd, multi_task) into a new version of `into`. The
         request is checked first (`check_compose_request`: pelt_core.compose's options), so no option reaches
         the store as one of its own parameters; the audit event is recorded inside the store's
-        all-or-nothing step, so a failure to record it takes the version back.
+        all-or-nothing step, so a failure to record it takes the version back. Names (`into`, the sources'
+        names) follow the registry's rule for task names, so the audit trail records names, never text.
+
+        It is computed in a child process (`services.delta_store.compose_child`): one whose estimate is above
+        PELT_COMPOSE_MEMORY_BYTES is a 413 before anything is loaded; at most PELT_COMPOSE_CONCURRENCY at
+        once (beyond: a 503 with Retry-After), so this process never holds the sources' tensors.
 
         `into` is a new name (the composition's own: pulling it answers with its latest version), or a
         registered task only when that task is among the sources or `allow_existing` says so: a
         composition of other tasks' deltas does not become a version of a real task by accident."""
         from services.delta_store import check_compose_request
+        from services.delta_store.compose_child import ComposeLimits
 
         options = dict(options or {})
         store = self._store()
@@ -443,12 +477,39 @@ class PeltOperations:
             self.registry.record_audit(
                 "delta.compose",
                 f"{into} version {stored.model_version}",
-                {"op": op, "sources": sources, "aliases": list(aliases)},
+                {
+                    "op": op,
+                    "sources": (
+                        {str(name): str(ref) for name, ref in sources.items()}
+                        if isinstance(sources, Mapping)
+                        else [str(ref) for ref in sources]
+                    ),
+                    "aliases": list(aliases),
+                },
             )
 
-        return store.compose(
-            op, sources, into=into, aliases=aliases, description=description, on_written=audit, **options
-        )
+        if not self._compose_slots.acquire(blocking=False):
+            raise ServiceError(
+                f"{self.settings.compose_concurrency} compositions are being computed now, as many as "
+                "PELT_COMPOSE_CONCURRENCY allows; nothing was written: send it again shortly",
+                status=503,
+                retry_after=COMPOSE_RETRY_AFTER_SECONDS,
+            )
+        try:
+            return store.compose(
+                op,
+                sources,
+                into=into,
+                aliases=aliases,
+                description=description,
+                on_written=audit,
+                limits=ComposeLimits(
+                    self.settings.compose_memory_bytes, self.settings.compose_timeout_seconds
+                ),
+                **options,
+            )
+        finally:
+            self._compose_slots.release()
 
     def _check_compose_into(
         self, sources: Sequence[str] | Mapping[str, str], into: str, allow_existing: bool
@@ -474,6 +535,16 @@ class PeltOperations:
                 "of its deltas: compose into a new name (it then pulls by that name), or set allow_existing "
                 "(`pelt compose --into-existing`) to add the composition to that task's versions",
             )
+
+
+def _remove_stale_downloads(scratch: Path, now: float | None = None) -> None:
+    """Remove download folders older than STALE_SCRATCH_SECONDS: those a crashed server left behind (a
+    download being sent is far younger; several API hosts may share the folder, so nothing younger goes)."""
+    cutoff = (time.time() if now is None else now) - STALE_SCRATCH_SECONDS
+    for folder in scratch.glob("download-*"):
+        with contextlib.suppress(OSError):
+            if folder.lstat().st_mtime < cutoff:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 __all__ = ["DeltaArchive", "PeltOperations"]

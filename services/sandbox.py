@@ -40,6 +40,7 @@ from typing import IO, Any
 
 TARGETS = {
     "backbone": "services.backbones:load_in_child",
+    "compose": "services.delta_store.compose_child:compose_in_child",
     "dataset_probe": "services.registry.dataset_probe.child:probe_in_child",
 }
 MEMORY_WORDS = (

@@ -10,7 +10,8 @@ PELT_API_URL, PELT_API_TOKEN   client side (the token also from <data_dir>/api_t
 PELT_API_HOST, PELT_API_PORT   where `pelt serve` listens (default 127.0.0.1:8000)
 PELT_MAX_REQUEST_BYTES, PELT_MAX_UPLOAD_BYTES   bounds on a JSON body and on a dataset upload
 PELT_MAX_DATASET_ROWS     rows one split of a task's data may hold (default 5,000,000); beyond: 413
-PELT_MAX_DATASET_BYTES    bytes a task's data may decode or unpack to (archives, Parquet; default 4 GiB); beyond: 413
+PELT_MAX_DATASET_BYTES    bytes a task's data may decode or unpack to (archives; Parquet with a repeated text
+                          counted once per row; default 4 GiB); beyond: 413, and a worker refuses such a split
 PELT_MAX_ARCHIVE_ENTRIES  files and folders one dataset archive may hold (default 1,000); beyond: 413
 PELT_MAX_ARCHIVE_EXPANSION   unpacked bytes per archive byte (default 50; an archive may always unpack to
                           16 MiB); counted while it unpacks, beyond: 413
@@ -24,16 +25,34 @@ PELT_BACKBONE_DIRS        folders whose model folders may be registered as backb
 PELT_MAX_BACKBONE_PARAMETERS   largest backbone registered, in parameters estimated from its config
 PELT_BACKBONE_LOAD_MEMORY_BYTES, PELT_BACKBONE_LOAD_TIMEOUT_SECONDS   limits of the child process that
                           loads a backbone being registered
+PELT_COMPOSE_MEMORY_BYTES, PELT_COMPOSE_TIMEOUT_SECONDS   a composition's memory for its deltas (default 4 GiB): one
+                          estimated above it (its sources' stored sizes x the op's working factor) is refused
+                          (413) before anything is loaded; it is computed in a child process whose address
+                          space is this + the backbone's weights + 3 GiB of runtime, within the time limit
+                          (default 600 s); beyond either: 413 / 422, nothing written
+PELT_COMPOSE_CONCURRENCY  compositions computed at once (default 2, each in its own child); beyond: 503 with
+                          Retry-After
 PELT_API_DOCS             serve /docs and /redoc (assets from a CDN) and an open /openapi.json (default off:
                           /openapi.json then needs a token)
 PELT_API_HEADER_TIMEOUT_SECONDS   close a connection whose request head is not complete within this time
 PELT_API_BODY_IDLE_TIMEOUT_SECONDS   close a connection whose request body stops arriving: no byte of it for
                           this time (default 60; an idle timeout, not a bound on a whole upload)
+PELT_API_MIN_UPLOAD_BYTES_PER_SECOND, PELT_API_MIN_UPLOAD_RATE_WINDOW_SECONDS   close a connection whose
+                          request body arrives slower than this rate over the client's last window (default
+                          1024 bytes/s over 30 s, judged after the first 30 s; 0: no minimum rate)
+PELT_API_SEND_IDLE_TIMEOUT_SECONDS   close a connection whose client stops reading its answer: nothing of
+                          it taken for this time while the server has more to send (default 60)
 PELT_API_MAX_CONNECTIONS  connections (and requests in progress) `pelt serve` takes; beyond: 503
+PELT_API_MAX_UNAUTHENTICATED_CONNECTIONS   of them, connections that have not yet sent a valid token
+                          (default 100; keep it well below PELT_API_MAX_CONNECTIONS); a new one beyond closes
+                          the oldest idle one
 PELT_MAX_QUEUED_JOBS_PER_TOKEN   queued jobs one API token may have at once; a submit beyond: 429
 PELT_MAX_SWEEP_JOBS       jobs one sweep may queue (methods x seeds x K values); beyond: 422
 PELT_WORKER_MEMORY_BYTES  a worker's memory for one job: a job whose estimate (backbone, parameters with AdamW
-                          state, activations; pelt_core.limits.estimate_job_memory) is above it is refused
+                          state, activations; pelt_core.limits.estimate_job_memory) is above it is refused at
+                          submission, and failed by a worker whose own budget it exceeds (default: the memory
+                          of the process's machine, pelt_core.limits.machine_memory_bytes: the least of physical
+                          memory, the cgroup's limit and RLIMIT_AS; each worker reads its own machine's)
 PELT_LEASE_SECONDS, PELT_HEARTBEAT_SECONDS, PELT_MAX_ATTEMPTS,
 PELT_RETRY_BACKOFF_SECONDS, PELT_RETRY_BACKOFF_MAX_SECONDS, PELT_DB_BUSY_TIMEOUT_SECONDS   queue knobs
 """
@@ -50,7 +69,12 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pelt_core import limits
-from pelt_core.limits import DEFAULT_MAX_SWEEP_JOBS, DEFAULT_WORKER_MEMORY_BYTES, MAX_BACKBONE_PARAMETERS
+from pelt_core.limits import (
+    DEFAULT_COMPOSE_MEMORY_BYTES,
+    DEFAULT_MAX_SWEEP_JOBS,
+    MAX_BACKBONE_PARAMETERS,
+    machine_memory_bytes,
+)
 
 
 class Settings(BaseSettings):
@@ -124,6 +148,20 @@ class Settings(BaseSettings):
     backbone_load_timeout_seconds: float = Field(
         default=600.0, gt=0, description="time limit of the child process that loads a backbone"
     )
+    compose_memory_bytes: int = Field(
+        default=DEFAULT_COMPOSE_MEMORY_BYTES,
+        ge=1,
+        description="memory one composition may use for its deltas: one estimated above it is refused before "
+        "anything is loaded; its child process's address space is this + the backbone's weights + the runtime",
+    )
+    compose_timeout_seconds: float = Field(
+        default=600.0, gt=0, description="time limit of the child process that computes a composition"
+    )
+    compose_concurrency: int = Field(
+        default=2,
+        ge=1,
+        description="compositions computed at once; one beyond them is a 503 with Retry-After",
+    )
     api_docs: bool = Field(
         default=False,
         description="serve /docs and /redoc (assets from a CDN) and /openapi.json without a token",
@@ -139,8 +177,31 @@ class Settings(BaseSettings):
         description="close a connection whose request body stops arriving: no byte of it for "
         "this time (an idle timeout between reads: a slow upload whose bytes keep coming is never cut off)",
     )
+    api_min_upload_bytes_per_second: float = Field(
+        default=1024.0,
+        ge=0,
+        description="close a connection whose request body arrives slower than this over the client's last "
+        "api_min_upload_rate_window_seconds (time the server holds the body back not counted); 0: no minimum",
+    )
+    api_min_upload_rate_window_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="the window of the minimum upload rate, and its grace: a body is judged once awaited this long",
+    )
+    api_send_idle_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="close a connection whose client reads nothing of its answer for this time while the "
+        "server has more to send (an idle timeout: a slow reader that keeps reading is never cut off)",
+    )
     api_max_connections: int = Field(
         default=1000, ge=1, description="connections and requests in progress the API takes; beyond them: 503"
+    )
+    api_max_unauthenticated_connections: int = Field(
+        default=100,
+        ge=1,
+        description="connections that have not yet sent a valid token the API keeps open; a new one beyond "
+        "them closes the oldest idle one (keep it well below api_max_connections)",
     )
     max_queued_jobs_per_token: int = Field(
         default=10_000,
@@ -154,9 +215,10 @@ class Settings(BaseSettings):
         description="jobs one sweep may queue (its insert holds SQLite's write lock: keep it short)",
     )
     worker_memory_bytes: int = Field(
-        default=DEFAULT_WORKER_MEMORY_BYTES,
+        default_factory=machine_memory_bytes,
         ge=1 << 20,
-        description="a worker's memory for one job; a job estimated above it is refused at submission",
+        description="a worker's memory for one job (default: this machine's memory); a job estimated above "
+        "it is refused at submission",
     )
 
     lease_seconds: float = Field(default=60.0, gt=0, description="how long a claim lasts without a heartbeat")

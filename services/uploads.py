@@ -10,8 +10,10 @@ Archives are unpacked with bounds counted on what is actually decompressed and w
 headers claim: at most PELT_MAX_ARCHIVE_ENTRIES entries and PELT_MAX_ARCHIVE_EXPANSION bytes per archive
 byte (at least `limits.ARCHIVE_EXPANSION_FLOOR_BYTES`), PELT_MAX_DATASET_BYTES in all (413 beyond); no
 links, devices, sparse members (whose holes tar writes without reading them) or paths that leave the
-folder. A zip's central directory is checked against PELT_MAX_ARCHIVE_ENTRIES from every end record
-before zipfile reads it (records that disagree are refused); a tar's extended headers (pax records, GNU
+folder. A zip's central directory is checked against PELT_MAX_ARCHIVE_ENTRIES before zipfile reads
+it: the counts and size every end record states (records that disagree are refused), then its entries
+counted by walking the directory zipfile will read (zipfile builds one entry per header it finds there,
+whatever the count says), stopping one past the limit; a tar's extended headers (pax records, GNU
 long names) hold at most `limits.MAX_TAR_HEADER_BYTES`. A member that cannot be read (encrypted, an
 unknown compression method, corrupt data) is a 422 naming the archive and the member. Errors name the form field and the uploaded file, never a path of
 this machine.
@@ -19,7 +21,9 @@ this machine.
 The registry reads the data in a child process (`dataset_probe.probe_dataset_in_child`, under
 PELT_DATASET_PROBE_MEMORY_BYTES and PELT_DATASET_PROBE_TIMEOUT_SECONDS). At most
 PELT_DATASET_PROBE_CONCURRENCY uploads are unpacked and probed at once; one more is a 503 with
-Retry-After before anything is written. Uploads run side by side: a lock covers only the rename of a staged folder to its content-addressed name and, for a refused task,
+Retry-After before anything is written (the API holds an upload's slot from its headers until its
+answer, `TaskUploads.probe_slot`, and refuses one more before reading any of its body).
+Uploads run side by side: a lock covers only the rename of a staged folder to its content-addressed name and, for a refused task,
 the check that no task and no other upload in progress uses that folder before it is removed.
 """
 
@@ -40,9 +44,10 @@ import uuid
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from pelt_core import limits
 from services.errors import ServiceError, TooLargeError
@@ -81,6 +86,10 @@ _ARCHIVE_ERRORS = (
 )  # RuntimeError: encrypted; NotImplementedError: unknown method
 
 
+# the TaskUploads whose probe slot this context (an API request, and the thread it runs the route in) holds
+_HOLDING_PROBE_SLOT: ContextVar[TaskUploads | None] = ContextVar("pelt_holding_probe_slot", default=None)
+
+
 @dataclass(frozen=True)
 class Upload:
     """One uploaded file: the name the client gave it and a binary stream of its bytes."""
@@ -114,17 +123,30 @@ class TaskUploads:
         check_name(name)
         _check_file_fields(files)
         fields = task_definition(definition)
+        with self.probe_slot("dataset" if "dataset" in files else "train"):
+            return self._register(name, files, fields)
+
+    @contextlib.contextmanager
+    def probe_slot(self, field: str = "train") -> Iterator[None]:
+        """Hold one of the PELT_DATASET_PROBE_CONCURRENCY slots until the block ends (a slot this context
+        holds already, taken by the API from the request's headers, is used as it is); none free: a 503
+        with Retry-After naming `field`."""
+        if _HOLDING_PROBE_SLOT.get() is self:
+            yield
+            return
         if not self.probe_slots.acquire(blocking=False):
             raise ServiceError(
                 f"{self.settings.dataset_probe_concurrency} uploads are being checked now, as many as "
                 "PELT_DATASET_PROBE_CONCURRENCY allows; nothing was kept: send it again shortly",
                 status=503,
-                field="dataset" if "dataset" in files else "train",
+                field=field,
                 retry_after=PROBE_RETRY_AFTER_SECONDS,
             )
+        holding = _HOLDING_PROBE_SLOT.set(self)
         try:
-            return self._register(name, files, fields)
+            yield
         finally:
+            _HOLDING_PROBE_SLOT.reset(holding)
             self.probe_slots.release()
 
     def _register(self, name: str, files: Mapping[str, Upload], fields: dict[str, Any]) -> TaskRecord:
@@ -441,12 +463,20 @@ def extract_archive(upload: Upload, target: Path, budget: list[int], bounds: Arc
 
 
 def _check_zip_directory(path: Path, unpacking: _Unpacking) -> None:
-    """Before zipfile reads the central directory into memory: its end record's entry count and size
-    (a directory entry is 46 bytes plus its name: MAX_ZIP_ENTRY_BYTES each is plenty)."""
-    entries, size = zip_directory_size(path)
+    """Before zipfile reads the central directory into memory: its end records' entry count and size (a
+    directory entry is 46 bytes plus its name: MAX_ZIP_ENTRY_BYTES each is plenty), then the entries the
+    directory really holds, counted up to one past the limit (zipfile ignores the stated count)."""
+    directory = zip_directory(path)
     limit = unpacking.bounds.entries
-    if entries > limit or size > limit * MAX_ZIP_ENTRY_BYTES:
+    if directory.entries > limit or directory.size > limit * MAX_ZIP_ENTRY_BYTES:
         raise unpacking.too_many_entries()
+    held = count_zip_entries(path, directory, stop_after=limit)
+    if held > limit:
+        raise unpacking.too_many_entries()
+    if held != directory.entries:
+        raise zipfile.BadZipFile(
+            f"its end record lists {directory.entries} entries, its central directory holds {held}"
+        )
 
 
 _END_RECORD = struct.Struct(
@@ -454,15 +484,26 @@ _END_RECORD = struct.Struct(
 )  # end of central directory: signature ... entries, size, offset, comment
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")  # signature, disk, offset of the zip64 end record, disks
 _ZIP64_END_RECORD = struct.Struct("<4sQ2H2L4Q")  # signature, size, versions, disks, entries (2), size, offset
+_DIRECTORY_ENTRY = struct.Struct("<4s24x3H12x")  # a directory header: signature ... name, extra, comment
 
 
-def zip_directory_size(path: Path) -> tuple[int, int]:
-    """(entries, bytes) of a zip's central directory, from every end record that states them (PKWARE
+class ZipDirectory(NamedTuple):
+    """A zip's central directory as its end records state it, and where zipfile reads it from."""
+
+    entries: int
+    size: int  # bytes
+    start: int  # its offset in the file: zipfile reads `size` bytes from there
+
+
+def zip_directory(path: Path) -> ZipDirectory:
+    """A zip's central directory: entries and bytes from every end record that states them (PKWARE
     APPNOTE 4.3.14-16): the end record (the archive's last 22 bytes plus a comment of at most 65,535)
     and, when a zip64 locator precedes it, both the zip64 end record just before the locator (the one
     Python's zipfile reads) and the one at the locator's offset (the one the format names); a classic
     field that is full (0xFFFF, 0xFFFFFFFF) leaves it to them. zipfile.BadZipFile when a record is
-    missing or they disagree, so that the numbers checked are the ones zipfile will use."""
+    missing or they disagree, so that the numbers checked are the ones zipfile will use. Its start is
+    where zipfile looks for it: `size` bytes before the end record (and before the zip64 end record and
+    locator, 76 bytes, when there is a locator), whatever offset the records state."""
     with path.open("rb") as stream:
         file_size = stream.seek(0, 2)
         tail_size = min(file_size, _END_RECORD.size + 0xFFFF + _ZIP64_LOCATOR.size)
@@ -476,7 +517,8 @@ def zip_directory_size(path: Path) -> tuple[int, int]:
         counts = {count for count in (disk_entries, entries) if count != 0xFFFF}
         sizes = {size} if size != 0xFFFFFFFF else set()
         locator = at - _ZIP64_LOCATOR.size
-        if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
+        zip64 = locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07"
+        if zip64:
             _, _, offset, _ = _ZIP64_LOCATOR.unpack_from(tail, locator)
             for record_at in (tail_start + locator - _ZIP64_END_RECORD.size, offset):
                 record_counts, record_size = _zip64_end_record(stream, record_at, file_size)
@@ -486,7 +528,31 @@ def zip_directory_size(path: Path) -> tuple[int, int]:
             raise zipfile.BadZipFile("a zip64 archive without its zip64 end record locator")
         if len(counts) != 1 or len(sizes) != 1:
             raise zipfile.BadZipFile("its end records disagree on the central directory's entries or size")
-        return counts.pop(), sizes.pop()
+        size = sizes.pop()
+        start = tail_start + at - size - (_ZIP64_END_RECORD.size + _ZIP64_LOCATOR.size if zip64 else 0)
+        if start < 0:
+            raise zipfile.BadZipFile("its central directory would start before the archive")
+        return ZipDirectory(counts.pop(), size, start)
+
+
+def count_zip_entries(path: Path, directory: ZipDirectory, stop_after: int) -> int:
+    """The entries of the central directory zipfile reads (`directory.size` bytes from `directory.start`,
+    header after header, as zipfile walks it: it builds one ZipInfo per header, whatever the end record's
+    count), counted without building them and no further than `stop_after + 1`. zipfile.BadZipFile where
+    zipfile would stop on it: a header without its signature, a directory cut short."""
+    held, walked = 0, 0
+    with path.open("rb") as stream:
+        while walked < directory.size and held <= stop_after:
+            stream.seek(directory.start + walked)
+            header = stream.read(_DIRECTORY_ENTRY.size)
+            if len(header) < _DIRECTORY_ENTRY.size or walked + len(header) > directory.size:
+                raise zipfile.BadZipFile("its central directory is cut short")
+            signature, name, extra, comment = _DIRECTORY_ENTRY.unpack(header)
+            if signature != b"PK\x01\x02":
+                raise zipfile.BadZipFile(f"no central directory header at byte {walked} of its directory")
+            held += 1
+            walked += _DIRECTORY_ENTRY.size + name + extra + comment
+    return held
 
 
 def _zip64_end_record(stream: IO[bytes], offset: int, file_size: int) -> tuple[set[int], int]:
@@ -568,6 +634,8 @@ __all__ = [
     "ArchiveBounds",
     "TaskUploads",
     "Upload",
+    "ZipDirectory",
+    "count_zip_entries",
     "extract_archive",
     "save_stream",
     "task_definition",

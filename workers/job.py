@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pelt_core.delta_format import DELTA_FILE, sha256_file
+from pelt_core.limits import MAX_DATASET_BYTES
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class TaskSpec:
     metric: str
     metric_direction: str = "max"
     max_length: int = 128
+    max_data_bytes: int = MAX_DATASET_BYTES  # a split decoding past this is refused (PELT_MAX_DATASET_BYTES)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class JobSpec:
     backbone: str  # what pelt_core's Backbone.load accepts: a packaged alias or a local model path
     backbone_dtype: str = "float32"
     backbone_hash: str | None = None  # the registered content hash; a different backbone fails the job
+    # the registry's facts of the backbone (pelt_core.backbones.backbone_facts): the worker checks the job's
+    # memory estimate with them before it reads anything; None: with the backbone's own, once it is mapped
+    backbone_facts: dict[str, Any] | None = None
     attempt: int = 1
     sweep_id: int | None = None
     tags: dict[str, str] = field(default_factory=dict)

@@ -27,6 +27,9 @@ many threads (OpenMP gives every calling thread its own team), so a worker sets 
 
 For each job it:
 
+0. checks the job's memory estimate against its own budget (`workers.memory_budget`: the API host may have
+   more memory than this worker's machine) and fails it, permanently, when it would not fit: before
+   reading anything with the registry's backbone facts, else once the backbone is mapped;
 1. renews the lease from a heartbeat thread every `heartbeat_seconds` (also while the backbone loads
    or the delta uploads), sending the trainer's last progress {step, total, loss, tokens_per_second};
 2. takes the backbone from its warm cache, or maps the node's shared copy (`NodeBackbones`): the
@@ -63,11 +66,13 @@ from pelt_core.data import DataError, TaskFields, hold_out_dev_split, load_split
 from pelt_core.delta import save_delta
 from pelt_core.delta_format import DeltaError
 from pelt_core.devices import DeviceOutOfMemory
+from pelt_core.limits import MemoryBudgetError
 from pelt_core.methods import get_method
 from pelt_core.spec import SpecError
 from pelt_core.train import Progress, TrainingCancelled, TrainingError, train
 from workers.job import DeltaSink, JobLease, JobOutcome, JobSpec, LeaseLost
 from workers.loss_curve import LossCurve
+from workers.memory_budget import JobMemoryCheck, worker_memory_budget
 from workers.pack_runner import PackRunner
 
 log = logging.getLogger("pelt.workers")
@@ -80,6 +85,7 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     SpecError,
     BackboneError,
     DeltaError,
+    MemoryBudgetError,  # the job's memory estimate is above this worker's budget (workers.memory_budget)
 )
 BackboneSource = Callable[[str, str], tuple[Backbone, int]]
 # Jobs in one process load their data one at a time: two threads inside `datasets.Dataset.from_json` at once
@@ -111,6 +117,9 @@ class WorkerConfig:
     # where its jobs train: "cpu" (weights are views of the node's shared copy), or "cuda"/"cuda:N"/"auto"
     # (each warm backbone copied once onto this process's GPU: one worker per GPU holds one copy)
     device: str = "cpu"
+    # a job's memory here, in bytes (its estimate above it fails the job before it starts); None:
+    # PELT_WORKER_MEMORY_BYTES in the worker's environment, else its machine's memory (workers.memory_budget)
+    memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_seconds", "progress_seconds", "lease_seconds"):
@@ -285,6 +294,7 @@ class PeltWorker:
         from pelt_core.devices import resolve_device
 
         self.device = resolve_device(self.config.device)  # a GPU worker on a node without one fails here
+        self.memory_check = JobMemoryCheck(self.config.memory_bytes or worker_memory_budget(), worker_id)
         if backbones is None:
             from workers.backbone_store import NodeBackbones
 
@@ -327,6 +337,7 @@ class PeltWorker:
                 "last_outcome": None if not self._finished else self._finished[-1].status,
                 "outcomes": {o.job_id: o.status for o in self._finished},
                 "threads": self.config.threads,
+                "memory_bytes": self.memory_check.budget,  # a job's memory budget here
                 "uptime_seconds": round(time.time() - self._started, 1),
             }
 
@@ -485,14 +496,16 @@ class PeltWorker:
             raise TrainingCancelled("stopped before it started")
         config = TrainConfig.from_dict(job.train_config)
         spec = get_method(job.method_spec)
+        if job.backbone_facts:  # the registry's: checked before its data or backbone take any memory
+            self.memory_check.check(job, config, job.backbone_facts)
         task = job.task
         fields = TaskFields(
             tuple(task.text_fields), task.label_field, task.problem_type, list(task.label_names or [])
         )
         with _DATA_LOCK:  # `datasets` is not thread-safe while it loads (its progress bars' shared lock)
-            train_data = load_split(task.train_path)
+            train_data = load_split(task.train_path, max_decoded_bytes=task.max_data_bytes)
             if task.validation_path:
-                eval_data = load_split(task.validation_path)
+                eval_data = load_split(task.validation_path, max_decoded_bytes=task.max_data_bytes)
             else:  # no evaluation split: a dev split held out from the training rows by the job's seed
                 train_data, eval_data = hold_out_dev_split(train_data, config.seed)
         with self._lend(job.backbone, job.backbone_dtype or config.backbone_dtype) as (backbone, trainer):
@@ -503,6 +516,8 @@ class PeltWorker:
                     f"but the registry recorded {expected[:16]}…; register the changed model "
                     "under a new name"
                 )
+            if not job.backbone_facts:
+                self.memory_check.check(job, config, backbone.facts)
             if should_stop():
                 raise TrainingCancelled("stopped before training")
             result = trainer(

@@ -4,9 +4,11 @@
 Every route under /v1 needs `Authorization: Bearer <token>` (tokens: `pelt token create`; only their
 SHA-256 is stored); /health answers without one. Each route declares the scope it needs with one of
 READ, WRITE, ADMIN (`services.api.dependencies`): read < write < admin; a token without it gets a 403
-naming the scope. Errors are JSON {"error": {status, type, field, message}}, their messages without
-server paths or store URIs (`services.api.error_handlers`); an unexpected error is a 500 that keeps the
-connection open (`services.api.middleware.InternalErrorMiddleware`). Bodies are bounded:
+naming the scope, from the request's headers before any of its body is read (so are the body bounds and
+the upload slots: `services.api.middleware`; a refused request's connection is closed). Errors are JSON
+{"error": {status, type, field, message}}, their messages without server paths or store URIs
+(`services.api.error_handlers`); an unexpected error is a 500 that keeps the connection open
+(`services.api.middleware.InternalErrorMiddleware`). Bodies are bounded:
 PELT_MAX_REQUEST_BYTES for JSON, PELT_MAX_UPLOAD_BYTES for a dataset upload. The OpenAPI schema is at
 /openapi.json (a token needed); /docs and /redoc exist only with PELT_API_DOCS=true (they load their
 assets from a CDN, and /openapi.json then answers without a token).
@@ -20,8 +22,14 @@ from typing import Any
 from fastapi import FastAPI
 
 from services.api.error_handlers import install_error_handlers
-from services.api.middleware import BodySizeLimitMiddleware, InternalErrorMiddleware, TokenAuthMiddleware
-from services.api.routes import UPLOAD_PATHS, include_routes
+from services.api.middleware import (
+    BodySizeLimitMiddleware,
+    InternalErrorMiddleware,
+    TokenAuthMiddleware,
+    UploadSlotMiddleware,
+    declared_scopes,
+)
+from services.api.routes import API_PREFIX, UPLOAD_PATHS, V1_ROUTERS, include_routes
 from services.operations import PeltOperations
 from services.settings import Settings
 
@@ -52,7 +60,9 @@ def create_app(
     app.state.dispatcher = dispatcher
     include_routes(app)
     install_error_handlers(app)
-    # Middleware added last runs first: the error guard, then the token check, then the body bound.
+    # Middleware added last runs first: the error guard, the token and scope check, the body bound, the
+    # upload slots; all from the request's headers, before any of its body is read.
+    app.add_middleware(UploadSlotMiddleware, slot=operations.uploads.probe_slot, upload_paths=UPLOAD_PATHS)
     app.add_middleware(
         BodySizeLimitMiddleware,
         limit=settings.max_request_bytes,
@@ -63,8 +73,9 @@ def create_app(
         TokenAuthMiddleware,
         authenticate=operations.registry.authenticate,
         schema_path=None if docs else OPENAPI_PATH,
+        declared=declared_scopes(V1_ROUTERS, API_PREFIX),  # each route's READ/WRITE/ADMIN, checked first
     )
-    app.add_middleware(InternalErrorMiddleware)  # it also answers for an error in the two checks
+    app.add_middleware(InternalErrorMiddleware)  # it also answers for an error in the checks
     return app
 
 

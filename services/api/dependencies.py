@@ -14,7 +14,7 @@ from fastapi import Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from pelt_core.limits import INT32_MAX
+from pelt_core.limits import INT32_MAX, MAX_PAGE_LIMIT
 from services.errors import ServiceError
 from services.operations import PeltOperations
 from services.registry import ApiTokenRecord
@@ -65,7 +65,14 @@ Caller = Annotated[ApiTokenRecord, Depends(authenticated)]
 Operations = Annotated[PeltOperations, Depends(operations)]
 
 Name = Annotated[str, PathParam(min_length=1, max_length=200)]
-Limit = Annotated[int, Query(ge=1, le=10_000)]
+Limit = Annotated[
+    int,
+    Query(
+        ge=1,
+        le=MAX_PAGE_LIMIT,
+        description=f"rows of one page, at most {MAX_PAGE_LIMIT:,}: page on with `offset` for more",
+    ),
+]
 Offset = Annotated[int, Query(ge=0, le=INT32_MAX)]
 
 __all__ = [

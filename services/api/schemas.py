@@ -242,13 +242,17 @@ class ProgressOut(Response):
     last_error: str | None
 
 
+# [step, loss]: two numbers (not tuple[int, float], whose OpenAPI 3.1 form, prefixItems, some schema readers refuse)
+LossPoint = Annotated[tuple[int | float, ...], Field(min_length=2, max_length=2)]
+
+
 class LossHistoryOut(Response):
     """A job's loss curve: the [step, loss] points of its current attempt, steps increasing (at most
     256; a long run's curve is thinned evenly)."""
 
     job_id: int
     attempt: int
-    points: list[tuple[int, float]]
+    points: list[LossPoint]
 
 
 class SweepOut(Response):
@@ -266,6 +270,9 @@ class SweepOut(Response):
     already_submitted: bool = Field(
         default=False,
         description="true when the same sweep was submitted before: these are its jobs, nothing was queued now",
+    )
+    submitted_by: str | None = Field(
+        default=None, description="the name of the token that submitted the sweep (and so its jobs)"
     )
 
 

@@ -114,7 +114,19 @@ def _cell(value: Any) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.4f}"
-    return str(value)
+    return printable(str(value))
 
 
-__all__ = ["client_errors", "parse_ints", "parse_set_options", "print_table"]
+def printable(text: str) -> str:
+    """`text` with every character Python does not count as printable escaped (controls, format characters,
+    line and paragraph separators: a newline as `\\n`, ESC as `\\x1b`, U+202E as `\\u202e`): a stored
+    value printed in a table stays on its line and cannot forge another or restyle the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(
+        char if char.isprintable() or char == " " else char.encode("unicode_escape").decode("ascii")
+        for char in text
+    )
+
+
+__all__ = ["client_errors", "parse_ints", "parse_set_options", "print_table", "printable"]

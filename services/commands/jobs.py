@@ -140,7 +140,9 @@ def sweep_command(
 )
 @click.option("--method", default=None)
 @click.option("--sweep", "sweep_id", type=int, default=None)
-@click.option("--limit", default=100, show_default=True)
+@click.option(
+    "--limit", default=100, show_default=True, help="jobs to list (fetched 1,000 a request: any number works)"
+)
 @client_errors
 def jobs_command(
     task: str | None, status: tuple[str, ...], method: str | None, sweep_id: int | None, limit: int
@@ -174,7 +176,7 @@ def watch_command(job_ids: tuple[int, ...], sweep_id: int | None) -> None:
     with PeltClient() as client:
         ids = list(job_ids)
         if sweep_id is not None:
-            ids += [job.id for job in client.jobs(sweep_id=sweep_id, limit=10_000)]
+            ids += [job.id for job in client.jobs(sweep_id=sweep_id, limit=None)]
         _watch(client, ids)
 
 
@@ -201,7 +203,8 @@ def _watch(client: PeltClient, ids: list[int]) -> None:
 @click.option("--sweep", "sweep_id", type=int, default=None, help="cancel every unfinished job of this sweep")
 @client_errors
 def cancel_command(job_ids: tuple[int, ...], sweep_id: int | None) -> None:
-    """Cancel jobs (a running one stops within seconds; a cancelled job is never retried)."""
+    """Cancel jobs (a running one stops within seconds; a cancelled job is never retried). A write token
+    cancels the jobs and sweeps it submitted; another token's need an admin token."""
     if not job_ids and sweep_id is None:
         raise click.UsageError("give job ids or --sweep")
     with PeltClient() as client:

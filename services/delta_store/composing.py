@@ -1,7 +1,8 @@
 """Composing stored deltas (merge, average, merge_lora_svd, a multi-task bundle) into a new version, and
-registering a delta folder made outside the service. The math is `pelt_core.compose`; this part pulls the
-inputs, checks the request, and writes the result as a run and a model version tagged with its provenance,
-all or nothing."""
+registering a delta folder made outside the service. The math is `pelt_core.compose`; this part checks the
+request, pulls the inputs and composes them (in this process, or for the service in a child process within
+`compose_child.ComposeLimits`), and writes the result as a run and a model version tagged with its
+provenance, all or nothing."""
 
 from __future__ import annotations
 
@@ -9,16 +10,23 @@ import contextlib
 import json
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pelt_core.delta_format import BUNDLE_ROUTE_PATTERN
+from pelt_core.delta_format import BUNDLE_ROUTE_PATTERN, read_bundle, read_manifest, sha256_mismatch
 from pelt_core.pulled import MULTI_TASK, PulledModel
 from pelt_core.vocabulary import COMPOSE_OPERATIONS
 from services.delta_store.aliases import check_alias
 from services.delta_store.base import read_delta_folder
+from services.delta_store.compose_child import (
+    ComposeLimits,
+    check_compose_budget,
+    dense_lora_bytes,
+    run_compose_child,
+)
 from services.delta_store.errors import DeltaStoreError
-from services.delta_store.reading import ReadMixin
+from services.delta_store.reading import ReadMixin, _run_artifact
 from services.delta_store.sink import SinkMixin, param_value
 from services.delta_store.values import (
     ARTIFACT_PATH,
@@ -34,11 +42,17 @@ from services.delta_store.values import (
     TAG_TASK,
     Composed,
     DeltaRef,
+    VersionInfo,
+    check_new_name,
+    check_ref_text,
     check_task,
     clip,
     version_uri,
 )
 from workers.job import StoredDelta
+
+TENSOR_SUFFIX = ".safetensors"  # a delta's tensor file (a bundle holds one per route)
+MAX_ARTIFACT_LISTINGS = 100  # folders listed to size one version (a bundle: its tasks/<route>/ folders)
 
 if TYPE_CHECKING:
     from pelt_core.backbones import Backbone
@@ -59,6 +73,7 @@ class ComposeMixin(SinkMixin, ReadMixin):
         aliases: Sequence[str] = (),
         description: str = "",
         on_written: Callable[[StoredDelta], None] | None = None,
+        limits: ComposeLimits | None = None,
         **options: Any,
     ) -> Composed:
         """Pull deltas, compose them with pelt_core.compose and register the result as a new version of
@@ -70,35 +85,28 @@ class ComposeMixin(SinkMixin, ReadMixin):
         aliases: set on the new version (e.g. ["soup"]); `best`/`best-*` of a registry task are the
         registry's to set and are refused here. on_written: called with the new version once it and its
         aliases are written, inside the all-or-nothing step (the service records its audit event there):
-        if it raises, the version is taken back."""
-        from pelt_core.compose import save_composed
-
+        if it raises, the version is taken back. limits: compute it in a child process within these bounds
+        (the service's; `compose_child`: refused from an estimate before anything is downloaded; the
+        result's `delta` is then None); without, it is pulled and composed in this process."""
         check_compose_request(op, sources, into, aliases, options)  # before anything is pulled or written
         named = self._named_sources(sources, bundle=op == MULTI_TASK)
-        pulled = {name: self.pull(ref, backbone=backbone) for name, ref in named.items()}
-        chosen = _one_backbone(pulled)
-        inputs = [
-            {"name": n, "task": p.task, "version": p.version, "sha256": p.sha256} for n, p in pulled.items()
-        ]
         with tempfile.TemporaryDirectory(prefix="pelt-compose-") as scratch:
-            out = Path(scratch) / "delta"
-            if op == MULTI_TASK:
-                composed_delta = None
-                saved = _save_bundle(out, pulled, chosen)
-                method = MULTI_TASK
-                provenance = {"op": MULTI_TASK, "inputs": inputs, "backbone_hash": chosen.content_hash}
+            if limits is None:
+                made = self._compose_here(op, named, backbone, options, Path(scratch) / "delta")
             else:
-                composed_delta = _combine(op, pulled, chosen, options)
-                saved = save_composed(composed_delta, chosen, out, extra={"sources": inputs})
-                method, provenance = composed_delta.method.name, dict(composed_delta.provenance)
+                made = self._compose_in_child(op, named, options, limits, Path(scratch))
+            inputs = [
+                {"name": n, "task": info.task, "version": info.version, "sha256": info.sha256}
+                for n, info in made.sources.items()
+            ]
             tags = {
                 TAG_KIND: MULTI_TASK if op == MULTI_TASK else "composed",
                 TAG_TASK: into,
-                TAG_METHOD: method,
-                TAG_BACKBONE: next(iter(pulled.values())).manifest["backbone"]["name"],
-                TAG_BACKBONE_HASH: chosen.content_hash,
-                TAG_SHA256: saved.sha256,
-                TAG_OP: str(provenance.get("op", op)),
+                TAG_METHOD: made.method,
+                TAG_BACKBONE: made.backbone_name,
+                TAG_BACKBONE_HASH: made.backbone_hash,
+                TAG_SHA256: made.sha256,
+                TAG_OP: str(made.provenance.get("op", op)),
                 TAG_SOURCES: clip(json.dumps(inputs, separators=(",", ":")), MAX_TAG_CHARS),
                 TAG_ARTIFACT_PATH: ARTIFACT_PATH,
             }
@@ -110,9 +118,12 @@ class ComposeMixin(SinkMixin, ReadMixin):
             text = description or f"{tags[TAG_OP]} of " + ", ".join(
                 f"{s['task']}/{s['version']}" for s in inputs
             )
-            stored = self._write_composition(into, out, tags, params, text, provenance, aliases, on_written)
-        sources_info = [p.info for p in pulled.values()]
-        return Composed(into, str(stored.model_version), stored, provenance, composed_delta, sources_info)
+            stored = self._write_composition(
+                into, made.folder, tags, params, text, made.provenance, aliases, on_written
+            )
+        return Composed(
+            into, str(stored.model_version), stored, made.provenance, made.delta, list(made.sources.values())
+        )
 
     def register(
         self,
@@ -145,6 +156,104 @@ class ComposeMixin(SinkMixin, ReadMixin):
         return stored
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _compose_here(
+        self,
+        op: str,
+        named: Mapping[str, DeltaRef],
+        backbone: Backbone | Callable[[str], Backbone] | None,
+        options: dict[str, Any],
+        out: Path,
+    ) -> _Made:
+        """Pull the sources and compose them in this process (a library call's way)."""
+        pulled = {name: self.pull(ref, backbone=backbone) for name, ref in named.items()}
+        saved, method, provenance, delta = compose_pulled(op, pulled, options, out)
+        first = next(iter(pulled.values()))
+        return _Made(
+            out,
+            saved.sha256,
+            method,
+            provenance,
+            first.manifest["backbone"]["name"],
+            first.backbone.content_hash,
+            {name: p.info for name, p in pulled.items()},
+            delta,
+        )
+
+    def _compose_in_child(
+        self,
+        op: str,
+        named: Mapping[str, DeltaRef],
+        options: dict[str, Any],
+        limits: ComposeLimits,
+        scratch: Path,
+    ) -> _Made:
+        """Compose in a child process within `limits` (the steps: `compose_child`'s docstring): the
+        estimate from the stored sizes first, then the downloads into `scratch`, the estimate again from
+        the files, the child; its result lies in `scratch`/delta, checked against the sha256 it reported."""
+        infos = {name: self.get_version(ref) for name, ref in named.items()}
+        _one_backbone_of(infos)
+        check_compose_budget(op, options, {n: self._stored_bytes(i) for n, i in infos.items()}, limits)
+        folders = {
+            name: self._download(info, scratch / "sources" / str(index))
+            for index, (name, info) in enumerate(infos.items())
+        }
+        manifests = _manifests(infos, folders)
+        dense = {
+            name: 0 if infos[name].kind == MULTI_TASK else dense_lora_bytes(folder, manifests[name])
+            for name, folder in folders.items()
+        }
+        stored = {name: _tensor_bytes(folder) for name, folder in folders.items()}
+        check_compose_budget(op, options, stored, limits, dense)
+        backbone = _one_manifest_backbone(manifests)
+        out = scratch / "delta"
+        request = {
+            "op": op,
+            "options": options,
+            "backbone": {"name": backbone["name"], "content_hash": backbone["content_hash"]},
+            "sources": [
+                {
+                    "name": name,
+                    "folder": str(folders[name]),
+                    "task": info.task,
+                    "version": info.version,
+                    "kind": info.kind,
+                    "sha256": info.sha256,
+                }
+                for name, info in infos.items()
+            ],
+            "out": str(out),
+        }
+        answer = run_compose_child(request, limits, int(backbone.get("num_parameters") or 0))
+        problem = sha256_mismatch(out, str(answer["sha256"]), bundle=op == MULTI_TASK)
+        if problem is not None:
+            raise DeltaStoreError(f"the composed delta does not match what its process reported: {problem}")
+        provenance = answer["provenance"]
+        return _Made(
+            out,
+            str(answer["sha256"]),
+            str(answer["method"]),
+            provenance if isinstance(provenance, dict) else {},
+            str(backbone["name"]),
+            str(backbone["content_hash"]),
+            infos,
+            None,
+        )
+
+    def _stored_bytes(self, info: VersionInfo) -> int:
+        """The bytes of a version's tensor files (`.safetensors`) as MLflow's artifact listing records
+        them, without downloading anything (0 for a file the listing gives no size)."""
+        run_id, path = _run_artifact(info)
+        total, pending = 0, [path]
+        for _ in range(MAX_ARTIFACT_LISTINGS):
+            if not pending:
+                break
+            for item in self.client.list_artifacts(run_id, pending.pop()):
+                if item.is_dir:
+                    pending.append(item.path)
+                elif item.path.endswith(TENSOR_SUFFIX):
+                    total += int(item.file_size or 0)
+        return total
 
     def _write_composition(
         self,
@@ -269,7 +378,7 @@ def check_compose_request(
         raise DeltaStoreError(f"op must be one of {', '.join(COMPOSE_OPERATIONS)}, got {op!r}", field="op")
     if op == MULTI_TASK and options:
         raise DeltaStoreError(f"multi_task takes no options, got {', '.join(options)}", field="options")
-    check_task(into)
+    check_new_name(into, "into")
     if isinstance(aliases, str) or len(aliases) > MAX_COMPOSE_ALIASES:
         raise DeltaStoreError(f"aliases: give a list of at most {MAX_COMPOSE_ALIASES} names", field="aliases")
     for index, name in enumerate(aliases):
@@ -279,10 +388,108 @@ def check_compose_request(
         raise DeltaStoreError(
             f"sources: at most {MAX_COMPOSE_SOURCES} deltas per composition, got {count}", field="sources"
         )
+    _check_sources(sources, bundle=op == MULTI_TASK)
     try:
         pelt_compose.check_options(op, options, count)
     except pelt_compose.CompositionError as exc:
         raise _option_error(exc) from None
+
+
+def _check_sources(sources: Any, bundle: bool) -> None:
+    """Every source a delta reference; in a {name: reference} mapping every name a valid name (the
+    registry's rule for task names; a multi-task route: no '.' either). The names go into the version's
+    provenance and the audit trail, so nothing else is taken."""
+    if isinstance(sources, Mapping):
+        for name, ref in sources.items():
+            check_new_name(name, "sources")
+            if bundle and not BUNDLE_ROUTE_PATTERN.fullmatch(name):
+                raise DeltaStoreError(
+                    f"sources: multi-task route name {name!r}: letters, digits, '_' and '-' only",
+                    field="sources",
+                )
+            check_ref_text(ref, f"sources.{name}")
+    elif isinstance(sources, Sequence) and not isinstance(sources, str):
+        for index, ref in enumerate(sources):
+            check_ref_text(ref, f"sources[{index}]")
+
+
+@dataclass(frozen=True)
+class _Made:
+    """A composition written to `folder`, before it is stored."""
+
+    folder: Path
+    sha256: str
+    method: str
+    provenance: dict[str, Any]
+    backbone_name: str
+    backbone_hash: str
+    sources: dict[str, VersionInfo]
+    delta: JobDelta | None  # in memory when composed in this process
+
+
+def compose_pulled(
+    op: str, pulled: Mapping[str, PulledModel], options: dict[str, Any], out: Path
+) -> tuple[SavedDelta, str, dict[str, Any], JobDelta | None]:
+    """The pulled deltas composed by `op` and saved in `out` (a delta, or a multi-task bundle): (what was
+    saved, the result's method, its provenance, the composed delta: None for a bundle). Both ways of
+    composing end here: in this process and in the child (`compose_child.compose_in_child`)."""
+    from pelt_core.compose import save_composed
+
+    chosen = _one_backbone(pulled)
+    inputs = [
+        {"name": n, "task": p.task, "version": p.version, "sha256": p.sha256} for n, p in pulled.items()
+    ]
+    if op == MULTI_TASK:
+        saved = _save_bundle(out, pulled, chosen)
+        return (
+            saved,
+            MULTI_TASK,
+            {"op": MULTI_TASK, "inputs": inputs, "backbone_hash": chosen.content_hash},
+            None,
+        )
+    composed = _combine(op, pulled, chosen, options)
+    saved = save_composed(composed, chosen, out, extra={"sources": inputs})
+    return saved, composed.method.name, dict(composed.provenance), composed
+
+
+def _one_backbone_of(infos: Mapping[str, VersionInfo]) -> None:
+    """DeltaStoreError naming the versions when their tags record different backbones (before any
+    download; the manifests are checked again once downloaded)."""
+    if len({info.tags[TAG_BACKBONE_HASH] for info in infos.values() if info.tags.get(TAG_BACKBONE_HASH)}) > 1:
+        raise DeltaStoreError(
+            "these deltas belong to different backbones: "
+            + ", ".join(f"{name} ({info.tags.get(TAG_BACKBONE)})" for name, info in infos.items()),
+            field="sources",
+        )
+
+
+def _manifests(infos: Mapping[str, VersionInfo], folders: Mapping[str, Path]) -> dict[str, dict[str, Any]]:
+    """The downloaded sources' manifests (a bundle: its first part's), read without loading a tensor."""
+    found = {}
+    for name, folder in folders.items():
+        if infos[name].kind == MULTI_TASK:
+            first = next(iter(read_bundle(folder)["tasks"].values()))
+            folder = folder / first["path"]
+        found[name] = read_manifest(folder)
+    return found
+
+
+def _one_manifest_backbone(manifests: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The backbone the manifests name (name, content_hash, num_parameters); DeltaStoreError naming the
+    sources when they name different ones."""
+    backbones = {name: manifest["backbone"] for name, manifest in manifests.items()}
+    if len({backbone["content_hash"] for backbone in backbones.values()}) > 1:
+        raise DeltaStoreError(
+            "these deltas belong to different backbones: "
+            + ", ".join(f"{name} ({backbone['name']})" for name, backbone in backbones.items()),
+            field="sources",
+        )
+    return dict(next(iter(backbones.values())))
+
+
+def _tensor_bytes(folder: Path) -> int:
+    """The bytes of the tensor files (`.safetensors`) in a downloaded version's folder."""
+    return sum(path.stat().st_size for path in folder.rglob(f"*{TENSOR_SUFFIX}") if path.is_file())
 
 
 def _one_backbone(pulled: Mapping[str, PulledModel]) -> Backbone:

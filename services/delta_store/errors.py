@@ -32,8 +32,19 @@ class DeltaIntegrityError(DeltaStoreError):
     """A downloaded delta does not match its recorded sha256 (or its recorded hashes disagree)."""
 
 
+class ComposeMemoryError(DeltaStoreError):
+    """A composition needs more memory than PELT_COMPOSE_MEMORY_BYTES allows: estimated before anything is
+    loaded, or its process ran out (a 413)."""
+
+
 def _natural(text: str) -> tuple[int, int | str]:
     return (0, int(text)) if text.isdigit() else (1, text)
 
 
-__all__ = ["DeltaIntegrityError", "DeltaNotFoundError", "DeltaStoreError", "StoreNotReadyError"]
+__all__ = [
+    "ComposeMemoryError",
+    "DeltaIntegrityError",
+    "DeltaNotFoundError",
+    "DeltaStoreError",
+    "StoreNotReadyError",
+]

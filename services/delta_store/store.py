@@ -18,6 +18,7 @@ Layout in MLflow (namespace `pelt` by default, so several installations can shar
     aliases.py    sync_aliases: best / best-<method> as a projection of the registry's leaderboard
     reading.py    list_versions, get_version, download (sha256-checked), pull (onto the backbone)
     composing.py  compose (merge, average, merge_lora_svd, multi_task), register
+    compose_child.py  the service's compositions: refused from an estimate, computed in a child process
     values.py     tags, name rules and the values handed out: DeltaRef, VersionInfo, Composed
 
 The files of a delta and of a multi-task bundle are `pelt_core.delta_format`'s; a pulled version is a

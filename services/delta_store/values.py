@@ -37,6 +37,11 @@ TAG_ARCHIVED = "pelt.archived"  # "true" on a version an admin archived: never p
 
 NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,49}$")
 TASK_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")  # the registry's task names
+# a name the store gives something new (a composition's `into`, a source's name in it): the registry's rule
+# for task names (services.registry.validation.NAME_PATTERN), so no `.`, `..` or `-rf`
+NEW_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
+REF_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,100}([@/][A-Za-z0-9_.-]{1,100})?$")  # task, task@alias, task/3
+MAX_SHOWN_CHARS = 60  # of a refused value, quoted in its error message
 # an alias MLflow takes: not "latest" and not v<digits> (its version references), any case
 ALIAS_PATTERN = re.compile(r"^(?!(?i:latest|v[0-9]+)$)[A-Za-z0-9_-]{1,100}$")
 MAX_PARAM_CHARS = 6000  # mlflow's limit on a param value
@@ -142,6 +147,41 @@ def check_task(task: str) -> None:
         raise DeltaStoreError(f"{task!r} is not a task name (letters, digits, '_', '.', '-'; at most 100)")
 
 
+def check_new_name(value: object, field: str) -> str:
+    """DeltaStoreError naming `field` unless `value` follows the registry's rule for task names: letters,
+    digits, '_', '.', '-', starting with a letter or a digit, at most 100 characters."""
+    if not isinstance(value, str) or not NEW_NAME_PATTERN.fullmatch(value):
+        raise DeltaStoreError(
+            f"{field}: {shown(value)} is not a valid name (letters, digits, '_', '.', '-', starting with a "
+            "letter or digit; at most 100 characters)",
+            field=field,
+        )
+    return value
+
+
+def check_ref_text(value: object, field: str) -> None:
+    """DeltaStoreError naming `field` unless `value` is a DeltaRef or reads as one: "task", "task@alias"
+    or "task/3" of letters, digits, '_', '.', '-' (at most 100 characters each)."""
+    if isinstance(value, DeltaRef):
+        return
+    problem = None if isinstance(value, str) and REF_PATTERN.fullmatch(value) else "letters, digits, _ . -"
+    if problem is None:
+        try:
+            DeltaRef.parse(value)  # a version >= 1, a task name
+        except DeltaStoreError as exc:
+            problem = str(exc)
+    if problem is not None:
+        raise DeltaStoreError(
+            f'{field}: {shown(value)} is not a delta reference ("task", "task@alias" or "task/3"; {problem})',
+            field=field,
+        )
+
+
+def shown(value: object) -> str:
+    """A refused value as its message quotes it: repr, cut to MAX_SHOWN_CHARS."""
+    return clip(repr(value), MAX_SHOWN_CHARS)
+
+
 def version_string(version: str | int) -> str:
     """A model version as MLflow names it ("3"); DeltaStoreError unless a whole number >= 1."""
     text = str(version)
@@ -174,6 +214,8 @@ __all__ = [
     "Composed",
     "DeltaRef",
     "VersionInfo",
+    "check_new_name",
+    "check_ref_text",
     "check_task",
     "method_alias",
     "resolve_ref",

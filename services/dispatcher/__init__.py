@@ -47,7 +47,7 @@ adopt live workers, settle running jobs), `job_specs` (what a worker is told), `
   attempt not counted) or, with `drain=True`, lets them finish; then kills the workers and hosts.
 
 Ray: `connect_ray` joins PELT_RAY_ADDRESS, or starts a local Ray bound to 127.0.0.1 with the dashboard
-off, Ray's token authentication on (see `ray_cluster`).
+off, its session folders private to its user, Ray's token authentication on (see `ray_cluster`).
 """
 
 from services.dispatcher.cli import dispatcher_command, serve

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from pelt_core.limits import MAX_DATASET_BYTES
 from services.registry import Registry
 from services.registry.records import JobRecord, TaskRecord
 from services.registry.task_data import EVALUATION_SPLITS  # none of them: each job holds out a dev split
@@ -15,16 +18,19 @@ class JobSpecs:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self._tasks: dict[str, TaskSpec] = {}
-        self._backbones: dict[str, tuple[str, str]] = {}  # registry name -> (source, content hash)
+        # registry name -> (source, content hash, facts)
+        self._backbones: dict[str, tuple[str, str, dict[str, Any] | None]] = {}
 
     def build(self, job: JobRecord) -> JobSpec:
         """Everything the worker needs to train the job, resolved from the registry."""
         if job.task not in self._tasks:
-            self._tasks[job.task] = task_spec(self.registry.get_task(job.task))
+            self._tasks[job.task] = task_spec(
+                self.registry.get_task(job.task), max_data_bytes=self.registry.dataset_limits.max_bytes
+            )
         if job.backbone not in self._backbones:
             record = self.registry.get_backbone(job.backbone)
-            self._backbones[job.backbone] = (record.source, record.content_hash)
-        source, content_hash = self._backbones[job.backbone]
+            self._backbones[job.backbone] = (record.source, record.content_hash, record.facts)
+        source, content_hash, facts = self._backbones[job.backbone]
         return JobSpec(
             job_id=job.id,
             task=self._tasks[job.task],
@@ -34,14 +40,16 @@ class JobSpecs:
             backbone=source,
             backbone_dtype=job.train_config.get("backbone_dtype", "float32"),
             backbone_hash=content_hash,
+            backbone_facts=facts,
             attempt=job.attempts,
             sweep_id=job.sweep_id,
             tags={"backbone": job.backbone, "seed": str(job.seed), "k_shot": str(job.k_shot)},
         )
 
 
-def task_spec(task: TaskRecord) -> TaskSpec:
-    """A registered task as the worker sees it: where its training and evaluation data are."""
+def task_spec(task: TaskRecord, max_data_bytes: int = MAX_DATASET_BYTES) -> TaskSpec:
+    """A registered task as the worker sees it: where its training and evaluation data are, and the
+    bytes a split may decode to (PELT_MAX_DATASET_BYTES, which the registry checked it against)."""
     if task.source_kind == "datasets":
         folder = task.source["path"]
         splits = list(task.split_sizes)
@@ -62,4 +70,5 @@ def task_spec(task: TaskRecord) -> TaskSpec:
         metric=task.metric,
         metric_direction=task.metric_direction,
         max_length=task.max_length,
+        max_data_bytes=max_data_bytes,
     )

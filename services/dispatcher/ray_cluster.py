@@ -1,22 +1,44 @@
 """Joining or starting the Ray cluster the dispatcher runs its workers on, with Ray's token authentication
-kept on and a local Ray bound to loopback.
+kept on, a local Ray bound to loopback and its session folders private.
 
 `connect_ray` joins PELT_RAY_ADDRESS, or starts a local Ray bound to 127.0.0.1 with the dashboard off.
 Ray's token authentication stays on (RAY_AUTH_MODE=token unless set otherwise): a local Ray writes
 ~/.ray/auth_token; every process that joins a cluster needs the cluster's token, as RAY_AUTH_TOKEN or in
 ~/.ray/auth_token on its machine.
+
+Only Ray's public means are used: the environment variables it documents (RAY_AUTH_MODE,
+RAY_AUTH_TOKEN_PATH, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER) and `ray.init`'s options. Ray reads those
+variables once, when `ray` is first imported, so they are set before `connect_ray` imports it; a process
+that imported `ray` before without them is refused (RuntimeError) rather than left open.
+
+A local Ray's temp folder (its sessions: Unix sockets, logs, spilled objects) is `private_ray_temp_dir`,
+<temp folder>/pelt-ray-<uid>/ray, inside a folder only this user may enter (Ray makes its own folders
+0777), and `private_tree` takes group and other permissions off whatever Ray made there by the time it
+started. Ray's logs of `pelt serve`: <temp folder>/pelt-ray-<uid>/ray/session_latest/logs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import os
+import stat
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from services.settings import Settings, get_settings
 
 log = logging.getLogger("pelt.dispatcher")
+
+LOOPBACK = "127.0.0.1"
+# Unix socket paths hold at most 107 bytes on Linux (103 on macOS); Ray puts its sockets at
+# <temp dir>/session_<date>_<time>_<microseconds>_<pid>/sockets/<name>
+RAY_SOCKET_PATH_MAX_BYTES = 103 if sys.platform == "darwin" else 107
+RAY_SOCKET_SUFFIX = "/session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store.99"
 
 
 def connect_ray(
@@ -26,7 +48,8 @@ def connect_ray(
     num_cpus: int | None = None,
     **init_kwargs: Any,
 ) -> bool:
-    """Join the cluster at PELT_RAY_ADDRESS, or start a local Ray (loopback only, no dashboard).
+    """Join the cluster at PELT_RAY_ADDRESS, or start a local Ray (loopback only, no dashboard, its temp
+    folder private).
 
     Returns True when this call started Ray (`ray.shutdown()` then stops it), False when Ray was
     already initialised in this process or an existing cluster was joined. Token authentication
@@ -35,9 +58,8 @@ def connect_ray(
     ~/.ray/auth_token. Only an explicit RAY_AUTH_MODE=disabled turns it off (with a warning). The token
     file is made 0600 (`private_ray_token`): whoever reads it can join the cluster and run code.
     """
-    import ray
-
-    if ray.is_initialized():
+    already = sys.modules.get("ray")
+    if already is not None and already.is_initialized():
         return False
     settings = settings or get_settings()
     mode = os.environ.get("RAY_AUTH_MODE")
@@ -51,14 +73,84 @@ def connect_ray(
     if settings.ray_address:
         if mode is None:
             require_token_auth()
+        import ray
+
         ray.init(address=settings.ray_address, namespace=namespace, **init_kwargs)
         private_ray_token()
         return False
     loopback_only()
+    import ray
+
+    temp_dir = init_kwargs.pop("_temp_dir", None) or private_ray_temp_dir()
     # address="local": always a new local Ray, never one that happens to run on this machine already
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace, **init_kwargs)
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        namespace=namespace,
+        _node_ip_address=LOOPBACK,
+        _temp_dir=str(temp_dir),
+        **init_kwargs,
+    )
+    private_tree(Path(temp_dir))
     private_ray_token()
     return True
+
+
+def private_ray_temp_dir() -> Path:
+    """The folder for a local Ray's temp files: `ray` inside <temp folder>/pelt-ray-<uid>, a folder only
+    this user may enter (0700), kept from start to start as Ray keeps /tmp/ray (its sessions' logs stay
+    there, session_latest the newest).
+
+    Ray makes the temp folder it is given, and every folder it creates there, readable and writable by
+    everyone (0777), so the folder around it is what keeps other local users out of its sockets, logs
+    and spilled objects. One that is not this user's own folder (another user's, a symbolic link) is not
+    used: a new one (mkdtemp) is made instead. In the system's temp folder (TMPDIR), or in /tmp where that
+    path is too long for Ray's Unix sockets (RAY_SOCKET_PATH_MAX_BYTES)."""
+    name = f"pelt-ray-{os.geteuid()}"
+    room = RAY_SOCKET_PATH_MAX_BYTES - len(RAY_SOCKET_SUFFIX) - len(f"/{name}-XXXXXXXX/ray")
+    system = tempfile.gettempdir()
+    base = Path(system if len(os.fsencode(system)) <= room else "/tmp")
+    folder = base / name
+    with contextlib.suppress(FileExistsError):  # kept from an earlier start (checked below)
+        folder.mkdir(mode=0o700)
+    status = folder.lstat()
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.geteuid():
+        log.warning("%s is not this user's own folder: Ray's temp files go to a new one", folder)
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base)) / "ray"
+    if stat.S_IMODE(status.st_mode) != 0o700:
+        folder.chmod(0o700)
+    return folder / "ray"
+
+
+def private_tree(top: Path) -> list[Path]:
+    """Take group and other permissions off `top` and everything under it (symbolic links are left alone,
+    never followed). Returns what was changed.
+
+    For a local Ray's temp folder once it started: Ray makes its folders 0777 (those it makes later stay
+    out of reach: the folder around them is 0700). Never fails the start: a file that vanished meanwhile
+    is skipped, one that cannot be changed is a warning."""
+    changed: list[Path] = []
+    for path in _walk(top):
+        try:
+            status = path.lstat()
+            if stat.S_ISLNK(status.st_mode) or not status.st_mode & 0o077:
+                continue
+            path.chmod(stat.S_IMODE(status.st_mode) & ~0o077)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("cannot make %s private to its owner (%s)", path, exc)
+            continue
+        changed.append(path)
+    return changed
+
+
+def _walk(top: Path) -> Iterator[Path]:
+    yield top
+    for folder, subfolders, files in os.walk(top):  # never into a linked folder
+        for name in (*subfolders, *files):
+            yield Path(folder) / name
 
 
 def private_ray_token() -> Path | None:
@@ -95,33 +187,40 @@ def private_ray_token() -> Path | None:
 
 
 def _default_ray_token_path() -> Path:
-    """Where Ray keeps its token without RAY_AUTH_TOKEN_PATH: Ray's own answer where its (private) helper
-    can be imported, else the documented default, ~/.ray/auth_token."""
-    try:
-        from ray._private.authentication.authentication_token_setup import _get_default_token_path
-
-        return Path(_get_default_token_path())
-    except (ImportError, AttributeError, TypeError):
-        return Path.home() / ".ray" / "auth_token"
+    """Where Ray keeps its token without RAY_AUTH_TOKEN_PATH: ~/.ray/auth_token, as Ray documents."""
+    return Path.home() / ".ray" / "auth_token"
 
 
 def loopback_only() -> None:
     """Make a Ray started from this process bind to 127.0.0.1 only (ports, node address, agents).
 
     Ray does so when RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, a switch it reads once, when `ray` is first
-    imported; set here for child processes and, for a `ray` already imported, on Ray's constant too.
-    Not for a process that joins a remote cluster (the cluster must reach it at its own address).
+    imported; set here for this process and its children. Where `ray` was imported already, Ray's public
+    `ray.util.get_node_ip_address()` tells whether it took effect: a RuntimeError when it did not (import
+    ray after this, or set the variable in the environment). Not for a process that joins a remote
+    cluster (the cluster must reach it at its own address).
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    from ray._private import ray_constants
+    if "ray" not in sys.modules:
+        return
+    import ray.util
 
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    address = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(address).is_loopback:
+        raise RuntimeError(
+            f"Ray was imported before pelt could bind it to {LOOPBACK} (it would use {address}): set "
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in the environment, or import ray after connect_ray"
+        )
 
 
 def require_token_auth() -> None:
-    """RAY_AUTH_MODE=token for this process and its children, and Ray's cached config refreshed
-    (Ray reads the variable once, at import; `ray.init(address=...)` would not turn it on)."""
+    """RAY_AUTH_MODE=token for this process and its children: Ray's documented switch, which it reads
+    once, when `ray` is first imported (`ray.init(address=...)` would not turn it on). A RuntimeError
+    when `ray` was imported before without it: Ray would go on without token authentication here."""
+    before = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "token"
-    from ray._private.authentication.authentication_token_setup import _enable_token_auth
-
-    _enable_token_auth()
+    if "ray" in sys.modules and (before or "").lower() != "token":
+        raise RuntimeError(
+            "Ray was imported before pelt could turn its token authentication on: set RAY_AUTH_MODE=token "
+            "in the environment, or import ray after connect_ray"
+        )

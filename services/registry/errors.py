@@ -77,6 +77,21 @@ class QuotaExceededError(RegistryValidationError):
     was written."""
 
 
+class NotOwnerError(RegistryError):
+    """The current actor may not act on a job or sweep another token submitted (cancelling one needs the
+    `admin` scope); nothing was changed. `owner`: who submitted it (None: submitted without a token)."""
+
+    def __init__(self, what: str, owner: str | None, actor: str | None) -> None:
+        self.owner = owner
+        self.field = "Authorization"
+        whose = f"token {owner!r}" if owner is not None else "no token (from the registry's own machine)"
+        who = f"token {actor!r}" if actor is not None else "a caller without a token"
+        super().__init__(
+            f"{what} was submitted by {whose}: {who} may cancel only what it submitted; cancelling "
+            "another token's job or sweep needs a token with the 'admin' scope"
+        )
+
+
 class JobStateError(RegistryError):
     """The job is not in a state that allows this operation (e.g. completing a cancelled job)."""
 
@@ -116,6 +131,7 @@ __all__ = [
     "JobStateError",
     "LeaseLostError",
     "NotFoundError",
+    "NotOwnerError",
     "QuotaExceededError",
     "RegistryBusyError",
     "RegistryError",

@@ -25,6 +25,8 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -58,6 +60,23 @@ DEFAULT_JOB_DEVICE = "any"
 
 def _in(column: str, values: tuple[str, ...] | list[str]) -> str:
     return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
+
+
+def idempotency_key_scopes(table: str) -> tuple[UniqueConstraint, Index]:
+    """An idempotency key is unique per submitter: per (submitted_by, key) for what a token submitted, and
+    per key among what was submitted without a token (a unique constraint never matches NULLs, so those
+    rows get a partial unique index of their own)."""
+    without_token = text("submitted_by IS NULL")
+    return (
+        UniqueConstraint("submitted_by", "idempotency_key"),
+        Index(
+            f"uq_{table}_idempotency_key_without_token",
+            "idempotency_key",
+            unique=True,
+            sqlite_where=without_token,
+            postgresql_where=without_token,
+        ),
+    )
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -158,9 +177,11 @@ class Backbone(Base):
 
 
 class Sweep(Base):
-    """One submit of methods × seeds × K values for one task and backbone."""
+    """One submit of methods × seeds × K values for one task and backbone, by `submitted_by` (the token
+    whose jobs they all are). Its idempotency key is unique per submitter (`idempotency_key_scopes`)."""
 
     __tablename__ = "sweeps"
+    __table_args__ = idempotency_key_scopes("sweeps")
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"), index=True)
@@ -171,7 +192,8 @@ class Sweep(Base):
     hyperparameters: Mapped[dict[str, Any]]
     method_hyperparameters: Mapped[dict[str, Any]]
     priority: Mapped[int] = mapped_column(Integer, default=0)
-    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))  # unique per submitter
+    submitted_by: Mapped[str | None] = mapped_column(String(200))  # the API token's name (None: no token)
     created_at: Mapped[datetime]
 
     task: Mapped[Task] = relationship()
@@ -194,6 +216,7 @@ class Job(Base):
         Index("ix_jobs_lease", "status", "lease_expires_at"),
         Index("ix_jobs_task_k", "task_id", "k_shot"),
         Index("ix_jobs_submitted_by_status", "submitted_by", "status"),
+        *idempotency_key_scopes("jobs"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -223,7 +246,7 @@ class Job(Base):
     loss_history: Mapped[list[Any] | None]  # [[step, loss], ...] of the current attempt (at most 256)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     last_error: Mapped[str | None] = mapped_column(Text)
-    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))  # unique per submitter
     submitted_by: Mapped[str | None] = mapped_column(
         String(200)
     )  # the API token's name (None: not via the API)

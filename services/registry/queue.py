@@ -15,10 +15,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from services.redaction import error_summary
+from services.registry.actor import current_actor
 from services.registry.core import RegistryCore
 from services.registry.errors import (
     JobStateError,
     LeaseLostError,
+    NotOwnerError,
     RegistryValidationError,
     UnknownSweepError,
 )
@@ -264,21 +266,32 @@ class JobQueue(RegistryCore):
             )
             return self._job_records(session, [job])[0]
 
-    def cancel_job(self, job_id: int, reason: str = "cancelled by request") -> JobRecord:
+    def cancel_job(
+        self, job_id: int, reason: str = "cancelled by request", *, own_only: bool = False
+    ) -> JobRecord:
         """Cancel a job: a queued one ends cancelled at once (it never runs); a running one gets a
-        flag its worker sees at its next heartbeat. An ended job is returned unchanged."""
+        flag its worker sees at its next heartbeat. An ended job is returned unchanged.
+
+        `own_only`: only if the current actor submitted it, else NotOwnerError and nothing changes (the API
+        asks this for tokens without the admin scope; a job submitted without a token is nobody's own)."""
         with self._writing() as session:
             job = find_job(session, job_id, lock=True)
+            owner = _check_owner(f"job {job_id}", job.submitted_by, own_only)
             now = self._now()
             if self._cancel(session, job, now, reason):
-                audit(session, now, "job.cancel", f"job {job_id}")
+                audit(session, now, "job.cancel", f"job {job_id}", owner)
             return self._job_records(session, [job])[0]
 
-    def cancel_sweep(self, sweep_id: int, reason: str = "sweep cancelled by request") -> int:
-        """Cancel every job of a sweep that has not ended; returns how many were cancelled or flagged."""
+    def cancel_sweep(
+        self, sweep_id: int, reason: str = "sweep cancelled by request", *, own_only: bool = False
+    ) -> int:
+        """Cancel every job of a sweep that has not ended; returns how many were cancelled or flagged.
+        `own_only`: as for cancel_job; another token's sweep is refused as a whole (nothing cancelled)."""
         with self._writing() as session:
-            if session.get(Sweep, sweep_id) is None:
+            sweep = session.get(Sweep, sweep_id)
+            if sweep is None:
                 raise UnknownSweepError(sweep_id)
+            owner = _check_owner(f"sweep {sweep_id}", sweep.submitted_by, own_only)
             query = (
                 select(Job)
                 .where(
@@ -291,7 +304,7 @@ class JobQueue(RegistryCore):
             now = self._now()
             cancelled = sum(self._cancel(session, job, now, reason) for job in session.scalars(query))
             if cancelled:
-                audit(session, now, "sweep.cancel", f"sweep {sweep_id}", {"jobs": cancelled})
+                audit(session, now, "sweep.cancel", f"sweep {sweep_id}", {"jobs": cancelled, **owner})
             return cancelled
 
     def cancel_requests(self, job_ids: Iterable[int]) -> set[int]:
@@ -410,6 +423,15 @@ class JobQueue(RegistryCore):
         if isinstance(lease, bool) or not isinstance(lease, int | float) or not lease > 0:
             raise RegistryValidationError("lease_seconds", f"must be a number > 0, got {lease!r}")
         return float(lease)
+
+
+def _check_owner(what: str, submitted_by: str | None, own_only: bool) -> dict[str, str | None]:
+    """NotOwnerError when `own_only` and the current actor, a token, did not submit `what`; else the audit
+    detail of its cancel: {"submitted_by": ...} when someone else submitted it, else {}."""
+    actor = current_actor()
+    if own_only and (actor is None or submitted_by != actor):
+        raise NotOwnerError(what, submitted_by, actor)
+    return {} if submitted_by == actor else {"submitted_by": submitted_by}
 
 
 def with_loss_point(history: list[Any] | None, report: Mapping[str, Any]) -> list[Any] | None:

@@ -196,6 +196,7 @@ class SweepRecord:
     created_at: datetime
     job_ids: list[int]
     already_submitted: bool = False  # the answer to a submit: this sweep existed, nothing was queued now
+    submitted_by: str | None = None  # the API token's name (None: not submitted through the API)
 
     @classmethod
     def of(cls, row: models.Sweep, job_ids: list[int], already_submitted: bool = False) -> SweepRecord:
@@ -213,6 +214,7 @@ class SweepRecord:
             created_at=row.created_at,
             job_ids=job_ids,
             already_submitted=already_submitted,
+            submitted_by=row.submitted_by,
         )
 
 

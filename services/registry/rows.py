@@ -6,13 +6,14 @@ Each takes the session (and so the transaction) it runs in; none opens one of it
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -33,10 +34,15 @@ from services.registry.models import (
     JobEvent,
     JobStatus,
     Method,
+    Sweep,
     Task,
 )
 
 MAX_ERROR_CHARS = 20_000
+MAX_AUDIT_TARGET_CHARS = 300  # an audit event's target (the column's width)
+MAX_AUDIT_TEXT_CHARS = 300  # each string in an audit event's detail
+MAX_AUDIT_ITEMS = 50  # entries of each list or mapping in an audit event's detail
+MAX_AUDIT_DEPTH = 4  # nesting of an audit event's detail
 
 _T = TypeVar("_T")
 _Named = TypeVar("_Named", Task, Method, Backbone)
@@ -104,6 +110,13 @@ def worker_ever_held(session: Session, job_id: int, worker_id: str) -> bool:
         JobEvent.worker_id == worker_id,
     )
     return session.scalar(query.limit(1)) is not None
+
+
+def submitted_by_current_actor(model: type[Job] | type[Sweep]) -> ColumnElement[bool]:
+    """A filter for the rows of `model` the current actor submitted: its token's name, or no token (NULL)
+    outside any `acting_as` (idempotency keys are scoped by it)."""
+    actor = current_actor()
+    return model.submitted_by.is_(None) if actor is None else model.submitted_by == actor
 
 
 def sweep_job_ids(session: Session, sweep_id: int) -> list[int]:
@@ -244,12 +257,34 @@ def transition(
 def audit(
     session: Session, at: datetime, action: str, target: str, detail: Mapping[str, Any] | None = None
 ) -> AuditEvent:
-    """Add an audit event by the current actor to the caller's transaction."""
+    """Add an audit event by the current actor to the caller's transaction. Its fields are bounded: the
+    target to MAX_AUDIT_TARGET_CHARS, the detail to structured JSON whose every string, list and mapping
+    is bounded (`bounded_detail`), so no request can write a large text into the trail."""
     row = AuditEvent(
-        at=at, actor=current_actor(), action=action, target=target[:300], detail=jsonable(detail or {})
+        at=at,
+        actor=current_actor(),
+        action=action,
+        target=target[:MAX_AUDIT_TARGET_CHARS],
+        detail=jsonable(bounded_detail(detail or {})),
     )
     session.add(row)
     return row
+
+
+def bounded_detail(value: Any, depth: int = 0) -> Any:
+    """An audit event's detail with every string cut to MAX_AUDIT_TEXT_CHARS, every sequence and mapping
+    to its first MAX_AUDIT_ITEMS entries (keys as strings) and nesting to MAX_AUDIT_DEPTH (deeper: "…"),
+    before it is turned into JSON, so the work is bounded too."""
+    if isinstance(value, str):
+        return value if len(value) <= MAX_AUDIT_TEXT_CHARS else value[: MAX_AUDIT_TEXT_CHARS - 1] + "…"
+    if isinstance(value, Mapping | list | tuple) and depth >= MAX_AUDIT_DEPTH:
+        return "…"
+    if isinstance(value, Mapping):
+        items = itertools.islice(value.items(), MAX_AUDIT_ITEMS)
+        return {bounded_detail(str(k)): bounded_detail(v, depth + 1) for k, v in items}
+    if isinstance(value, list | tuple):
+        return [bounded_detail(v, depth + 1) for v in value[:MAX_AUDIT_ITEMS]]
+    return value
 
 
 # --- values --------------------------------------------------------------------------------------
@@ -291,10 +326,13 @@ def distinct_list(values: Any, field: str, check: Callable[[Any, str], Any]) -> 
 
 
 __all__ = [
+    "MAX_AUDIT_ITEMS",
+    "MAX_AUDIT_TEXT_CHARS",
     "MAX_ERROR_CHARS",
     "PlannedJob",
     "audit",
     "backbone_filter_ids",
+    "bounded_detail",
     "check_worker",
     "clip",
     "distinct_list",
@@ -306,6 +344,7 @@ __all__ = [
     "jsonable",
     "queue_jobs",
     "retry_once_on_conflict",
+    "submitted_by_current_actor",
     "sweep_job_ids",
     "transition",
     "worker_ever_held",

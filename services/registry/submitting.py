@@ -1,6 +1,10 @@
 """The Registry's submits: one job or a sweep (methods × seeds × K values), validated before anything is
 written, idempotent by key, capped per actor.
 
+An idempotency key belongs to whoever submitted under it: it names a job (or a sweep) of that token only,
+so another token's key, however predictable, never answers for or blocks this token's submits. Submits
+without a token (library calls, commands run next to the registry) share one scope of their own.
+
 A job's `device` (`any`, `cpu`, `gpu`) is placement, not part of what the job is: an idempotent retry
 compares the task, method, backbone, seed, K and hyperparameters only, so resubmitting under the same key
 with another device returns the jobs already made, on the device they were first given.
@@ -9,7 +13,9 @@ A sweep submitted without a key is idempotent too: its key is then derived from 
 it plans (`_job_identity`, the same tuple an idempotent retry of a job compares), so the same sweep again
 answers with the sweep already queued, running or done (`already_submitted`) instead of queueing its jobs
 twice. `again=True` queues new runs (the derived key moves to the new sweep), and so does a repeat of a
-sweep whose every job failed or was cancelled."""
+sweep whose every job failed or was cancelled. The derived key is scoped per token like any other: another
+token's identical sweep is not this token's (it could not cancel it, its quota did not pay for it, and its
+`again` would take that sweep's identity away), so the same sweep by another token queues its own jobs."""
 
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ from services.registry.rows import (
     jsonable,
     queue_jobs,
     retry_once_on_conflict,
+    submitted_by_current_actor,
     sweep_job_ids,
 )
 from services.registry.task_data import held_out_rows
@@ -110,8 +117,9 @@ class Submissions(RegistryCore):
         """Validate, then queue one job. Hyperparameters are flat `key: value` pairs: training ones
         (learning_rate/lr, epochs, batch_size, …) and method-spec overrides (r, bottleneck, q.size, …).
         `device`: where it may run, `any` (default), `cpu` or `gpu`; only workers with that device claim it.
-        The same idempotency key returns the job it made (a different request under it is an error; a
-        different `device` is not: placement is not part of a job's identity, see the module's doc)."""
+        The same idempotency key from the same token returns the job it made (a different request under
+        it is an error; a different `device` is not: placement is not part of a job's identity, see the
+        module's doc); another token's key of the same text is another key."""
         seed, k_shot, priority, max_attempts, key = self._check_job_args(
             seed, k_shot, priority, max_attempts, idempotency_key
         )
@@ -126,7 +134,8 @@ class Submissions(RegistryCore):
                     session, method, split, task_row, backbone_row, [seed], [k_shot], now
                 )
                 if key is not None:
-                    existing = session.scalar(select(Job).where(Job.idempotency_key == key))
+                    mine = submitted_by_current_actor(Job)
+                    existing = session.scalar(select(Job).where(Job.idempotency_key == key, mine))
                     if existing is not None:
                         _check_same_job(existing, plan, task_row, backbone_row, key)
                         return self._job_records(session, [existing])[0]
@@ -169,10 +178,11 @@ class Submissions(RegistryCore):
 
         `k_values` entries of None mean the full training set. `hyperparameters` apply to every
         method; `method_hyperparameters[method]` add to or override them for one method (e.g. a rank
-        that only LoRA has). `device` (`any`, `cpu`, `gpu`) applies to every job. The same idempotency
-        key returns the sweep it made, whatever `device` the retry names. Without a key, the same sweep
-        as one already queued, running or done returns that sweep (`already_submitted`), unless `again`
-        (module docstring); `again` with an idempotency key is refused."""
+        that only LoRA has). `device` (`any`, `cpu`, `gpu`) applies to every job. The same token's
+        idempotency key returns the sweep it made, whatever `device` the retry names. Without a key, the
+        same sweep as one of this token's already queued, running or done returns that sweep
+        (`already_submitted`), unless `again` (module docstring); `again` with an idempotency key is
+        refused."""
         request = self._check_sweep_request(methods, seeds, k_values, hyperparameters, method_hyperparameters)
         _, _, priority, max_attempts, key = self._check_job_args(
             0, None, priority, max_attempts, idempotency_key
@@ -210,15 +220,15 @@ class Submissions(RegistryCore):
                         now,
                     )
                 ]
-                stored_key = key
+                stored_key, mine = key, submitted_by_current_actor(Sweep)
                 if key is not None:
-                    existing = session.scalar(select(Sweep).where(Sweep.idempotency_key == key))
+                    existing = session.scalar(select(Sweep).where(Sweep.idempotency_key == key, mine))
                     if existing is not None:
                         _check_same_sweep(existing, task_row, backbone_row, request, key)
                         return SweepRecord.of(existing, sweep_job_ids(session, existing.id), True)
                 else:
                     stored_key = _derived_sweep_key(task_row, backbone_row, planned)
-                    existing = session.scalar(select(Sweep).where(Sweep.idempotency_key == stored_key))
+                    existing = session.scalar(select(Sweep).where(Sweep.idempotency_key == stored_key, mine))
                     if existing is not None:
                         if not again and _has_live_jobs(session, existing):
                             return SweepRecord.of(existing, sweep_job_ids(session, existing.id), True)
@@ -370,6 +380,7 @@ class Submissions(RegistryCore):
             backbone_id=backbone.id,
             priority=priority,
             idempotency_key=key,
+            submitted_by=current_actor(),
             created_at=now,
             **request.stored(),
         )

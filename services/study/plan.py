@@ -200,14 +200,9 @@ def study_jobs(client: PeltClient, plan: StudyPlan, job_ids: Iterable[int]) -> l
     return [job for task in plan.tasks for job in task_jobs(client, task, plan.backbone) if job.id in wanted]
 
 
-def task_jobs(client: PeltClient, task: str, backbone: str, page: int = 10_000) -> list[JobOut]:
-    """Every job of a task on a backbone, page by page."""
-    jobs: list[JobOut] = []
-    while True:
-        found = client.jobs(task=task, backbone=backbone, limit=page, offset=len(jobs))
-        jobs += found
-        if len(found) < page:
-            return jobs
+def task_jobs(client: PeltClient, task: str, backbone: str) -> list[JobOut]:
+    """Every job of a task on a backbone (the client fetches them page by page)."""
+    return client.jobs(task=task, backbone=backbone, limit=None)
 
 
 def wait_for(

@@ -301,3 +301,100 @@ def test_0009_puts_existing_jobs_on_any_device_refuses_unknown_ones_and_downgrad
     assert "device" not in _columns(db_url, "jobs")
     assert {"device", "job_memory_bytes"} & _columns(db_url, "results") == set()
     assert _queue_index(db_url) == ["status", "priority", "created_at"]
+
+
+# --- 0013: idempotency keys are each token's own; sweeps record who submitted them ----------------
+
+
+def _rows(url: str, table_name: str, *columns: str) -> set[tuple]:
+    with db.connect(url) as engine, engine.connect() as connection:
+        table = Table(table_name, MetaData(), autoload_with=connection)
+        return {tuple(row) for row in connection.execute(select(*(table.c[c] for c in columns)))}
+
+
+def _keyed_job(
+    connection: Connection, job_id: int, key: str, submitted_by: str | None, **extra: object
+) -> int:
+    """A copy of job `job_id` (a succeeded one), queued under `key` by `submitted_by`."""
+    jobs = Table("jobs", MetaData(), autoload_with=connection)
+    row = connection.execute(select(jobs).where(jobs.c.id == job_id)).mappings().one()
+    values = {name: value for name, value in row.items() if name not in ("id", "finished_at")}
+    values.update(status="queued", attempts=0, idempotency_key=key, submitted_by=submitted_by, **extra)
+    return connection.execute(jobs.insert().values(**values)).inserted_primary_key[0]
+
+
+def _keyed_sweep(connection: Connection, job_id: int, key: str | None) -> int:
+    """A sweep of the task and backbone of job `job_id`, under `key`."""
+    jobs = Table("jobs", MetaData(), autoload_with=connection)
+    job = connection.execute(select(jobs).where(jobs.c.id == job_id)).mappings().one()
+    return _insert(
+        connection,
+        "sweeps",
+        **dict(task_id=job["task_id"], backbone_id=job["backbone_id"], methods=["lora"], seeds=[0]),
+        **dict(k_values=[None], hyperparameters={}, method_hyperparameters={}, priority=0),
+        idempotency_key=key,
+        created_at=job["created_at"],
+    )
+
+
+def test_0013_keeps_every_key_on_its_row_for_the_token_that_made_it_and_names_each_sweeps_submitter(
+    db_url: str,
+) -> None:
+    lora = _succeeded_jobs_written_at_0007(db_url)["lora"]
+    db.upgrade(db_url, "0012")
+    with db.connect(db_url) as engine, engine.begin() as connection:
+        alices_sweep = _keyed_sweep(connection, lora, "study-sst2")
+        local_sweep = _keyed_sweep(connection, lora, None)
+        for sweep_id, owner in ((alices_sweep, "alice"), (local_sweep, None)):
+            _keyed_job(connection, lora, f"in-sweep-{sweep_id}", owner, sweep_id=sweep_id)
+        bobs = _keyed_job(connection, lora, "retry-1", "bob")
+        local = _keyed_job(connection, lora, "retry-2", None)
+    jobs_before = _rows(db_url, "jobs", "id", "idempotency_key", "submitted_by", "status")
+    results_before = _rows(db_url, "results", "id", "job_id", "primary_metric")
+
+    db.upgrade(db_url, "head")
+    assert _rows(db_url, "jobs", "id", "idempotency_key", "submitted_by", "status") == jobs_before
+    assert _rows(db_url, "results", "id", "job_id", "primary_metric") == results_before
+    assert _rows(db_url, "sweeps", "id", "idempotency_key", "submitted_by") == {
+        (alices_sweep, "study-sst2", "alice"),
+        (local_sweep, None, None),
+    }
+    with db.connect(db_url) as engine:
+        with engine.begin() as connection:  # the same key, another token: a key of its own
+            _keyed_job(connection, bobs, "retry-1", "carol")
+            _keyed_job(connection, local, "retry-1", None)
+        for key, owner in (("retry-1", "bob"), ("retry-2", None)):  # the same key, the same submitter
+            with pytest.raises(IntegrityError), engine.begin() as connection:
+                _keyed_job(connection, bobs, key, owner)
+
+
+def test_0013_downgrade_leaves_a_key_several_tokens_used_on_its_oldest_row(db_url: str) -> None:
+    lora = _succeeded_jobs_written_at_0007(db_url)["lora"]
+    db.upgrade(db_url, "head")
+    with db.connect(db_url) as engine, engine.begin() as connection:
+        first, second, third = (
+            _keyed_job(connection, lora, "retry-1", owner) for owner in ("bob", "alice", None)
+        )
+        own = _keyed_job(connection, lora, "retry-2", "alice")
+        older, newer = _keyed_sweep(connection, lora, "study-sst2"), _keyed_sweep(connection, lora, None)
+        sweeps = Table("sweeps", MetaData(), autoload_with=connection)
+        connection.execute(sweeps.update().where(sweeps.c.id == older).values(submitted_by="alice"))
+        connection.execute(
+            sweeps.update()
+            .where(sweeps.c.id == newer)
+            .values(idempotency_key="study-sst2", submitted_by="bob")
+        )
+
+    db.downgrade(db_url, "0012")
+    assert _rows(db_url, "jobs", "id", "idempotency_key") >= {
+        (first, "retry-1"),
+        (second, None),
+        (third, None),
+        (own, "retry-2"),
+    }
+    assert _rows(db_url, "sweeps", "id", "idempotency_key") == {(older, "study-sst2"), (newer, None)}
+    assert "submitted_by" not in _columns(db_url, "sweeps")
+    with pytest.raises(IntegrityError), db.connect(db_url) as engine, engine.begin() as connection:
+        _keyed_job(connection, own, "retry-1", "carol")  # unique across tokens again
+    db.upgrade(db_url, "head")
+    assert ("retry-1", "bob") in _rows(db_url, "jobs", "idempotency_key", "submitted_by")

@@ -392,9 +392,9 @@ def test_a_job_over_the_worker_memory_budget_is_422_naming_what_to_lower(client,
     assert client.submit(toy_task, "lora", backbone=sized, hyperparameters={"batch_size": 16})
 
 
-def test_the_default_budget_and_sweep_cap_come_from_the_table():
+def test_the_default_budget_is_the_machines_memory_and_the_sweep_cap_comes_from_the_table():
     settings = Settings(data_dir="/nonexistent")
-    assert settings.worker_memory_bytes == limits.DEFAULT_WORKER_MEMORY_BYTES
+    assert settings.worker_memory_bytes == limits.machine_memory_bytes()  # see test_workers_side.py
     assert settings.max_sweep_jobs == limits.DEFAULT_MAX_SWEEP_JOBS
 
 

@@ -774,7 +774,7 @@ def test_a_zip_whose_end_records_disagree_is_refused_before_zipfile_reads_its_di
 
 @pytest.mark.parametrize("shape", ["empty", "plain", "commented", "zip64", "zip64-commented", "zip64-65536"])
 def test_the_zip_directory_pelt_checks_is_the_one_zipfile_reads(tmp_path, monkeypatch, shape):
-    from services.uploads import zip_directory_size
+    from services.uploads import count_zip_entries, zip_directory
 
     count = {"empty": 0, "zip64-65536": 65_536}.get(shape, 5)
     if shape in ("zip64", "zip64-commented"):
@@ -786,12 +786,14 @@ def test_the_zip_directory_pelt_checks_is_the_one_zipfile_reads(tmp_path, monkey
         if shape.endswith("commented"):
             archive.comment = b"a comment"
 
-    entries, size = zip_directory_size(path)
+    directory = zip_directory(path)
 
     with zipfile.ZipFile(path) as archive:
-        assert entries == len(archive.infolist()) == count
+        assert directory.entries == len(archive.infolist()) == count
+        assert directory.start == archive.start_dir
+    assert count_zip_entries(path, directory, stop_after=count) == count
     assert (b"PK\x06\x06" in path.read_bytes()) == shape.startswith("zip64")
-    assert size >= 46 * count
+    assert directory.size >= 46 * count
 
 
 def test_a_tar_with_a_2_mib_pax_header_is_refused_as_the_header_is_read(api, tmp_path):

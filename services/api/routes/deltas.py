@@ -4,11 +4,15 @@ ones."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi import Path as PathParam
-from fastapi.responses import Response
+from fastapi.responses import FileResponse
+from starlette.types import Receive, Scope, Send
 
 from services.api.bodies import BoundedJsonRoute
 from services.api.dependencies import ADMIN, READ, WRITE, Name, Operations
@@ -36,6 +40,22 @@ def reference(
 
 
 Reference = Annotated[DeltaRef, Depends(reference)]
+
+
+class TemporaryFileResponse(FileResponse):
+    """A temporary file's bytes, read from disk and sent in chunks (64 KiB), then `discard` removes the
+    file: once the answer is sent, when the client goes away mid-answer, or when sending fails. The
+    answer's memory does not grow with the file."""
+
+    def __init__(self, path: Path, discard: Callable[[], None], **options: Any) -> None:
+        super().__init__(path, stat_result=os.stat(path), **options)
+        self.discard = discard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.discard()
 
 
 def version_out(info: Any) -> VersionOut:
@@ -76,21 +96,27 @@ def delta_info(operations: Operations, ref: Reference) -> Any:
     dependencies=[READ],
     responses={200: {"content": {"application/zip": {}}, "description": "the version's files, zipped"}},
 )
-def delta_download(operations: Operations, ref: Reference) -> Response:
+def delta_download(operations: Operations, ref: Reference) -> TemporaryFileResponse:
     """The version's files as a zip (delta.safetensors + manifest.json, or a multi-task bundle);
-    headers X-Pelt-Version, X-Pelt-Sha256 (of the delta file) and X-Pelt-Kind."""
+    headers X-Pelt-Version, X-Pelt-Sha256 (of the delta file) and X-Pelt-Kind. The zip is sent from a
+    private temporary file, removed once sent or once the client went away."""
     archive = operations.delta_archive(ref)
     info = archive.info
-    return Response(
-        archive.content,
-        media_type="application/zip",
-        headers={
-            "Content-Disposition": f'attachment; filename="{archive.filename}"',
-            "X-Pelt-Version": str(info.version),
-            "X-Pelt-Sha256": info.sha256 or "",
-            "X-Pelt-Kind": info.kind,
-        },
-    )
+    try:
+        return TemporaryFileResponse(
+            archive.path,
+            archive.discard,
+            media_type="application/zip",
+            headers={
+                "Content-Disposition": f'attachment; filename="{archive.filename}"',
+                "X-Pelt-Version": str(info.version),
+                "X-Pelt-Sha256": info.sha256 or "",
+                "X-Pelt-Kind": info.kind,
+            },
+        )
+    except BaseException:
+        archive.discard()
+        raise
 
 
 @router.post("/tasks/{name}/deltas/{version}/archive", response_model=VersionOut, dependencies=[ADMIN])

@@ -67,9 +67,11 @@ def job_loss(operations: Operations, job_id: JobId) -> Any:
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut, dependencies=[WRITE])
-def cancel_job(operations: Operations, job_id: JobId) -> Any:
-    """Cancel a queued job at once, a running one within seconds; a cancelled job is never retried."""
-    return operations.cancel_job(job_id)
+def cancel_job(operations: Operations, job_id: JobId, caller: Caller) -> Any:
+    """Cancel a queued job at once, a running one within seconds; a cancelled job is never retried. A
+    token cancels the jobs it submitted; another token's job (or one submitted without a token) needs
+    the admin scope: 403 naming it and whose job it is."""
+    return operations.cancel_job(job_id, own_only=not caller.allows("admin"))
 
 
 @router.get("/jobs/{job_id}/events", response_model=list[EventOut], dependencies=[READ])

@@ -9,7 +9,7 @@ from fastapi import Path as PathParam
 
 from pelt_core.limits import INT32_MAX
 from services.api.bodies import BoundedJsonRoute
-from services.api.dependencies import READ, WRITE, Operations
+from services.api.dependencies import READ, WRITE, Caller, Operations
 from services.api.schemas import SweepCancelOut, SweepIn, SweepOut
 
 router = APIRouter(tags=["sweeps"], route_class=BoundedJsonRoute)  # JSON nests at most MAX_JSON_DEPTH deep
@@ -34,6 +34,8 @@ def get_sweep(operations: Operations, sweep_id: SweepId) -> Any:
 
 
 @router.post("/sweeps/{sweep_id}/cancel", response_model=SweepCancelOut, dependencies=[WRITE])
-def cancel_sweep(operations: Operations, sweep_id: SweepId) -> Any:
-    operations.get_sweep(sweep_id)
-    return SweepCancelOut(sweep_id=sweep_id, cancelled=operations.cancel_sweep(sweep_id))
+def cancel_sweep(operations: Operations, sweep_id: SweepId, caller: Caller) -> Any:
+    """Cancel every unfinished job of the sweep. Another token's sweep needs the admin scope (403 naming
+    it and whose sweep it is; nothing is cancelled)."""
+    cancelled = operations.cancel_sweep(sweep_id, own_only=not caller.allows("admin"))
+    return SweepCancelOut(sweep_id=sweep_id, cancelled=cancelled)

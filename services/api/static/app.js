@@ -22,6 +22,7 @@
 
   const state = {
     scope: null, // the token's scope: read, write or admin
+    name: null, // the token's name: a write token cancels only the jobs it submitted
     task: null, // the name in view
     deltasOnly: false, // the view shows only the delta versions of a name (no task behind it)
     kShot: "", // the leaderboard's K filter ("" = every K)
@@ -102,6 +103,7 @@
       return;
     }
     state.scope = who.scope;
+    state.name = who.name;
     document.body.dataset.scope = who.scope;
     byId("who").textContent =
       `token “${who.name}”, ${who.scope} scope` + (canWrite() ? "" : " (read only: no cancel buttons)");
@@ -113,6 +115,11 @@
 
   function canWrite() {
     return state.scope === "write" || state.scope === "admin";
+  }
+
+  // An admin token cancels any job; a write token the jobs it submitted.
+  function canCancel(job) {
+    return state.scope === "admin" || (state.scope === "write" && job.submitted_by === state.name);
   }
 
   // The service refused the token: forget it, show no data, say why.
@@ -142,6 +149,7 @@
     stopPolling();
     state.generation += 1;
     state.scope = null;
+    state.name = null;
     state.task = null;
     state.jobs.clear();
     state.rows.clear();
@@ -506,7 +514,7 @@
 
   function updateJobActions(cells, job) {
     const buttons = [];
-    if (ACTIVE.has(job.status) && canWrite() && !job.cancel_requested) {
+    if (ACTIVE.has(job.status) && canCancel(job) && !job.cancel_requested) {
       const cancel = element("button", "Cancel", "cancel write-action");
       cancel.type = "button";
       cancel.addEventListener("click", () => cancelJob(job.id, cancel));
@@ -536,7 +544,7 @@
     } catch (error) {
       button.disabled = false;
       if (error.status === 403) {
-        showMessage(byId("action-message"), `The token's scope does not allow this: cancelling a job needs the write scope (${error.message})`, true);
+        showMessage(byId("action-message"), `The token may not cancel this job: ${error.message}`, true);
       } else {
         reportError(error);
       }

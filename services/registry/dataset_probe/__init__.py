@@ -8,9 +8,10 @@ to such files (a "train" split is required), or a folder written by `datasets`' 
 (a DatasetDict with a "train" split, or a single Dataset, taken as the training split).
 
 Data come from users, so the probe streams and bounds what it reads (`DatasetLimits`): JSON Lines in
-chunks of whole lines, CSV block by block, Parquet batch by batch after its metadata (rows, declared
-sizes) passed; rows of one split and decoded bytes of all splits are counted as they are read and
-refused beyond PELT_MAX_DATASET_ROWS / PELT_MAX_DATASET_BYTES (413). Text files must be UTF-8 (the
+chunks of whole lines, CSV block by block, Parquet batch by batch after its footer (rows, declared
+sizes, values times their width) passed, its texts read dictionary-encoded; rows of one split and decoded
+bytes of all splits are counted as they are read, a value repeated on many rows once per row
+(`pelt_core.parquet_size`), and refused beyond PELT_MAX_DATASET_ROWS / PELT_MAX_DATASET_BYTES (413). Text files must be UTF-8 (the
 trainer reads them so); a JSON Lines row may nest at most `limits.MAX_JSON_ROW_DEPTH` deep (checked on
 its bytes: pyarrow's reader crashes on deep ones). A `datasets` folder is checked by
 `pelt_core.saved_dataset` first (its own Arrow files only, rows counted from metadata), its tables built

@@ -1,5 +1,7 @@
 """Split files read as streams of record batches within the limits: JSON Lines in chunks of whole lines,
-CSV/TSV block by block, Parquet batch by batch after its metadata passed; text files checked as UTF-8."""
+CSV/TSV block by block, Parquet batch by batch after its footer passed, its texts dictionary-encoded
+(`pelt_core.parquet_size`); text files checked as UTF-8. Every batch spends its decoded bytes
+(`decoded_bytes`: a repeated text once per row) from the task's budget."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 from pelt_core.json_nesting import too_deep_line
 from pelt_core.limits import MAX_JSON_ROW_DEPTH
+from pelt_core.parquet_size import decoded_bytes, footer_decoded_bytes, open_parquet, parquet_batch_rows
 from services.registry.dataset_probe.labels import LabelColumn, class_label_names
 from services.registry.dataset_probe.records import Budget, DatasetLimits, LabelSummary, too_large
 from services.registry.dataset_probe.source import FILE_FORMATS, FORMAT_NAMES
@@ -21,14 +24,6 @@ STREAM_BLOCK_BYTES = 1 << 20  # a CSV block, a chunk of JSON Lines, a step of th
 
 
 MAX_ROW_BYTES = 16 << 20  # the longest JSON Lines row
-
-
-BATCH_BYTES = 16 << 20  # Parquet: rows per batch are chosen so that a batch decodes to about this much
-
-
-MAX_BATCH_ROWS = (
-    8_192  # ... as declared by the file's metadata, which its writer chose: a cap whatever it says
-)
 
 
 @dataclass
@@ -99,7 +94,7 @@ def _read_stream(
             raise too_large(
                 where, f"the {split} split holds more than {limits.max_rows} rows (PELT_MAX_DATASET_ROWS)"
             )
-        budget.spend(batch.nbytes, where)
+        budget.spend(decoded_bytes(batch), where)
         if label_field is not None:
             position = batch.schema.get_field_index(label_field)
             label.add(batch.column(position) if position >= 0 else None, batch.num_rows)
@@ -192,42 +187,34 @@ def _line_chunks(path: Path) -> Iterator[bytes]:
 def _parquet_stream(
     path: Path, split: str, label_field: str | None, limits: DatasetLimits, budget: Budget
 ) -> _Stream:
-    """The metadata first (rows, each row group's declared size), then batch by batch, row group by row
-    group, sized so that a batch decodes to about BATCH_BYTES."""
-    import pyarrow as pa
+    """The footer first (rows; what the row groups declare and the columns' values take at least), then
+    batch by batch, row group by row group, sized so that a batch decodes to about
+    `parquet_size.BATCH_BYTES`, every text column read dictionary-encoded: a text that a thousand rows
+    repeat is held once, and `_read_stream` counts it once per row."""
     import pyarrow.parquet
 
     where = f"source.{split}"
-    parquet = pyarrow.parquet.ParquetFile(path)
-    metadata = parquet.metadata
+    metadata = pyarrow.parquet.read_metadata(path)
     if metadata.num_rows > limits.max_rows:
         raise too_large(
             where,
             f"the {split} split holds {metadata.num_rows} rows, more than {limits.max_rows} "
             "(PELT_MAX_DATASET_ROWS)",
         )
-    groups = [metadata.row_group(index) for index in range(metadata.num_row_groups)]
-    declared = sum(max(group.total_byte_size, 0) for group in groups)
+    declared = footer_decoded_bytes(metadata)
     if declared > budget.left:
         raise too_large(
             where,
-            f"the {split} split decodes to {declared} bytes, more than the "
+            f"the {split} split decodes to at least {declared} bytes, more than the "
             f"{budget.limit} bytes allowed for the task's data (PELT_MAX_DATASET_BYTES)",
         )
+    parquet = open_parquet(path, metadata)  # LabelColumn never decodes a dictionary-encoded label either
     names = list(parquet.schema_arrow.names)
     refuse_duplicate_columns(names, split)
-    widest = max(
-        (group.total_byte_size / group.num_rows for group in groups if group.num_rows > 0), default=1.0
-    )
-    batch_rows = int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // max(widest, 1.0))))
     class_names = (
         _class_names_from_hf_metadata(parquet.schema_arrow.metadata, label_field) if label_field else None
     )
-    if label_field in names:  # a string label is read dictionary-encoded: LabelColumn never decodes it
-        kind_of = parquet.schema_arrow.field(label_field).type
-        if pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of) or pa.types.is_binary(kind_of):
-            parquet = pyarrow.parquet.ParquetFile(path, read_dictionary=[label_field])
-    return _Stream(parquet.iter_batches(batch_size=batch_rows), names, class_names)
+    return _Stream(parquet.iter_batches(batch_size=parquet_batch_rows(metadata)), names, class_names)
 
 
 def _class_names_from_hf_metadata(metadata: dict[bytes, bytes] | None, label_field: str) -> list[str] | None:

@@ -78,7 +78,9 @@ class Budget:
         self.left -= max(count, 0)
         if self.left < 0:
             raise too_large(
-                where, f"the data decode to more than {self.limit} bytes (PELT_MAX_DATASET_BYTES)"
+                where,
+                f"the data decode to more than {self.limit:,} bytes (PELT_MAX_DATASET_BYTES; a value "
+                "that many rows repeat counts once per row)",
             )
 
 
