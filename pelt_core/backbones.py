@@ -317,6 +317,66 @@ def read_backbone_facts(name: str, max_parameters: int | None = None) -> dict[st
     return backbone_facts(config, check_backbone_config(config, name, max_parameters))
 
 
+def read_shape_config(name: str) -> Any:
+    """A backbone's config for its shapes alone, without transformers where its config.json says them all:
+    the JSON object (at most MAX_BACKBONE_CONFIG_BYTES, checked as `read_backbone_config` checks it) as
+    attributes, when it names a supported model_type and every REQUIRED_BACKBONE_CONFIG field; otherwise
+    (a .gguf file, a field left to transformers' default) `read_backbone_config`'s config."""
+    from types import SimpleNamespace
+
+    _, path, gguf = resolve_backbone(name)
+    file = Path(path) / "config.json"
+    if gguf is None:
+        try:
+            if file.stat().st_size <= MAX_BACKBONE_CONFIG_BYTES:
+                raw = json.loads(file.read_text(encoding="utf-8"))
+                if (
+                    isinstance(raw, dict)
+                    and raw.get("model_type") in SUPPORTED_MODEL_TYPES
+                    and all(isinstance(raw.get(key), int) for key in REQUIRED_BACKBONE_CONFIG)
+                ):
+                    check_config_values(raw, name)
+                    return SimpleNamespace(**raw)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, TypeError):
+            pass  # read_backbone_config says what is wrong with it
+    return read_backbone_config(path, gguf, name)
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """A linear map's sizes, as `nn.Linear` names them."""
+
+    in_features: int
+    out_features: int
+
+
+def linear_shape(config: Any, concrete: str) -> LinearShape:
+    """The sizes of a layer's linear map `concrete` (attn.q, ffn.in, …) in the model `config` describes,
+    as transformers builds it (BERT: all heads' width is heads x ⌊hidden / heads⌋; Llama: q and o take
+    heads x head_dim, k and v kv_heads x head_dim)."""
+    arch = architecture_for(config.model_type)
+    if concrete not in arch.linear_paths:
+        raise BackboneError(f"{arch.family} models have no linear map {concrete!r}")
+    facts = backbone_facts(config, 0)
+    hidden, ffn = facts["hidden_size"], facts["intermediate_size"]
+    if arch.family == "bert":
+        heads = facts["num_heads"] * (hidden // facts["num_heads"])
+        q = kv = heads
+    else:
+        q, kv = facts["num_heads"] * facts["head_dim"], facts["num_kv_heads"] * facts["head_dim"]
+    sizes = {
+        "attn.q": (hidden, q),
+        "attn.k": (hidden, kv),
+        "attn.v": (hidden, kv),
+        "attn.o": (q, hidden),
+        "ffn.in": (hidden, ffn),
+        "ffn.gate": (hidden, ffn),
+        "ffn.up": (hidden, ffn),
+        "ffn.out": (ffn, hidden),
+    }
+    return LinearShape(*sizes[concrete])
+
+
 def state_dict_hash(model: nn.Module) -> str:
     """sha256 over every tensor's name, dtype, shape and bytes: the backbone's identity for deltas."""
     digest = hashlib.sha256()
@@ -481,3 +541,72 @@ class Backbone:
             raise BackboneError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         model.to(target)
         return cls(model, tokenizer, canonical, content_hash=content_hash, source=path)
+
+
+class ShapeBackbone(Backbone):
+    """A backbone's shapes without its weights, tokenizer or transformers model: enough to build, load,
+    compose and save deltas of it (`JobDelta` takes its linear maps' sizes; `save_delta` its name, hash,
+    sizes and parameter count), not to run one. Its identity (`content_hash`) and `num_parameters` are
+    what the deltas' manifests record (`from_manifest`); its config is read without weights
+    (`read_shape_config`). What needs the weights (`layers`, `to`, a forward) raises BackboneError."""
+
+    def __init__(
+        self, config: Any, name: str, content_hash: str, num_parameters: int, source: str | None = None
+    ):
+        self.arch = architecture_for(config.model_type)
+        self.model = None
+        self.tokenizer = None
+        self.name = name
+        self.source = source or name
+        self.config = config
+        self.content_hash = content_hash
+        self.runtime = None
+        self._num_parameters = int(num_parameters)
+
+    @classmethod
+    def from_manifest(cls, recorded: Mapping[str, Any]) -> ShapeBackbone:
+        """The backbone a delta's manifest names (its `backbone` entry: name, content_hash,
+        num_parameters, and the model_type, num_layers and hidden_size its config must still have)."""
+        name = str(recorded["name"])
+        canonical = BACKBONE_ALIASES.get(name, name)
+        config = read_shape_config(name)
+        check_backbone_config(config, name)
+        facts = backbone_facts(config, 0)
+        for key, fact in (
+            ("model_type", "model_type"),
+            ("num_layers", "num_layers"),
+            ("hidden_size", "hidden_size"),
+        ):
+            if recorded.get(key) is not None and recorded[key] != facts[fact]:
+                raise BackboneError(
+                    f"backbone {name!r}: its config has {key} {facts[fact]!r}, the deltas record {recorded[key]!r}"
+                )
+        parameters = recorded.get("num_parameters")
+        if not isinstance(parameters, int) or parameters <= 0:
+            parameters = estimate_parameters(config)
+        return cls(config, canonical, str(recorded["content_hash"]), parameters)
+
+    @property
+    def num_parameters(self) -> int:
+        return self._num_parameters
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def to(self, device: str | torch.device) -> Backbone:
+        raise BackboneError(
+            f"backbone {self.name!r} is loaded as its shapes alone: it has no weights to move"
+        )
+
+    def layers(self) -> list[nn.Module]:
+        raise BackboneError(f"backbone {self.name!r} is loaded as its shapes alone: it has no layers to run")
+
+    def linear(self, layer: int, concrete: str) -> LinearShape:  # type: ignore[override]
+        if not 0 <= layer < self.num_layers:
+            raise BackboneError(f"backbone {self.name!r} has no layer {layer}")
+        return linear_shape(self.config, concrete)

@@ -95,7 +95,7 @@ from pelt_core.compose_options import (
     check_weights,
     finite_number,
 )
-from pelt_core.compose_serving import FoldedModel, MultiTaskModel, fold_lora, multi_task
+from pelt_core.compose_serving import FoldedModel, MultiTaskModel, check_multi_task, fold_lora, multi_task
 from pelt_core.compose_tensors import (
     LoraFactors,
     dare_sparsify,
@@ -373,6 +373,7 @@ __all__ = [
     "FoldedModel",
     "MultiTaskModel",
     "average",
+    "check_multi_task",
     "check_options",
     "dare_sparsify",
     "fold_lora",

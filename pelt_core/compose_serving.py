@@ -94,13 +94,19 @@ class MultiTaskModel(PeltModel):
 def multi_task(backbone: Backbone, deltas: Mapping[str, JobDelta]) -> MultiTaskModel:
     """A model serving several task deltas on one backbone, in eval mode (the deltas are shared, not
     copied)."""
+    check_multi_task(backbone, deltas)
+    return MultiTaskModel(backbone, dict(deltas)).eval()
+
+
+def check_multi_task(backbone: Backbone, deltas: Mapping[str, JobDelta]) -> None:
+    """What `multi_task` checks, without building the model: a non-empty {task name: JobDelta} mapping,
+    names without '.', every delta on `backbone` (CompositionError naming the one at fault)."""
     if not isinstance(deltas, Mapping) or not deltas:
         raise CompositionError("multi_task: give a non-empty {task name: JobDelta} mapping")
     for task, delta in deltas.items():
         if not isinstance(task, str) or not task or "." in task:
             raise CompositionError(f"multi_task: task name {task!r} must be a non-empty string without '.'")
         check_on_backbone(task, delta, backbone, "multi_task")
-    return MultiTaskModel(backbone, dict(deltas)).eval()
 
 
 class FoldedModel(nn.Module):

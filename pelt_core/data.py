@@ -16,7 +16,7 @@ import torch
 from pelt_core.json_nesting import json_depth, too_deep_line
 from pelt_core.labels import ProblemTypeError, class_names, infer_problem_type, label_index
 from pelt_core.limits import MAX_DATASET_BYTES, MAX_JSON_ROW_DEPTH, dev_split_rows
-from pelt_core.parquet_size import DecodedSizeError, check_parquet_decoded_size
+from pelt_core.parquet_size import WORKER_BATCH_BYTES, DecodedSizeError, check_parquet_decoded_size
 from pelt_core.saved_dataset import SavedDatasetError, load_saved_dataset
 from pelt_core.vocabulary import LABEL_FIELD_CANDIDATES, find_text_fields
 
@@ -91,7 +91,7 @@ def _check_parquet(path: Path, max_decoded_bytes: int) -> None:
 def _parquet_decoded_bytes(path: str, size: int, modified_ns: int, max_decoded_bytes: int) -> int:
     """`check_parquet_decoded_size`, cached by the file's path, size and modification time (a refusal
     raises, so it is never cached)."""
-    return check_parquet_decoded_size(path, max_decoded_bytes)
+    return check_parquet_decoded_size(path, max_decoded_bytes, WORKER_BATCH_BYTES)
 
 
 def _check_json_nesting(path: Path, suffix: str) -> None:

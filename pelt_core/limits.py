@@ -616,7 +616,7 @@ def limits_table_markdown() -> str:
         "job, each against its own machine |",
         f"| a composition's memory estimate | <= {_gib(DEFAULT_COMPOSE_MEMORY_BYTES)} | `PELT_COMPOSE_MEMORY_BYTES`: "
         "the sources' stored bytes x 4 (DARE 6, multi_task 2) + 6 x the largest, + the dense ΔW of LoRA "
-        "modules for TIES/DARE; computed in a child process bounded by that + the backbone + 3 GiB |",
+        "modules for TIES/DARE; computed in a child process bounded by that + 3 GiB |",
         f"| rows of one list answer | <= {MAX_PAGE_LIMIT:,} | `limit` of `GET /v1/jobs` and `GET /v1/audit`; "
         "clients page with `offset` beyond it |",
     ]

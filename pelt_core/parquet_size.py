@@ -7,7 +7,9 @@ what a reader holds (`nbytes`: the dictionary once) says nothing of what a consu
 (`datasets`, the trainer) allocates. Here:
 
 - `footer_decoded_bytes`: from the footer alone, before anything is read: the larger of the row groups'
-  declared sizes and every column's values times their width (a text value counts its 4-byte offset);
+  declared sizes and every column's values times their width, where a text (BYTE_ARRAY) column chunk
+  counts its declared uncompressed size (at least its values' 4-byte offsets): distinct long texts that
+  compress well are refused here, before a batch is decoded;
 - `open_parquet`: the file with every text (BYTE_ARRAY) column read dictionary-encoded, so that a batch
   holds each distinct text once however many rows repeat it;
 - `decoded_bytes`: an Arrow array's, batch's or table's decoded size, a dictionary value counted once per
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 BATCH_BYTES = 16 << 20  # rows per batch are chosen so that a batch decodes to about this much (as declared)
+WORKER_BATCH_BYTES = 4 << 20  # the same, in a worker's check (pelt_core.data): its memory is its jobs'
 MAX_BATCH_ROWS = 8_192  # ... and never more rows than this, whatever the file declares
 
 _VALUE_WIDTHS = {  # decoded bytes of one value of a Parquet physical type (a text: its offset)
@@ -44,8 +47,9 @@ class DecodedSizeError(ValueError):
 
 def footer_decoded_bytes(metadata: Any) -> int:
     """What a Parquet file decodes to at least, from its footer (`pyarrow.parquet.FileMetaData`): the
-    larger of its row groups' declared sizes and its columns' values times their width. Run-length
-    encoded numbers count in full here; repeated texts are counted as they are read (`decoded_bytes`)."""
+    larger of its row groups' declared sizes and its columns' values times their width, a text column's
+    chunk by its declared uncompressed size (`_chunk_bytes`). Run-length encoded numbers count in full
+    here; a text repeated through a dictionary is counted as it is read (`decoded_bytes`)."""
     declared = 0
     values = 0.0
     widths = [_leaf_width(metadata.schema.column(index)) for index in range(metadata.num_columns)]
@@ -53,8 +57,17 @@ def footer_decoded_bytes(metadata: Any) -> int:
         group = metadata.row_group(group_index)
         declared += max(group.total_byte_size, 0)
         for column_index in range(group.num_columns):
-            values += max(group.column(column_index).num_values, 0) * widths[column_index]
+            values += _chunk_bytes(group.column(column_index), widths[column_index])
     return max(declared, int(values))
+
+
+def _chunk_bytes(chunk: Any, width: float) -> float:
+    """A column chunk's decoded bytes by its footer: its values times their width; a text chunk at least
+    its declared uncompressed size (its pages' text bytes, a dictionary's values once)."""
+    values = max(chunk.num_values, 0) * width
+    if chunk.physical_type == "BYTE_ARRAY":
+        return max(values, float(max(chunk.total_uncompressed_size, 0)))
+    return values
 
 
 def _leaf_width(column: Any) -> float:
@@ -63,18 +76,16 @@ def _leaf_width(column: Any) -> float:
     return _VALUE_WIDTHS.get(column.physical_type, 8)
 
 
-def parquet_batch_rows(metadata: Any) -> int:
-    """Rows per batch such that a batch decodes to about BATCH_BYTES by the row groups' declared sizes,
-    between 1 and MAX_BATCH_ROWS."""
-    widest = max(
-        (
-            group.total_byte_size / group.num_rows
-            for group in (metadata.row_group(index) for index in range(metadata.num_row_groups))
-            if group.num_rows > 0
-        ),
-        default=1.0,
-    )
-    return int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // max(widest, 1.0))))
+def parquet_batch_rows(metadata: Any, batch_bytes: int = BATCH_BYTES) -> int:
+    """Rows per batch such that a batch decodes to about `batch_bytes` by the row groups' declared sizes
+    (a group: the larger of its total and its columns' `_chunk_bytes`), between 1 and MAX_BATCH_ROWS."""
+    widths = [_leaf_width(metadata.schema.column(index)) for index in range(metadata.num_columns)]
+    widest = 1.0
+    for group in (metadata.row_group(index) for index in range(metadata.num_row_groups)):
+        if group.num_rows > 0:
+            columns = sum(_chunk_bytes(group.column(i), widths[i]) for i in range(group.num_columns))
+            widest = max(widest, max(group.total_byte_size, columns) / group.num_rows)
+    return int(max(1, min(MAX_BATCH_ROWS, batch_bytes // widest)))
 
 
 def open_parquet(path: str | Path, metadata: Any | None = None) -> Any:
@@ -159,10 +170,10 @@ def _value_sizes(values: Any, used: Any) -> Any:
     return (offsets[used + 1] - offsets[used]).astype(np.int64) + extra
 
 
-def check_parquet_decoded_size(path: str | Path, max_bytes: int) -> int:
-    """The bytes the Parquet file at `path` decodes to, counted from its footer, then batch by batch
-    (texts read dictionary-encoded: no batch decodes a repeated text per row); DecodedSizeError naming
-    the file and `max_bytes` as soon as they pass it."""
+def check_parquet_decoded_size(path: str | Path, max_bytes: int, batch_bytes: int = BATCH_BYTES) -> int:
+    """The bytes the Parquet file at `path` decodes to, counted from its footer, then in batches of about
+    `batch_bytes` (`parquet_batch_rows`; texts read dictionary-encoded: no batch decodes a repeated text
+    per row); DecodedSizeError naming the file and `max_bytes` as soon as they pass it."""
     import pyarrow.parquet as pq
 
     name = Path(path).name
@@ -174,7 +185,9 @@ def check_parquet_decoded_size(path: str | Path, max_bytes: int) -> int:
             f"{max_bytes:,} bytes allowed for a task's data (PELT_MAX_DATASET_BYTES)"
         )
     total = 0
-    for batch in open_parquet(path, metadata).iter_batches(batch_size=parquet_batch_rows(metadata)):
+    for batch in open_parquet(path, metadata).iter_batches(
+        batch_size=parquet_batch_rows(metadata, batch_bytes)
+    ):
         total += decoded_bytes(batch)
         if total > max_bytes:
             raise DecodedSizeError(
@@ -187,6 +200,7 @@ def check_parquet_decoded_size(path: str | Path, max_bytes: int) -> int:
 __all__ = [
     "BATCH_BYTES",
     "MAX_BATCH_ROWS",
+    "WORKER_BATCH_BYTES",
     "DecodedSizeError",
     "check_parquet_decoded_size",
     "decoded_bytes",

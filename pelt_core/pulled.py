@@ -48,7 +48,7 @@ class PulledModel:
     manifest: dict[str, Any]
     backbone: Backbone
     deltas: dict[str, JobDelta]
-    model: Any
+    model: Any  # None when loaded with serving=False (for composing)
 
     @property
     def task(self) -> str:
@@ -109,10 +109,13 @@ def load_pulled(
     folder: Path,
     backbone_for: Callable[[dict[str, Any]], Backbone],
     fold: bool = False,
+    serving: bool = True,
 ) -> PulledModel:
     """Load a downloaded version folder (a delta, or a multi-task bundle when `info.kind` is multi_task)
     onto the backbone that `backbone_for(manifest)` returns, checking the recorded sha256 of every delta
-    file: a PulledModel ready to predict. fold: LoRA folded into a copy of the backbone's dense weights."""
+    file: a PulledModel ready to predict. fold: LoRA folded into a copy of the backbone's dense weights.
+    serving=False: the deltas alone, on the CPU, with no model (`model` is None), for composing them: the
+    backbone may then be a `pelt_core.backbones.ShapeBackbone` (its shapes, no weights)."""
     from pelt_core.compose import fold_lora, multi_task
     from pelt_core.delta import load_delta
     from pelt_core.model import PeltModel
@@ -124,18 +127,24 @@ def load_pulled(
         manifest = {**bundle, "format": BUNDLE_FORMAT}
         chosen = backbone_for({"backbone": bundle["backbone"]})
         deltas = {
-            name: _to_device(load_delta(folder / entry["path"], chosen, entry["sha256"]), chosen)
+            name: _to_device(load_delta(folder / entry["path"], chosen, entry["sha256"]), chosen, serving)
             for name, entry in bundle["tasks"].items()
         }
-        return PulledModel(info, info.sha256 or "", manifest, chosen, deltas, multi_task(chosen, deltas))
+        model = multi_task(chosen, deltas) if serving else None
+        return PulledModel(info, info.sha256 or "", manifest, chosen, deltas, model)
     manifest = read_manifest(folder)
     chosen = backbone_for(manifest)
-    delta = _to_device(load_delta(folder, chosen, expected_sha256=info.sha256), chosen)
-    model = fold_lora(chosen, delta) if fold else PeltModel(chosen, {"delta": delta}).eval()
+    delta = _to_device(load_delta(folder, chosen, expected_sha256=info.sha256), chosen, serving)
+    if not serving:
+        model = None
+    else:
+        model = fold_lora(chosen, delta) if fold else PeltModel(chosen, {"delta": delta}).eval()
     return PulledModel(info, info.sha256 or "", manifest, chosen, {"delta": delta}, model)
 
 
-def _to_device(delta: JobDelta, backbone: Backbone) -> JobDelta:
+def _to_device(delta: JobDelta, backbone: Backbone, serving: bool = True) -> JobDelta:
+    if not serving:
+        return delta.eval()
     device = next(backbone.model.parameters()).device
     return delta.to(device).eval()
 

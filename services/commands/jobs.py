@@ -7,7 +7,9 @@ import click
 
 from services.api.schemas import DEFAULT_BACKBONE, JOB_DEVICES
 from services.client import PeltClient
-from services.commands.common import client_errors, parse_ints, parse_set_options, print_table
+from services.commands.common import client_errors, parse_ints, parse_set_options, print_table, printable
+
+MAX_WATCH_ERROR_CHARS = 200  # of a failed job's error, on its line of `pelt watch`
 
 device_option = click.option(
     "--device",
@@ -192,10 +194,17 @@ def _watch(client: PeltClient, ids: list[int]) -> None:
             if result.job_memory_bytes is not None:
                 line += f" ({result.job_memory_bytes / 2**20:.1f} MiB of job memory)"
         elif job.last_error:
-            line += f": {job.last_error.splitlines()[-1][:200]}"
+            line += f": {_error_tail(job.last_error)}"
         click.echo(line)
     if any(job.status != "succeeded" for job in ended):
         raise SystemExit(1)
+
+
+def _error_tail(error: str, limit: int = MAX_WATCH_ERROR_CHARS) -> str:
+    """A job's stored error on one line (`printable`: a newline shows as `\\n`, so it cannot forge another
+    job's line or restyle the terminal), its last `limit` characters (a traceback ends with its message)."""
+    text = printable(error.strip())
+    return text if len(text) <= limit else "…" + text[-(limit - 1) :]
 
 
 @click.command("cancel")

@@ -36,7 +36,6 @@ from services.delta_store.values import (
     VersionInfo,
     check_task,
 )
-from services.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
 
     from pelt_core.backbones import Backbone
     from services.registry import Registry
+    from services.settings import Settings
 
 log = logging.getLogger("pelt.delta_store")
 
@@ -67,6 +67,8 @@ class StoreBase:
         backbone_loader: Callable[[str], Backbone] | None = None,
     ) -> None:
         quiet_mlflow()
+        from services.settings import get_settings  # pydantic: not at import (the compose child)
+
         settings = settings or get_settings()
         if not isinstance(namespace, str) or not NAMESPACE_PATTERN.fullmatch(namespace):
             raise DeltaStoreError(f"namespace {namespace!r}: letters, digits, '_', '.', '-' (at most 50)")
@@ -91,6 +93,8 @@ class StoreBase:
     @classmethod
     def from_settings(cls, settings: Settings | None = None, **kwargs: Any) -> Self:
         """The store the settings describe (PELT_MLFLOW_TRACKING_URI, PELT_MLFLOW_ARTIFACT_ROOT)."""
+        from services.settings import get_settings
+
         settings = settings or get_settings()
         return cls(settings.mlflow_tracking_uri, None, settings=settings, **kwargs)
 
@@ -338,6 +342,8 @@ def read_delta_folder(folder: Path) -> tuple[dict[str, Any], str]:
         manifest = read_manifest(folder)
     except DeltaError as exc:
         raise DeltaStoreError(str(exc)) from None
+    if not isinstance(manifest.get("method"), dict) or not isinstance(manifest["backbone"].get("name"), str):
+        raise DeltaStoreError(f"{folder}: its manifest names no method or no backbone name")
     return manifest, sha256_file(folder / DELTA_FILE)
 
 

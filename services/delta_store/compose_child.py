@@ -14,11 +14,12 @@ service (`PeltOperations.compose`) passes `ComposeLimits` to `MlflowDeltaStore.c
    LoRA module as its dense ΔW, the ΔW's size from the shapes in each file's header and its manifest's
    method (`dense_lora_bytes`: no tensor is read); the manifests also name the backbone;
 3. runs `compose_in_child` in a fresh interpreter (`services.sandbox`: spawned, never forked from the
-   threaded server) under RLIMIT_AS = PELT_COMPOSE_MEMORY_BYTES + the backbone's weights (8 bytes per
-   parameter: the mapped file and the loaded copy) + RUNTIME_HEADROOM_BYTES (the interpreter, torch and
-   transformers), and PELT_COMPOSE_TIMEOUT_SECONDS. It loads the backbone and the sources, composes them
-   with `pelt_core.compose` and writes the result into the temporary folder; its answer is JSON (sha256,
-   method, provenance);
+   threaded server) under RLIMIT_AS = PELT_COMPOSE_MEMORY_BYTES + RUNTIME_HEADROOM_BYTES (the interpreter
+   and torch), and PELT_COMPOSE_TIMEOUT_SECONDS. It loads the sources onto the backbone's shapes alone
+   (`pelt_core.backbones.ShapeBackbone`: its config, read without transformers where config.json says it
+   all; no weights, tokenizer or model: composing takes only the deltas' tensors and the backbone's sizes,
+   name and recorded hash), composes them with `pelt_core.compose` and writes the result into the temporary
+   folder; its answer is JSON (sha256, method, provenance). It starts in about a second: torch's import;
 4. stores that folder and records the audit event in the parent, all or nothing as before.
 
 A child that runs out of memory is a `ComposeMemoryError` (413); one that runs out of time, crashes, or
@@ -44,8 +45,7 @@ from services.delta_store.errors import ComposeMemoryError, DeltaStoreError
 
 log = logging.getLogger("pelt.delta_store")
 
-RUNTIME_HEADROOM_BYTES = 3 << 30  # the child's interpreter, torch and transformers (about 1 GiB mapped)
-BACKBONE_BYTES_PER_PARAMETER = 8  # the backbone's weight file, memory-mapped, and its float32 copy
+RUNTIME_HEADROOM_BYTES = 3 << 30  # the child's interpreter and torch (about 1 GiB mapped)
 # peak bytes per stored byte of all sources: float32 as loaded + float64 views + the op's own copies (TIES'
 # stacked trims, DARE's dropped copies); a multi-task bundle only loads and saves its parts. Measured on
 # MiniLM's full fine-tuning deltas, 1 to 8 of them: 3.3 (linear), 3.2 (ties), 5.05 (dare), 1.0 (multi_task)
@@ -71,13 +71,9 @@ class ComposeLimits:
     memory_bytes: int
     timeout_seconds: float
 
-    def child_memory_bytes(self, backbone_parameters: int) -> int:
-        """The child's address-space limit: the budget, the backbone's weights and the runtime."""
-        return (
-            self.memory_bytes
-            + BACKBONE_BYTES_PER_PARAMETER * max(0, backbone_parameters)
-            + RUNTIME_HEADROOM_BYTES
-        )
+    def child_memory_bytes(self) -> int:
+        """The child's address-space limit: the budget and the runtime (it loads no backbone weights)."""
+        return self.memory_bytes + RUNTIME_HEADROOM_BYTES
 
 
 def working_factor(op: str, options: Mapping[str, Any]) -> int:
@@ -155,32 +151,49 @@ def dense_lora_bytes(folder: Path, manifest: Mapping[str, Any]) -> int:
 
 
 def safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Each tensor's shape, from a .safetensors file's JSON header alone (at most MAX_HEADER_BYTES)."""
+    """Each tensor's shape, from a .safetensors file's JSON header alone (at most MAX_HEADER_BYTES);
+    DeltaStoreError (field "sources") naming the file when that header is not a safetensors header."""
     with open(path, "rb") as file:
         size = int.from_bytes(file.read(8), "little")
         if size > MAX_HEADER_BYTES:
-            raise DeltaStoreError(f"{path.name}: a header of {size:,} bytes is not a delta's")
-        header = json.loads(file.read(size))
-    return {
-        name: [int(n) for n in entry.get("shape", [])]
-        for name, entry in header.items()
-        if name != "__metadata__" and isinstance(entry, dict)
-    }
+            raise DeltaStoreError(
+                f"{path.name}: a header of {size:,} bytes is not a delta's", field="sources"
+            )
+        raw = file.read(size)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
+        return {
+            name: [_dimension(n) for n in entry.get("shape", [])]
+            for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict)
+        }
+    except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        raise DeltaStoreError(
+            f"{path.name} is not a safetensors file: {_short(str(exc))}", field="sources"
+        ) from None
 
 
-def run_compose_child(request: Mapping[str, Any], limits: ComposeLimits, backbone_parameters: int) -> dict:
+def _dimension(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a tensor's shape holds {value!r}, not a size")
+    return value
+
+
+def run_compose_child(request: Mapping[str, Any], limits: ComposeLimits) -> dict:
     """`compose_in_child(request)` in a child process under `limits`; its answer, or the error it ended
     with: ComposeMemoryError when it ran out of memory, DeltaStoreError for anything else."""
     from services.sandbox import run_in_child
 
-    memory = limits.child_memory_bytes(backbone_parameters)
+    memory = limits.child_memory_bytes()
     outcome = run_in_child(
         "compose",
         request,
         memory_bytes=memory,
         timeout_seconds=limits.timeout_seconds,
         environment=CHILD_ENVIRONMENT,
-        write_files=True,  # the composed delta, and transformers' check of the temporary folder
+        write_files=True,  # the composed delta
     )
     answer = outcome.answer or {}
     if "sha256" in answer:
@@ -195,7 +208,7 @@ def run_compose_child(request: Mapping[str, Any], limits: ComposeLimits, backbon
         log.warning("a composition ran out of memory (%s): %s", step, outcome.stderr_tail[-2000:])
         raise ComposeMemoryError(
             f"this composition ran out of memory while {step} (its process may use "
-            f"PELT_COMPOSE_MEMORY_BYTES, {limits.memory_bytes:,} bytes, plus the backbone's weights); "
+            f"PELT_COMPOSE_MEMORY_BYTES, {limits.memory_bytes:,} bytes, plus its runtime's); "
             "compose fewer or smaller deltas",
             field="sources",
         )
@@ -250,26 +263,26 @@ class _Source:
 
 
 def compose_in_child(request: dict[str, Any], report: Any) -> dict[str, Any]:
-    """The child's side: load the backbone and the downloaded sources, compose them (`compose_pulled`)
-    into `request["out"]`; {"sha256", "method", "provenance", "peak_bytes"} or {"refused": {message,
-    field}} for a source or option at fault. Running out of memory is the sandbox's to report."""
-    from pelt_core.backbones import Backbone, BackboneError
+    """The child's side: load the downloaded sources onto the shapes of the backbone their manifests
+    record (`request["backbone"]`: a `ShapeBackbone`, no weights), compose them (`compose_pulled`) into
+    `request["out"]`; {"sha256", "method", "provenance", "peak_bytes"} or {"refused": {message, field}}
+    for a source or option at fault. Running out of memory is the sandbox's to report."""
+    from pelt_core.backbones import BackboneError, ShapeBackbone
     from pelt_core.compose import CompositionError
     from pelt_core.delta_format import DeltaError
     from pelt_core.pulled import load_pulled
     from services.delta_store.composing import compose_pulled
 
     try:
-        report({"step": "loading the backbone"})
-        wanted = request["backbone"]
-        backbone = Backbone.load(str(wanted["name"]))
-        if backbone.content_hash != wanted["content_hash"]:
-            raise DeltaError(f"backbone {wanted['name']!r} no longer has the content hash the deltas record")
+        report({"step": "reading the backbone's config"})
+        backbone = ShapeBackbone.from_manifest(request["backbone"])
         pulled = {}
         for source in request["sources"]:
             report({"step": f"loading source {source['name']}"})
             version = _Source(source["task"], source["version"], source["kind"], source["sha256"])
-            pulled[source["name"]] = load_pulled(version, Path(source["folder"]), lambda _: backbone)
+            pulled[source["name"]] = load_pulled(
+                version, Path(source["folder"]), lambda _: backbone, serving=False
+            )
         report({"step": "composing"})
         saved, method, provenance, _ = compose_pulled(
             request["op"], pulled, dict(request["options"]), Path(request["out"])

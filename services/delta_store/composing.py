@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pelt_core.delta_format import BUNDLE_ROUTE_PATTERN, read_bundle, read_manifest, sha256_mismatch
+from pelt_core.delta_format import (
+    BUNDLE_ROUTE_PATTERN,
+    DeltaError,
+    read_bundle,
+    read_manifest,
+    sha256_mismatch,
+)
 from pelt_core.pulled import MULTI_TASK, PulledModel
 from pelt_core.vocabulary import COMPOSE_OPERATIONS
 from services.delta_store.aliases import check_alias
@@ -198,11 +204,9 @@ class ComposeMixin(SinkMixin, ReadMixin):
             name: self._download(info, scratch / "sources" / str(index))
             for index, (name, info) in enumerate(infos.items())
         }
-        manifests = _manifests(infos, folders)
-        dense = {
-            name: 0 if infos[name].kind == MULTI_TASK else dense_lora_bytes(folder, manifests[name])
-            for name, folder in folders.items()
-        }
+        manifests, dense = {}, {}
+        for name, folder in folders.items():
+            manifests[name], dense[name] = _read_source(name, infos[name], folder)
         stored = {name: _tensor_bytes(folder) for name, folder in folders.items()}
         check_compose_budget(op, options, stored, limits, dense)
         backbone = _one_manifest_backbone(manifests)
@@ -210,7 +214,17 @@ class ComposeMixin(SinkMixin, ReadMixin):
         request = {
             "op": op,
             "options": options,
-            "backbone": {"name": backbone["name"], "content_hash": backbone["content_hash"]},
+            "backbone": {
+                key: backbone.get(key)
+                for key in (
+                    "name",
+                    "content_hash",
+                    "model_type",
+                    "num_layers",
+                    "hidden_size",
+                    "num_parameters",
+                )
+            },
             "sources": [
                 {
                     "name": name,
@@ -224,7 +238,7 @@ class ComposeMixin(SinkMixin, ReadMixin):
             ],
             "out": str(out),
         }
-        answer = run_compose_child(request, limits, int(backbone.get("num_parameters") or 0))
+        answer = run_compose_child(request, limits)
         problem = sha256_mismatch(out, str(answer["sha256"]), bundle=op == MULTI_TASK)
         if problem is not None:
             raise DeltaStoreError(f"the composed delta does not match what its process reported: {problem}")
@@ -463,15 +477,43 @@ def _one_backbone_of(infos: Mapping[str, VersionInfo]) -> None:
         )
 
 
-def _manifests(infos: Mapping[str, VersionInfo], folders: Mapping[str, Path]) -> dict[str, dict[str, Any]]:
-    """The downloaded sources' manifests (a bundle: its first part's), read without loading a tensor."""
-    found = {}
-    for name, folder in folders.items():
-        if infos[name].kind == MULTI_TASK:
+SOURCE_READ_ERRORS = (
+    DeltaError,
+    DeltaStoreError,
+    KeyError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    StopIteration,
+)
+
+
+def _read_source(name: str, info: VersionInfo, folder: Path) -> tuple[dict[str, Any], int]:
+    """A downloaded source's manifest (a bundle: its first part's) and its LoRA modules' bytes as dense
+    ΔW (`dense_lora_bytes`; 0 for a bundle), read without loading a tensor. A malformed one (a manifest
+    without its method or backbone, a bundle without parts, a tensor file whose header is not JSON) is a
+    DeltaStoreError naming the source (field "sources"), never a server's error."""
+    try:
+        if info.kind == MULTI_TASK:
             first = next(iter(read_bundle(folder)["tasks"].values()))
-            folder = folder / first["path"]
-        found[name] = read_manifest(folder)
-    return found
+            manifest = read_manifest(folder / first["path"])
+        else:
+            manifest = read_manifest(folder)
+        backbone = manifest["backbone"]
+        for key in ("name", "content_hash"):
+            if not isinstance(backbone.get(key), str):
+                raise DeltaError(f"its manifest's backbone has no {key}")
+        if not isinstance(manifest.get("method"), dict):
+            raise DeltaError("its manifest has no method")
+        dense = 0 if info.kind == MULTI_TASK else dense_lora_bytes(folder, manifest)
+    except SOURCE_READ_ERRORS as exc:
+        reason = f"its manifest has no {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
+        raise DeltaStoreError(
+            f"sources: {name} ({info.task}/{info.version}) is not a readable delta: "
+            + clip(reason.replace(str(folder), "its folder"), 300),
+            field="sources",
+        ) from None
+    return manifest, dense
 
 
 def _one_manifest_backbone(manifests: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -510,7 +552,7 @@ def _save_bundle(out: Path, pulled: Mapping[str, PulledModel], backbone: Backbon
     for name, p in pulled.items():
         if p.info.kind == MULTI_TASK:
             raise DeltaStoreError(f"{name}: a multi-task bundle cannot go into another one")
-    pelt_compose.multi_task(backbone, {n: p.delta for n, p in pulled.items()})  # checks them
+    pelt_compose.check_multi_task(backbone, {n: p.delta for n, p in pulled.items()})
     return save_bundle(
         {n: p.delta for n, p in pulled.items()},
         backbone,

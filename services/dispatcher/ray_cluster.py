@@ -97,6 +97,11 @@ def connect_ray(
     return True
 
 
+PRIVATE_FOLDER_TRIES = (
+    9  # pelt-ray-<uid>-1 ... -9: the next ones tried when pelt-ray-<uid> is not this user's
+)
+
+
 def private_ray_temp_dir() -> Path:
     """The folder for a local Ray's temp files: `ray` inside <temp folder>/pelt-ray-<uid>, a folder only
     this user may enter (0700), kept from start to start as Ray keeps /tmp/ray (its sessions' logs stay
@@ -105,22 +110,28 @@ def private_ray_temp_dir() -> Path:
     Ray makes the temp folder it is given, and every folder it creates there, readable and writable by
     everyone (0777), so the folder around it is what keeps other local users out of its sockets, logs
     and spilled objects. One that is not this user's own folder (another user's, a symbolic link) is not
-    used: a new one (mkdtemp) is made instead. In the system's temp folder (TMPDIR), or in /tmp where that
-    path is too long for Ray's Unix sockets (RAY_SOCKET_PATH_MAX_BYTES)."""
+    used: the next of pelt-ray-<uid>-1 ... -<PRIVATE_FOLDER_TRIES> that is (the same one at every start, so
+    none piles up). The temp folder is RAY_TMPDIR where set (Ray's own variable), else the system's
+    (TMPDIR); /tmp where that path is too long for Ray's Unix sockets (RAY_SOCKET_PATH_MAX_BYTES)."""
     name = f"pelt-ray-{os.geteuid()}"
-    room = RAY_SOCKET_PATH_MAX_BYTES - len(RAY_SOCKET_SUFFIX) - len(f"/{name}-XXXXXXXX/ray")
-    system = tempfile.gettempdir()
+    room = RAY_SOCKET_PATH_MAX_BYTES - len(RAY_SOCKET_SUFFIX) - len(f"/{name}-{PRIVATE_FOLDER_TRIES}/ray")
+    system = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
     base = Path(system if len(os.fsencode(system)) <= room else "/tmp")
-    folder = base / name
-    with contextlib.suppress(FileExistsError):  # kept from an earlier start (checked below)
-        folder.mkdir(mode=0o700)
-    status = folder.lstat()
-    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.geteuid():
-        log.warning("%s is not this user's own folder: Ray's temp files go to a new one", folder)
-        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base)) / "ray"
-    if stat.S_IMODE(status.st_mode) != 0o700:
-        folder.chmod(0o700)
-    return folder / "ray"
+    candidates = [name, *(f"{name}-{n}" for n in range(1, PRIVATE_FOLDER_TRIES + 1))]
+    for candidate in candidates:
+        folder = base / candidate
+        with contextlib.suppress(FileExistsError):  # kept from an earlier start (checked below)
+            folder.mkdir(mode=0o700)
+        status = folder.lstat()
+        if stat.S_ISDIR(status.st_mode) and status.st_uid == os.geteuid():
+            if stat.S_IMODE(status.st_mode) != 0o700:
+                folder.chmod(0o700)
+            return folder / "ray"
+        log.warning("%s is not this user's own folder: Ray's temp files go to another one", folder)
+    raise RuntimeError(
+        f"none of {', '.join(str(base / c) for c in candidates)} is this user's own folder: set RAY_TMPDIR "
+        "to a folder of your own for Ray's temp files"
+    )
 
 
 def private_tree(top: Path) -> list[Path]:

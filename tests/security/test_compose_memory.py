@@ -6,6 +6,7 @@ that leaves no version, no audit event and no temporary file."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -143,12 +144,75 @@ def test_a_source_the_child_refuses_is_a_422_naming_the_option(client, api, lora
 
 def test_compositions_beyond_the_concurrency_are_503_with_retry_after(client, api, loras):
     slots = api.operations._compose_slots
-    for _ in range(api.settings.compose_concurrency):
-        assert slots.acquire(blocking=False)
-    response = client.http.post("/v1/compose", json={"op": "merge", "sources": loras, "into": "soup"})
-    assert response.status_code == 503, response.text
-    assert response.headers["Retry-After"] == "5"
-    assert "PELT_COMPOSE_CONCURRENCY" in response.json()["error"]["message"]
+    taken = 0
+    try:
+        for _ in range(api.settings.compose_concurrency):
+            assert slots.acquire(blocking=False)
+            taken += 1
+        response = client.http.post("/v1/compose", json={"op": "merge", "sources": loras, "into": "soup"})
+        assert response.status_code == 503, response.text
+        assert response.headers["Retry-After"] == "5"
+        assert "PELT_COMPOSE_CONCURRENCY" in response.json()["error"]["message"]
+        assert versions(api, "soup") == [] and compose_events(api) == []
+        slots.release()
+        taken -= 1
+        assert client.compose("merge", loras, "soup").version == "1"
+    finally:
+        for _ in range(taken):
+            slots.release()
+
+
+def header_of(document: object) -> bytes:
+    """A .safetensors file whose header is `document` (as JSON, or the bytes given) and holds no tensor."""
+    raw = document if isinstance(document, bytes) else json.dumps(document).encode()
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def stored_folder(api, ref: str) -> Path:
+    """Where the store keeps a version's delta folder (a local artifact root)."""
+    from urllib.parse import urlparse
+
+    from services.delta_store.reading import _run_artifact
+
+    run_id, path = _run_artifact(api.store.get_version(ref))
+    return Path(urlparse(api.store.client.get_run(run_id).info.artifact_uri).path) / path
+
+
+CORRUPTIONS = {  # what a stored delta may hold that the store's register takes (it checks the manifest's format)
+    "a header that is not JSON": ("delta.safetensors", header_of(b"{not json")),
+    "a header that is a JSON list": ("delta.safetensors", header_of([1, 2])),
+    "a header with a negative size": ("delta.safetensors", header_of({"x.down.weight": {"shape": [-1, 2]}})),
+    "a file shorter than its header": ("delta.safetensors", b"\x07"),
+    "a manifest without its method": ("manifest.json", {"method": None}),
+    "a manifest whose backbone has no name": ("manifest.json", {"backbone": "unnamed"}),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_a_malformed_stored_delta_is_a_422_naming_it_and_writes_nothing(
+    client, api, loras, tmp_path, private_tmp, corruption
+):
+    info = api.store.get_version(loras[1])
+    folder = api.store.download(info.task, info.version, dest=tmp_path / "broken")
+    file, change = CORRUPTIONS[corruption]
+    if file == "delta.safetensors":  # registered as it is: its sha256 is recorded, so it downloads
+        (folder / file).write_bytes(change)
+        broken = f"broken/{api.store.register('broken', folder).model_version}"
+    else:  # a stored manifest changed in place (register refuses it; the sha256 covers the tensors only)
+        broken = f"broken/{api.store.register('broken', folder).model_version}"
+        stored = stored_folder(api, broken) / file
+        manifest = json.loads(stored.read_text())
+        if change.get("method", "") is None:
+            del manifest["method"]
+        else:
+            del manifest["backbone"]["name"]
+        stored.write_text(json.dumps(manifest))
+    error = refused(
+        lambda: client.compose("merge", [loras[0], broken], "soup", how="ties"),
+        422,
+        "sources",
+        f"sources: {broken} (broken/1) is not a readable delta",
+    )
+    assert str(private_tmp) not in error.message and "pelt-compose-" not in error.message
     assert versions(api, "soup") == [] and compose_events(api) == []
-    slots.release()
-    assert client.compose("merge", loras, "soup").version == "1"
+    assert list(private_tmp.iterdir()) == []

@@ -118,6 +118,20 @@ def test_no_stored_audit_value_can_forge_a_line_in_pelt_audit(api, monkeypatch):
     assert not any(char in result.output for char in "\r\x1b\u2028\u202e")
 
 
+def test_a_jobs_stored_error_cannot_forge_a_line_in_pelt_watch(capsys):
+    from types import SimpleNamespace
+
+    from services.commands import jobs
+
+    error = f"RuntimeError: boom\n{FORGED_LINE}\r\x1b[2K\u2028\u202e"
+    failed = SimpleNamespace(id=7, method="lora", status="failed", last_error=error)
+    watching = SimpleNamespace(wait=lambda ids: [failed])
+    with pytest.raises(SystemExit):
+        jobs._watch(watching, [7])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"job 7 lora: failed: RuntimeError: boom\\n{FORGED_LINE}\\r\\x1b[2K\\u2028\\u202e"]
+
+
 def test_the_store_names_new_things_by_the_registrys_rule_for_task_names():
     from services.delta_store.values import NEW_NAME_PATTERN
     from services.registry.validation import NAME_PATTERN

@@ -190,6 +190,47 @@ def test_a_dictionary_encoded_text_counts_once_per_row_that_uses_it():
     assert abs(decoded_bytes(text) - plain.nbytes) < 64  # about what the decoded column takes
 
 
+def test_distinct_long_texts_that_compress_well_are_refused_by_the_footer_before_any_batch(
+    tmp_path, monkeypatch
+):
+    """200 distinct 1 MiB texts take 11 KB with zstd and 200 MiB decoded: the text column chunk's declared
+    uncompressed size refuses them from the footer, even where the row group's total says less."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pelt_core import parquet_size
+
+    path = tmp_path / "train.parquet"
+    texts = ["a" * (1 << 20) + str(i) for i in range(200)]
+    pq.write_table(pa.table({"text": texts, "label": [0, 1] * 100}), path, compression="zstd")
+    assert path.stat().st_size < 64 << 10
+
+    def never(*args, **kwargs):
+        raise AssertionError("a batch was decoded; the footer alone refuses this file")
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", never)
+    with pytest.raises(parquet_size.DecodedSizeError, match="by its own footer"):
+        parquet_size.check_parquet_decoded_size(path, 100 << 20)
+
+    class UnderstatedGroup:  # a writer that records the compressed bytes as the row group's total
+        def __init__(self, group):
+            self.group = group
+            self.total_byte_size = sum(
+                group.column(i).total_compressed_size for i in range(group.num_columns)
+            )
+
+        def __getattr__(self, name):
+            return getattr(self.group, name)
+
+    metadata = pq.read_metadata(path)
+    understated = type("Footer", (), {})()
+    understated.num_columns, understated.num_row_groups = metadata.num_columns, metadata.num_row_groups
+    understated.schema = metadata.schema
+    understated.row_group = lambda index: UnderstatedGroup(metadata.row_group(index))
+    assert parquet_size.footer_decoded_bytes(understated) >= 200 << 20
+    assert parquet_size.parquet_batch_rows(understated, parquet_size.WORKER_BATCH_BYTES) <= 4
+
+
 # --- zip: the central directory's entries, as zipfile walks it ------------------------------------------
 
 

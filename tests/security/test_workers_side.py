@@ -164,6 +164,19 @@ def test_rays_temp_folder_is_kept_in_the_users_own_private_folder_and_never_in_a
     assert chosen.parent.parent == short_temp_folder and chosen.parent.name.startswith(own.name + "-")
     assert stat.S_IMODE(chosen.parent.stat().st_mode) == 0o700 and not chosen.parent.is_symlink()
     assert list(elsewhere.iterdir()) == []
+    assert private_ray_temp_dir() == chosen  # the same fallback at the next start: none piles up
+    assert sorted(p.name for p in short_temp_folder.iterdir()) == sorted(
+        [own.name, chosen.parent.name, "planted"]
+    )
+
+
+def test_rays_temp_folder_goes_under_ray_tmpdir_where_it_is_set(short_temp_folder, monkeypatch):
+    from services.dispatcher.ray_cluster import private_ray_temp_dir
+
+    rays = short_temp_folder / "rays-own"
+    rays.mkdir()
+    monkeypatch.setenv("RAY_TMPDIR", str(rays))
+    assert private_ray_temp_dir() == rays / f"pelt-ray-{os.geteuid()}" / "ray"
 
 
 # --- finding 2: a job's memory budget is the machine's ----------------------------------------------------
