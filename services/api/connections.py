@@ -33,7 +33,19 @@ idle one of them (none with a request in progress), so strangers holding sockets
 token holder out; and one is closed PELT_API_HEADER_TIMEOUT_SECONDS after it opened (once the public
 request it may be making, /health or the page, is answered) unless it has authenticated by then: polling
 /health on a kept-alive connection holds it no longer. A refused request (401, 403, 413 or the upload slots' 503) is answered with
-`Connection: close` and its connection closed, without reading its body.
+`Connection: close` and its connection closed, without parsing its body.
+
+Such a close is a lingering close (as nginx's lingering_close), wherever the client may still be sending:
+its request body is not complete, or bytes of it wait unparsed. Closing a socket with unread bytes makes
+the kernel answer with a reset (RFC 7230, section 6.6), and a client that is still writing its upload
+then fails with ECONNRESET or EPIPE, and may lose the answer already sent (Windows drops it). Instead,
+once the answer is written, the server shuts down its side (a FIN: the client reads the answer and then
+its end), reads and discards whatever still arrives, without parsing it, and closes when the client
+closes its side, when no byte came for LINGER_IDLE_SECONDS (2 s, nginx's lingering_timeout is 5 s), or
+at the latest LINGER_TOTAL_SECONDS (10 s, nginx's lingering_time is 30 s) after the answer or once
+LINGER_MAX_BYTES (64 MiB) were discarded, whichever comes first; only a close at those bounds can still
+reset a client that keeps sending. A lingering connection still counts in the cap; no other deadline
+holds it longer, and none but these bounds (and the unauthenticated share's eviction) cut it short.
 
 Behind a reverse proxy (nginx, an ingress) the proxy usually buffers requests and has its own header,
 body and send timeouts (nginx: client_header_timeout, client_body_timeout, send_timeout); keep pelt's as
@@ -52,6 +64,24 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from services.settings import Settings
 
 CONNECTION_STATE_KEY = "pelt.connection"  # where a request's ASGI scope["state"] holds its connection
+LINGER_IDLE_SECONDS = 2.0  # a lingering close ends once no byte came for this long
+LINGER_TOTAL_SECONDS = 10.0  # ... and at the latest this long after it began
+LINGER_MAX_BYTES = 64 * 2**20  # ... or once this many bytes were discarded
+
+
+class CloseAfterResponse:
+    """The transport as a request's cycle (uvicorn's `RequestResponseCycle`) sees it: its `close()`, which
+    uvicorn calls after a last response (`Connection: close`) or a failed one, is the protocol's
+    `close_after_response`; everything else is the connection's transport."""
+
+    def __init__(self, protocol: ClientDeadlines) -> None:
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.close_after_response()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._protocol.transport, name)
 
 
 class UploadRate:
@@ -104,6 +134,9 @@ class ClientDeadlines(H11Protocol):
     min_upload_bytes_per_second: float = 0.0  # 0: no minimum rate
     min_upload_rate_window: float = 30.0
     max_unauthenticated: int | None = None  # None: no share of their own
+    linger_idle_timeout: float = LINGER_IDLE_SECONDS
+    linger_total_timeout: float = LINGER_TOTAL_SECONDS
+    linger_max_bytes: int = LINGER_MAX_BYTES
     # this server's connections that have not authenticated, oldest first (a dict keeps insertion order)
     unauthenticated: ClassVar[dict[ClientDeadlines, None]] = {}
 
@@ -126,6 +159,11 @@ class ClientDeadlines(H11Protocol):
         self._send_buffered = 0  # its size then
         self._stranger_timer: asyncio.TimerHandle | None = None  # the unauthenticated connection's deadline
         self._stranger_expired = False
+        self._lingering = False  # the answer is out and the connection closing: what arrives is discarded
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_ends_at = 0.0  # the total bound (event-loop time)
+        self._linger_last_byte_at = 0.0
+        self._linger_discarded = 0
 
     @property
     def body_deadline(self) -> float | None:
@@ -138,6 +176,12 @@ class ClientDeadlines(H11Protocol):
         """When (event-loop time, to within a check interval) the connection is closed unless the client
         reads more of its answer; None while the transport takes everything the server writes."""
         return None if self._send_timer is None else self._send_progress_at + self.send_idle_timeout
+
+    @property
+    def linger_deadline(self) -> float | None:
+        """When (event-loop time) a lingering close ends at the latest; None when the connection is not
+        lingering."""
+        return self._linger_ends_at if self._lingering else None
 
     def mark_authenticated(self) -> None:
         """A request on this connection carried a valid token: it leaves the unauthenticated share."""
@@ -153,6 +197,9 @@ class ClientDeadlines(H11Protocol):
         self._admit_unauthenticated()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            self._discard(len(data))
+            return
         if self._head_timer is None and self._awaiting_head():  # the first bytes of a kept-alive request
             self._start_head_timer()
         super().data_received(data)
@@ -160,7 +207,16 @@ class ClientDeadlines(H11Protocol):
             self._stop_head_timer()
         self._watch_body(arrived=len(data))
 
+    def handle_events(self) -> None:
+        super().handle_events()  # may make the next request's cycle: its close() is ours
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and not isinstance(cycle.transport, CloseAfterResponse):
+            cycle.transport = CloseAfterResponse(self)
+
     def on_response_complete(self) -> None:
+        if self._lingering:  # that answer was the last: no keep-alive timer, no next request
+            self.server_state.total_requests += 1
+            return
         super().on_response_complete()  # may start the next request, from bytes already received
         self._watch_body(arrived=0)
         if self._stranger_expired:
@@ -182,11 +238,24 @@ class ClientDeadlines(H11Protocol):
         self._stop_body_timer()
         self._stop_rate_watch()
         self._stop_send_timer()
+        self._stop_linger_timer()
         if self._stranger_timer is not None:
             self._stranger_timer.cancel()
             self._stranger_timer = None
         self.unauthenticated.pop(self, None)
         super().connection_lost(exc)
+
+    def close_after_response(self) -> None:
+        """Close the connection, as uvicorn does after a last (or failed) response: with a lingering close
+        (the module doc) where the answer is complete and the client may still be sending."""
+        if self._lingering:
+            return
+        cycle = getattr(self, "cycle", None)
+        answered = cycle is not None and cycle.response_complete
+        if answered and not self.transport.is_closing() and self._client_may_send():
+            self._start_lingering()
+        else:
+            self.transport.close()
 
     # --- the unauthenticated share of the cap ---------------------------------------------------------
 
@@ -225,7 +294,12 @@ class ClientDeadlines(H11Protocol):
             self._close_stranger()
 
     def _close_stranger(self) -> None:
-        if self.authenticated or self._request_in_progress() or self.transport.is_closing():
+        if (
+            self.authenticated
+            or self._request_in_progress()
+            or self._lingering
+            or self.transport.is_closing()
+        ):
             return
         self.logger.info(
             "closing a connection from %s: no valid token within %.1f s of opening",
@@ -365,6 +439,62 @@ class ClientDeadlines(H11Protocol):
             return
         self._send_timer = self.loop.call_later(self._send_check_interval(), self._check_send)
 
+    # --- the lingering close after a last answer -------------------------------------------------------
+
+    def _client_may_send(self) -> bool:
+        """Whether the client may still be sending: its request body is not complete, or bytes of it (or
+        of a next request) wait unparsed."""
+        return self.conn.their_state is h11.SEND_BODY or bool(self.conn.trailing_data[0])
+
+    def _start_lingering(self) -> None:
+        """Shut the server's side once the answer is written (FIN, where the transport can) and read and
+        discard what still arrives, until the client's end or a bound of the module doc."""
+        self._lingering = True
+        self._stop_head_timer()
+        self._stop_body_timer()
+        self._stop_rate_watch()
+        self._unset_keepalive_if_required()
+        now = self.loop.time()
+        self._linger_ends_at, self._linger_last_byte_at = now + self.linger_total_timeout, now
+        self._linger_timer = self.loop.call_later(
+            min(self.linger_idle_timeout, self.linger_total_timeout), self._check_linger
+        )
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # after what is still buffered of the answer
+        self.flow.resume_reading()  # what the client sends must be read to be discarded
+
+    def _discard(self, count: int) -> None:
+        self._linger_discarded += count
+        self._linger_last_byte_at = self.loop.time()
+        if self._linger_discarded > self.linger_max_bytes:
+            self._end_lingering(f"it sent more than {self.linger_max_bytes} bytes after its answer")
+
+    def _check_linger(self) -> None:
+        self._linger_timer = None
+        now = self.loop.time()
+        idle_ends_at = self._linger_last_byte_at + self.linger_idle_timeout
+        if now >= idle_ends_at:
+            self._end_lingering(None)  # it went quiet: the ordinary end of a lingering close
+        elif now >= self._linger_ends_at:
+            self._end_lingering(f"it kept sending for {self.linger_total_timeout:.1f} s after its answer")
+        else:
+            self._linger_timer = self.loop.call_at(
+                min(idle_ends_at, self._linger_ends_at), self._check_linger
+            )
+
+    def _end_lingering(self, reason: str | None) -> None:
+        self._stop_linger_timer()
+        if self.transport.is_closing():
+            return
+        if reason is not None:
+            self.logger.info("closing a connection from %s: %s", self.client, reason)
+        self.transport.close()
+
+    def _stop_linger_timer(self) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+
 
 def connection_protocol(settings: Settings) -> type[ClientDeadlines]:
     """The protocol class for uvicorn's `http=` of one server, with these settings' deadlines, minimum
@@ -392,7 +522,11 @@ def uvicorn_connection_options(settings: Settings) -> dict[str, Any]:
 
 __all__ = [
     "CONNECTION_STATE_KEY",
+    "LINGER_IDLE_SECONDS",
+    "LINGER_MAX_BYTES",
+    "LINGER_TOTAL_SECONDS",
     "ClientDeadlines",
+    "CloseAfterResponse",
     "UploadRate",
     "connection_protocol",
     "uvicorn_connection_options",

@@ -6,7 +6,10 @@ Over a real `pelt serve` on 127.0.0.1:
 
 - a request is authenticated, checked against its route's scope and, for an upload, given one of the
   PELT_DATASET_PROBE_CONCURRENCY slots from its headers alone: a refusal (401, 403, 503) comes before
-  any byte of the body is sent, reads (nearly) none of a body that is sent, and closes the connection;
+  any byte of the body is sent, parses (nearly) none of a body that is sent, and closes the connection;
+- that close lingers: the server shuts its side and discards what the client still sends, so the client
+  sees the answer and a clean end, not a reset; and a client that keeps sending, trickles, or neither
+  sends nor closes is still closed at the lingering bounds (total time, idle time, bytes);
 - a connection whose answer the client stops reading is closed after PELT_API_SEND_IDLE_TIMEOUT_SECONDS
   without progress, and each read pushes that deadline back;
 - connections that have not authenticated take at most PELT_API_MAX_UNAUTHENTICATED_CONNECTIONS of the
@@ -32,6 +35,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from services.api.connections import ClientDeadlines, UploadRate
 from services.api.server import ApiServer
@@ -95,16 +99,17 @@ def refused_and_closed(sock: socket.socket, status: int, field: str) -> bytes:
 
 
 @pytest.fixture
-def bytes_received(monkeypatch) -> list[int]:
-    """How many bytes every connection of the servers in this test has handed to the HTTP protocol."""
+def bytes_parsed(monkeypatch) -> list[int]:
+    """How many bytes every connection of the servers in this test has handed to uvicorn's HTTP parser
+    (not those a lingering close reads only to discard)."""
     counted = [0]
-    original = ClientDeadlines.data_received
+    original = H11Protocol.data_received
 
-    def counting(self: ClientDeadlines, data: bytes) -> None:
+    def counting(self: H11Protocol, data: bytes) -> None:
         counted[0] += len(data)
         original(self, data)
 
-    monkeypatch.setattr(ClientDeadlines, "data_received", counting)
+    monkeypatch.setattr(H11Protocol, "data_received", counting)
     return counted
 
 
@@ -120,10 +125,11 @@ def test_a_read_tokens_upload_is_refused_403_from_its_headers_alone(served: ApiS
     assert served.registry.list_tasks() == []
 
 
-def test_a_read_tokens_large_upload_is_not_read_after_its_403(served: ApiServer, bytes_received):
-    """A real client streaming a 64 MiB file still gets the 403 (not a broken pipe), and the server reads
+def test_a_read_tokens_large_upload_is_not_read_after_its_403(served: ApiServer, bytes_parsed):
+    """A real client streaming a 64 MiB file still gets the 403 (not a broken pipe), and the server parses
     at most what arrived before it answered (uvicorn's 64 KiB buffer and one socket read), never the
-    upload: nothing of it is parsed or spooled to temporary files."""
+    upload: the rest is read only to be discarded (the lingering close), nothing of it is parsed or
+    spooled to temporary files."""
     reader = token_with_scope(served, "read")
     head = (
         b'--pelt-boundary\r\nContent-Disposition: form-data; name="train"; filename="train.jsonl"\r\n'
@@ -150,7 +156,7 @@ def test_a_read_tokens_large_upload_is_not_read_after_its_403(served: ApiServer,
         timeout=DEADLINE_SECONDS,
     )
     wait_for_connections(served, 0)
-    assert bytes_received[0] < MIB, f"the server read {bytes_received[0]} bytes of a refused upload"
+    assert bytes_parsed[0] < MIB, f"the server parsed {bytes_parsed[0]} bytes of a refused upload"
     assert response.status_code == 403, response.text
     assert response.json()["error"]["field"] == "Authorization"
 
@@ -247,6 +253,90 @@ def test_a_refused_request_is_answered_with_connection_close_and_closed(served: 
     with connect(served) as sock:
         sock.sendall(head + b'{"task": ')
         refused_and_closed(sock, 401 if scope is None else 403, "Authorization")
+
+
+def refused_upload(server: ApiServer) -> socket.socket:
+    """A connection whose read token announced a 256 MiB upload, sent none of it, and read its 403."""
+    sock = connect(server)
+    sock.sendall(upload_head(token_with_scope(server, "read"), 256 * MIB))
+    response = read_response(sock)
+    assert response.startswith(b"HTTP/1.1 403"), response[:300]
+    assert (header(response, "connection") or "").lower() == "close"
+    return sock
+
+
+def test_a_client_still_sending_after_its_refusal_sees_a_clean_end_not_a_reset(served: ApiServer):
+    """A lingering close: after a refusal the server shuts its side (FIN) and reads and discards what the
+    client still sends, so a client that only reads the answer once its upload is written (as many do)
+    is not reset (ECONNRESET, EPIPE), and does not lose the answer where a reset discards it (Windows)."""
+    with refused_upload(served) as sock:
+        piece = b"x" * 65536
+        for _ in range(MIB // len(piece)):
+            sock.sendall(piece)  # would raise BrokenPipeError or ConnectionResetError after a reset
+        assert sock.recv(65536) == b""  # the server's FIN, not a reset
+        sock.shutdown(socket.SHUT_WR)
+        wait_for_connections(served, 0)  # the client's own end closes the lingering connection
+    assert served.registry.list_tasks() == []
+
+
+def wait_until_lingering(server: ApiServer) -> None:
+    """Wait for the server's one connection to be in its lingering close (still counted as open)."""
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while not any(
+        protocol.linger_deadline is not None for protocol in list(server._server.server_state.connections)
+    ):
+        assert time.monotonic() < deadline, "the refused connection never lingered"
+        time.sleep(0.01)
+    assert open_connections(server) == 1
+
+
+def test_a_client_trickling_after_its_refusal_is_closed_at_the_lingering_time_bound(
+    served: ApiServer, monkeypatch
+):
+    """Each byte comes far within the idle time: only the bound on the whole lingering close ends it."""
+    monkeypatch.setattr(ClientDeadlines, "linger_idle_timeout", LONG_TIMEOUT_SECONDS)
+    monkeypatch.setattr(ClientDeadlines, "linger_total_timeout", SHORT_TIMEOUT_SECONDS)
+    with refused_upload(served) as sock:
+        wait_until_lingering(served)
+        deadline = time.monotonic() + DEADLINE_SECONDS
+        while open_connections(served) > 0:
+            assert time.monotonic() < deadline, "a client trickling after its refusal kept its connection"
+            try:
+                sock.sendall(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.05)
+        wait_for_connections(served, 0)
+
+
+def test_a_client_silent_after_its_refusal_is_closed_after_the_lingering_idle_time(
+    served: ApiServer, monkeypatch
+):
+    """A client that sends a little more and then neither sends nor closes its end."""
+    monkeypatch.setattr(ClientDeadlines, "linger_idle_timeout", SHORT_TIMEOUT_SECONDS)
+    monkeypatch.setattr(ClientDeadlines, "linger_total_timeout", LONG_TIMEOUT_SECONDS)
+    with refused_upload(served) as sock:
+        sock.sendall(b"x" * 1000)
+        wait_until_lingering(served)
+        wait_for_connections(served, 0)
+
+
+def test_a_client_sending_more_than_the_lingering_bytes_after_its_refusal_is_closed(
+    served: ApiServer, monkeypatch
+):
+    """The server discards at most LINGER_MAX_BYTES: past them it closes, however fast they come."""
+    monkeypatch.setattr(ClientDeadlines, "linger_max_bytes", MIB)
+    monkeypatch.setattr(ClientDeadlines, "linger_idle_timeout", LONG_TIMEOUT_SECONDS)
+    monkeypatch.setattr(ClientDeadlines, "linger_total_timeout", LONG_TIMEOUT_SECONDS)
+    with refused_upload(served) as sock:
+        wait_until_lingering(served)
+        piece = b"x" * 65536
+        try:
+            for _ in range(4 * MIB // len(piece)):
+                sock.sendall(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server closed past the bound: a reset is what the bound costs the client
+        wait_for_connections(served, 0)
 
 
 def test_idle_unauthenticated_connections_leave_room_for_an_authenticated_request(tmp_path: Path):
