@@ -19,6 +19,7 @@ import pytest
 
 from services.client import PeltAPIError
 from tests.api.conftest import BACKBONE, Api
+from tests.security.fakes import Lease
 from tests.workers.conftest import toy_rows
 
 
@@ -40,29 +41,6 @@ def refused(call: Any, status: int, field: str, *words: str) -> str:
 def jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
-
-
-class Lease:
-    """Records how the attempt ended."""
-
-    def __init__(self, job_id: int) -> None:
-        self.job_id, self.worker_id = job_id, "w1"
-        self.ends: list[tuple[str, Any]] = []
-
-    def heartbeat(self, progress: dict[str, Any] | None = None) -> bool:
-        return False
-
-    def complete(self, result: dict[str, Any]) -> None:
-        self.ends.append(("complete", result))
-
-    def fail(self, error: str, retryable: bool) -> None:
-        self.ends.append(("fail", error))
-
-    def cancelled(self) -> None:
-        self.ends.append(("cancelled", None))
-
-    def release(self, reason: str) -> None:
-        self.ends.append(("release", reason))
 
 
 def run_job(api: Api, task: str, backbone_dir: Path, tmp_path: Path, k_shot: int | None = None) -> Lease:

@@ -34,6 +34,7 @@ import pytest
 
 from tests.api.conftest import Api
 from tests.api.helpers import refused
+from tests.security.fakes import Lease
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
@@ -250,29 +251,6 @@ def test_a_job_whose_backbone_alone_exceeds_this_machines_memory_is_refused_at_s
     )
     assert "the backbone's weights alone need" in error.message and "bfloat16" in error.message
     assert api.registry.list_jobs() == []
-
-
-class Lease:
-    """Records how the attempt ended."""
-
-    def __init__(self, job_id: int) -> None:
-        self.job_id, self.worker_id = job_id, "w1"
-        self.ends: list[tuple[str, Any]] = []
-
-    def heartbeat(self, progress: dict[str, Any] | None = None) -> bool:
-        return False
-
-    def complete(self, result: dict[str, Any]) -> None:
-        self.ends.append(("complete", result))
-
-    def fail(self, error: str, retryable: bool) -> None:
-        self.ends.append(("fail", (error, retryable)))
-
-    def cancelled(self) -> None:
-        self.ends.append(("cancelled", None))
-
-    def release(self, reason: str) -> None:
-        self.ends.append(("release", reason))
 
 
 def worker_with_budget(monkeypatch: pytest.MonkeyPatch, budget: int, backbones: Any) -> Any:
