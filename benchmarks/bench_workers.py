@@ -58,6 +58,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Ray reads these once, when it is first imported (this script imports it before pelt's connect_ray):
+# a loopback-only local Ray with token authentication, as pelt starts it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
