@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from pelt_core.delta_format import sha256_mismatch
 from pelt_core.pulled import MULTI_TASK, PulledModel, load_pulled
-from services.delta_store.base import StoreBase, is_missing
+from services.delta_store.aliases import AliasMixin
+from services.delta_store.base import is_missing
 from services.delta_store.errors import DeltaIntegrityError, DeltaNotFoundError, DeltaStoreError
 from services.delta_store.values import (
     ARTIFACT_PATH,
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 COMPOSED_KINDS = ("composed", MULTI_TASK)  # the kinds of version `compose` writes
 
 
-class ReadMixin(StoreBase):
+class ReadMixin(AliasMixin):
     """`list_versions`, `get_version`, `download`, `pull`."""
 
     def list_versions(self, task: str) -> list[VersionInfo]:
@@ -61,6 +62,10 @@ class ReadMixin(StoreBase):
         model = self.model_name(ref.task)
         registered = self._registered_model(model)
         aliases = registered.aliases or {}
+        if ref.version is None and (
+            ref.alias is None or ref.alias == BEST or ref.alias.startswith(METHOD_ALIAS_PREFIX)
+        ):
+            aliases = self._with_live_best(ref.task, aliases)
         if ref.version is not None:
             try:
                 found = self.client.get_model_version(model, ref.version)
@@ -92,7 +97,7 @@ class ReadMixin(StoreBase):
                     else " (it has no versions yet)"
                 )
                 raise DeltaNotFoundError("alias", wanted, aliases, where=f"on task {ref.task!r}", hint=hint)
-        found = self.client.get_model_version_by_alias(model, wanted)
+        found = self.client.get_model_version(model, str(aliases[wanted]))
         info = self._info(found, self._aliases_by_version(registered))
         if info.archived:  # archive_version moves aliases off; one set since then is not followed either
             raise DeltaNotFoundError(
@@ -135,6 +140,21 @@ class ReadMixin(StoreBase):
             return load_pulled(info, folder, lambda manifest: self._backbone(manifest, backbone), fold=fold)
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _with_live_best(self, task: str, aliases: Mapping[str, Any]) -> dict[str, Any]:
+        """The aliases with `best` and `best-<method>` read from the registry's leaderboard as it is now,
+        when the store has a registry and the task is one of its: a job is `succeeded` in the registry
+        before its completion moves the MLflow aliases, and a caller who saw it succeed pulls its delta."""
+        from services.registry import UnknownTaskError
+
+        if self.registry is None:
+            return dict(aliases)
+        try:
+            live = self._desired_aliases(task, self.registry)
+        except UnknownTaskError:
+            return dict(aliases)  # not a registry task (a composition's own name): MLflow's aliases
+        kept = {a: v for a, v in aliases.items() if a != BEST and not a.startswith(METHOD_ALIAS_PREFIX)}
+        return {**kept, **live}
 
     def _latest_composition(self, model: str) -> Any:
         """The latest version that is not archived, of a model every version of which is a composition

@@ -173,27 +173,46 @@ def test_two_workers_completing_one_job_keep_the_recorded_version(store, registr
     assert store.client.get_run(slow_stored.run_id).info.lifecycle_stage == "deleted"
 
 
-def test_a_crash_between_result_and_aliases_is_repaired_by_sync(store, registry, trained):
-    delta = trained["lora-0"]
+def record_without_aliases(store, registry, delta, accuracy: float):
+    """A job's delta stored and its result row committed, as a worker that died before the alias step
+    (or one that has not reached it yet) leaves it."""
     job = claim(registry, delta)
-    stored = store.store(job, delta.folder, with_metric(delta, 0.7), delta.history)
+    stored = store.store(job, delta.folder, with_metric(delta, accuracy), delta.history)
     registry.complete_job(
         job.job_id,
         WORKER,
         {
-            **with_metric(delta, 0.7),
+            **with_metric(delta, accuracy),
             "delta_uri": stored.uri,
             "delta_sha256": stored.sha256,
             "mlflow_run_id": stored.run_id,
             "mlflow_model_version": stored.model_version,
         },
     )
+    return stored
+
+
+def test_a_crash_between_result_and_aliases_is_repaired_by_sync(store, registry, trained):
+    stored = record_without_aliases(store, registry, trained["lora-0"], 0.7)
     assert aliases(store) == {}  # the process died here, before the alias step
 
     expected = {"best": stored.model_version, "best-lora": stored.model_version}
     assert store.sync_aliases("sst2") == expected
     assert store.reconcile("sst2") == expected  # idempotent
     assert aliases(store) == expected
+
+
+def test_a_job_that_succeeded_pulls_by_name_before_its_aliases_move(store, registry, trained):
+    """The registry says succeeded a moment before the completion moves MLflow's aliases; a caller who
+    saw the job succeed resolves `task`, `task@best` and `task@best-<method>` to its delta all the same."""
+    first = run_job(store, registry, trained["lora-0"], accuracy=0.60)
+    bitfit = record_without_aliases(store, registry, trained["bitfit-0"], 0.70)
+    assert aliases(store) == {"best": "1", "best-lora": "1"}  # not moved yet
+
+    for ref in ("sst2", "sst2@best", "sst2@best-bitfit"):
+        assert store.get_version(ref).version == bitfit.model_version, ref
+    assert store.get_version("sst2", method="bitfit").version == bitfit.model_version
+    assert store.get_version("sst2@best-lora").job_id == first.job_id
 
 
 def test_a_failed_jobs_version_is_dropped(store, registry, trained):
