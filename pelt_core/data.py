@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -344,8 +343,3 @@ def collate(data: Encoded, indices: list[int], pad_id: int) -> dict[str, torch.T
     if types is not None:
         batch["token_type_ids"] = types
     return batch
-
-
-def iterate(data: Encoded, batches: list[list[int]], pad_id: int) -> Iterator[dict[str, torch.Tensor]]:
-    for indices in batches:
-        yield collate(data, indices, pad_id)

@@ -14,7 +14,7 @@ PROBLEM_TYPE_ALIASES = {"classification": SINGLE_LABEL, "multi_label": MULTI_LAB
 
 DIRECTIONS = ("max", "min")
 
-# the columns `pelt train`, `pelt task add` and the API take for a task's text and label when none are
+# the columns `pelt train`, `pelt task register` and the API take for a task's text and label when none are
 # named: GLUE-style names, the most specific first (`find_text_fields`)
 TEXT_FIELD_CANDIDATES = (
     ("sentence1", "sentence2"),

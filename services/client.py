@@ -206,12 +206,18 @@ class PeltClient:
     def methods(self, builtin: bool | None = None) -> list[MethodOut]:
         return [MethodOut.model_validate(m) for m in self._get("/v1/methods", builtin=builtin)]
 
+    def method(self, name: str) -> MethodOut:
+        return MethodOut.model_validate(self._get(f"/v1/methods/{name}"))
+
     def register_method(self, spec: Mapping[str, Any], replace: bool = False) -> MethodOut:
         """A user preset: a method spec as data ({"name": ..., "modules": [...]}; see `pelt methods`)."""
         return MethodOut.model_validate(self._post("/v1/methods", {"spec": dict(spec), "replace": replace}))
 
     def backbones(self) -> list[BackboneOut]:
         return [BackboneOut.model_validate(b) for b in self._get("/v1/backbones")]
+
+    def backbone(self, name: str) -> BackboneOut:
+        return BackboneOut.model_validate(self._get(f"/v1/backbones/{name}"))
 
     def register_backbone(self, name: str, source: str | None = None) -> BackboneOut:
         return BackboneOut.model_validate(self._post("/v1/backbones", {"name": name, "source": source}))

@@ -1,7 +1,10 @@
 """The service's `pelt` commands, one module per group (as the API is split by resource):
 
 - `serve`: `pelt serve`, the whole service in one process;
-- `tasks`: `pelt task add|list|show`;
+- `tasks`: `pelt task register|list|show` (`pelt task add`, its old name, still works);
+- `methods`: `pelt method register|list|show` (the service's methods; `pelt methods` counts the built-ins'
+  parameters locally, no service);
+- `backbones`: `pelt backbone register|list|show`;
 - `jobs`: `pelt submit`, `sweep`, `jobs`, `watch`, `cancel`, `result`, `events`;
 - `deltas`: `pelt leaderboard`, `pull`, `compose`, `versions list|archive`;
 - `admin`: `pelt token create|list|revoke` (run next to the registry: tokens are made and revoked there,
@@ -14,6 +17,7 @@ the token `pelt serve` left in PELT_DATA_DIR/api_token.
 """
 
 from services.commands.admin import audit_command, token_group
+from services.commands.backbones import backbone_group
 from services.commands.deltas import compose_command, leaderboard_command, pull_command, versions_group
 from services.commands.jobs import (
     cancel_command,
@@ -24,6 +28,7 @@ from services.commands.jobs import (
     sweep_command,
     watch_command,
 )
+from services.commands.methods import method_group
 from services.commands.serve import serve_command
 from services.commands.study import study_command
 from services.commands.tasks import task_group
@@ -31,6 +36,8 @@ from services.commands.tasks import task_group
 SERVICE_COMMANDS = [
     serve_command,
     task_group,
+    method_group,
+    backbone_group,
     submit_command,
     sweep_command,
     jobs_command,

@@ -1,4 +1,5 @@
-"""`pelt task add|list|show`: register and inspect tasks over the HTTP API."""
+"""`pelt task register|list|show`: register and inspect tasks over the HTTP API (`pelt task add`, the old
+name of `register`, still works; it is hidden from the help)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def task_group() -> None:
     """Register and inspect tasks (a dataset + what to predict + how to score it)."""
 
 
-@task_group.command("add")
+@task_group.command("register")
 @click.argument("name")
 @click.option("--train", type=click.Path(exists=True, dir_okay=False), help="JSON Lines, CSV/TSV or Parquet")
 @click.option("--validation", type=click.Path(exists=True, dir_okay=False))
@@ -46,7 +47,7 @@ def task_group() -> None:
 @click.option("--max-length", default=128, show_default=True)
 @click.option("--description", default="")
 @client_errors
-def task_add(
+def task_register(
     name: str,
     train: str | None,
     validation: str | None,
@@ -80,6 +81,16 @@ def task_add(
         f"task {task.name}: {task.train_size} training rows, splits {task.split_sizes}, "
         f"labels {task.label_names}, metric {task.metric}"
     )
+
+
+task_add = click.Command(
+    "add",
+    callback=task_register.callback,
+    params=task_register.params,
+    help=task_register.help,
+    hidden=True,  # the old name of `register`: kept for existing scripts, out of the help
+)
+task_group.add_command(task_add)
 
 
 @task_group.command("list")

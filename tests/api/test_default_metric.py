@@ -1,6 +1,6 @@
 """A task registered without a metric gets its problem type's default (`pelt_core.vocabulary.DEFAULT_METRIC`):
 `pearson` for regression, `micro_f1` for multi-label, `accuracy` for single-label, whether it comes through
-the Registry, the HTTP API or `pelt task add`.
+the Registry, the HTTP API or `pelt task register`.
 """
 
 from __future__ import annotations
