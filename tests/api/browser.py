@@ -1,6 +1,7 @@
 """Headless Chromium for the page's tests: Debian's `/usr/bin/chromium` driven by Playwright's Python
-package (launched by `executable_path`: Playwright never downloads a browser here). Without either, the
-browser tests skip with a reason naming the command that installs it; `make test` installs both."""
+package (launched by `executable_path`: Playwright never downloads a browser here). Playwright is a dev
+dependency; without Debian's chromium the browser tests skip with a reason naming the command that
+installs it, which `make test` runs."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from playwright.sync_api import sync_playwright
 
 CHROMIUM = Path(os.environ.get("PELT_CHROMIUM", "/usr/bin/chromium"))
 INSTALL_CHROMIUM = "bash deploy/install-chromium.sh (as root: apt-get install -y chromium)"
-INSTALL_PLAYWRIGHT = "pip install -c constraints.txt playwright (in the dev extra: make install)"
 # as the machine's notes advise for a closed network: no background connections, no first-run work
 CHROMIUM_FLAGS = [
     "--disable-gpu",
@@ -30,12 +31,9 @@ DEADLINE_MS = 60_000  # the longest any wait on the page may take
 def launch_chromium() -> Iterator[Any]:
     """A headless Debian Chromium under Playwright, or a skip naming what to install."""
     os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason=f"the browser tests need Playwright: {INSTALL_PLAYWRIGHT}"
-    )
     if not CHROMIUM.exists():
         pytest.skip(f"the browser tests need Debian's chromium at {CHROMIUM}: {INSTALL_CHROMIUM}")
-    with sync_api.sync_playwright() as playwright:
+    with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
         )

@@ -17,8 +17,7 @@ from services.client import PeltClient
 from services.settings import Settings, get_settings
 from tests.api.conftest import BACKBONE
 
-pytest.importorskip("ray")
-
+pytestmark = pytest.mark.slow  # the service with its dispatcher and Ray (tests/tiers.py)
 TRAINING = {"epochs": 2, "batch_size": 8, "learning_rate": 5e-3}
 
 

@@ -13,21 +13,18 @@ import io
 import json
 from pathlib import Path
 
-import pytest
-
-schemathesis = pytest.importorskip("schemathesis")
-
-from fastapi.testclient import TestClient  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import (  # noqa: E402
+import schemathesis
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
 )
 
-from pelt_core.vocabulary import COMPOSE_OPERATIONS  # noqa: E402
-from tests.api.conftest import BACKBONE, Api  # noqa: E402
+from pelt_core.vocabulary import COMPOSE_OPERATIONS
+from tests.api.conftest import BACKBONE, Api
 
 EXAMPLES_PER_OPERATION = 30
 STATEFUL_SCENARIOS, STATEFUL_STEPS = 30, 10  # bounded: about 10 s on 2 cores

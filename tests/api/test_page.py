@@ -220,7 +220,6 @@ def browser() -> Iterator[object]:
 
 @pytest.fixture(scope="module")
 def trained(browser, tmp_path_factory, templates, tiny_bert_dir, toy_files) -> Iterator[Trained]:
-    pytest.importorskip("ray")
     from services.api.server import ApiServer
     from services.dispatcher import DispatcherConfig
 

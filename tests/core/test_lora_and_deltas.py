@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import peft
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,7 +22,6 @@ from .conftest import TINY, encode, trained_like
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_lora_equals_peft_lora_given_the_same_weights(family, make_backbone, tmp_path, sentences):
-    peft = pytest.importorskip("peft")
     backbone = make_backbone(family)
     delta = trained_like(JobDelta(get_method("lora", {"r": 4}), backbone, num_labels=2), seed=1)
     ours = PeltModel(backbone, delta).eval()
@@ -40,7 +40,6 @@ def test_lora_equals_peft_lora_given_the_same_weights(family, make_backbone, tmp
 
 
 def test_peft_export_loads_in_peft_with_the_same_logits(make_backbone, tmp_path, sentences):
-    peft = pytest.importorskip("peft")
     backbone = make_backbone("bert")
     delta = trained_like(JobDelta(BUILTIN_METHODS["lora"], backbone, num_labels=3), seed=1)
     ours = PeltModel(backbone, delta).eval()

@@ -39,10 +39,10 @@ from services.registry.testing import (
     sqlite_url,
     write_jsonl,
 )
+from tests.postgres import postgres_url
 from workers.job import JobSpec
 
-PG_ENV = "PELT_TEST_DATABASE_URL"
-BACKENDS = ["sqlite", pytest.param("server", marks=pytest.mark.postgres)]
+BACKENDS = ["sqlite", pytest.param("server", marks=[pytest.mark.postgres, pytest.mark.slow])]
 BACKBONE = "tiny-bert"  # the registry's name for the tiny backbone
 WORKER = "worker-1"
 
@@ -229,12 +229,7 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One MLflow tracking server for the session, on a scratch PostgreSQL database."""
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(
-            f"{PG_ENV} is unset, so the MLflow server + PostgreSQL half of the delta-store tests cannot "
-            "run (`make test` sets it when a local PostgreSQL is installed)"
-        )
+    base = postgres_url("the MLflow server + PostgreSQL half of the delta-store tests")
     url = create_postgres_database(base, prefix="pelt_test_mlflow_")
     folder = tmp_path_factory.mktemp("mlflow-server")
     server = MlflowServer(url, folder / "artifacts", folder / "server.log")

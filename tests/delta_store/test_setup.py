@@ -30,8 +30,9 @@ from services.delta_store.cli import mlflow_group
 from services.delta_store.testing import free_port
 from services.registry.testing import scratch_postgres, sqlite_url
 from services.settings import Settings
+from tests.postgres import postgres_url
 
-from .conftest import PG_ENV, run_job
+from .conftest import run_job
 
 
 def upgrade_from_threads(uri: str, count: int = 2) -> list[object]:
@@ -72,9 +73,7 @@ def test_a_worker_never_initialises_the_store_and_start_up_does_it_once(tmp_path
 
 @pytest.mark.postgres
 def test_a_postgres_store_is_upgraded_once_under_an_advisory_lock():
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(f"{PG_ENV} is unset: no PostgreSQL to upgrade")
+    base = postgres_url("the upgrade of a PostgreSQL store")
     with scratch_postgres(base, prefix="pelt_test_mlflow_") as url:
         bare = url.replace("postgresql+psycopg://", "postgresql://")  # the driver is added for mlflow
         first, second = upgrade_from_threads(bare)

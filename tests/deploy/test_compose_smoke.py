@@ -67,10 +67,10 @@ from sqlalchemy.engine import make_url
 from services.delta_store.testing import free_port
 from services.registry.testing import create_postgres_database, drop_postgres_database, write_jsonl
 from tests.deploy.deployment_files import DEPLOY, created_databases, env_file, instruction, load_compose
+from tests.postgres import postgres_url
 from tests.workers.conftest import save_tiny_bert, toy_rows, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
-pytest.importorskip("ray")
 
 LOOPBACK = "127.0.0.1"
 SECRET_MAKERS = {  # the secrets of deploy/env.example, made fresh for each run
@@ -549,18 +549,13 @@ def is_loopback(ip: str) -> bool:
 @pytest.fixture
 def scratch_databases() -> Iterator[dict[str, str]]:
     """One fresh database on the machine's PostgreSQL per database the stack names, dropped afterwards."""
-    base = os.environ.get("PELT_TEST_DATABASE_URL")
-    if not base:
-        pytest.skip("PELT_TEST_DATABASE_URL is unset: the smoke test needs a PostgreSQL (make test sets it)")
+    base = postgres_url("the compose smoke test (its databases are on the machine's PostgreSQL)")
     compose = load_compose({key: "unused" for key in SECRET_MAKERS})
     names = [compose["services"]["postgres"]["environment"]["POSTGRES_DB"], *created_databases()]
     made: dict[str, str] = {}
     try:
         for name in names:
             made[name] = create_postgres_database(base, prefix=f"pelt_smoke_{name}_")
-    except Exception as exc:  # the server is not there
-        pytest.skip(f"PostgreSQL at PELT_TEST_DATABASE_URL is unreachable ({type(exc).__name__}: {exc})")
-    try:
         yield made
     finally:
         for url in made.values():

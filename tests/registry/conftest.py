@@ -1,12 +1,12 @@
 """Fixtures of the registry tests: every database test runs on SQLite and on PostgreSQL.
 
-PostgreSQL comes from PELT_TEST_DATABASE_URL (`make test` sets it); each test gets its own freshly
-created database (`pelt_test_<random>`, cloned from a migrated template), dropped after the test.
+PostgreSQL comes from PELT_TEST_DATABASE_URL (`make test` sets it; tests/postgres.py says when its tests
+skip or fail without it); each test gets its own freshly created database (`pelt_test_<random>`, cloned
+from a migrated template), dropped after the test.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -24,20 +24,14 @@ from services.registry.testing import (
     sqlite_url,
     write_jsonl,
 )
+from tests.postgres import postgres_url
 
-PG_ENV = "PELT_TEST_DATABASE_URL"
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
 START = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 
 
 def postgres_base_url() -> str:
-    url = os.environ.get(PG_ENV)
-    if not url:
-        pytest.skip(
-            f"{PG_ENV} is unset, so the PostgreSQL half of the registry tests cannot run "
-            "(`make test` sets it when a local PostgreSQL is installed)"
-        )
-    return url
+    return postgres_url("the PostgreSQL half of the registry tests")
 
 
 class MigratedTemplates:

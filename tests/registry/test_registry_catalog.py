@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import datasets
 import pandas as pd
+import pyarrow as pa
 import pytest
 
 from services.registry import (
@@ -69,7 +71,6 @@ def test_a_parquet_regression_task_has_no_label_names_and_a_lower_is_better_metr
 def test_a_datasets_folder_keeps_the_class_label_names_in_their_own_order(
     registry: Registry, tmp_path: Path
 ) -> None:
-    datasets = pytest.importorskip("datasets")
     features = datasets.Features(
         {"sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=["positive", "negative"])}
     )
@@ -163,7 +164,6 @@ def test_float_labels_with_a_fraction_make_a_regression_task_with_detected_text_
         source = tmp_path / "stsb.parquet"
         pd.DataFrame(rows).to_parquet(source)
     else:
-        datasets = pytest.importorskip("datasets")
         source = tmp_path / "stsb"
         datasets.Dataset.from_list(rows).save_to_disk(str(source))
     task = registry.register_task("stsb", source)  # no text fields, no problem type: told by the data
@@ -182,7 +182,6 @@ def test_labels_mixing_strings_and_fractional_numbers_are_refused_naming_the_pro
 ) -> None:
     from services.registry.dataset_probe.labels import LabelColumn
 
-    pa = pytest.importorskip("pyarrow")
     column = LabelColumn("label", "train", None)
     column.add(pa.array([0.5, 1.5]), 2)
     column.add(pa.array(["pos", "neg"]), 2)  # a later batch of another kind

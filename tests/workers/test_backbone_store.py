@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 
 from pelt_core.testing import tiny_bert, tiny_llama
@@ -70,7 +71,6 @@ def test_worker_actors_on_one_node_map_one_published_copy(local_ray, tiny_backbo
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray = pytest.importorskip("ray")
     from services.dispatcher import connect_ray
     from services.settings import Settings
 

@@ -26,22 +26,20 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ray.cluster_utils import Cluster
 
 from services.dispatcher import loopback_only, require_token_auth
 from services.registry import JobStatus, Registry
 from tests.workers.conftest import ended, submit, wait_for
 from tests.workers.hold import Hold
 
-pytest.importorskip("ray")
-
+pytestmark = pytest.mark.slow  # a two-node Ray cluster (tests/tiers.py)
 SLOTS = 4  # logical CPUs (= worker slots) per node
 
 
 @pytest.fixture
 def cluster() -> Iterator[object]:
     """Head + one more node, 4 CPUs each; a lost node is declared dead within ~2 s."""
-    from ray.cluster_utils import Cluster
-
     loopback_only()
     require_token_auth()
     fast_failure_detection = {

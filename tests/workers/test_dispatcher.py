@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
+import ray
 
 from services.dispatcher import WORKER_PREFIX, Dispatcher, DispatcherConfig
 from services.dispatcher.config import DEFAULT_PACK_SIZE, MAX_PACK_SIZE
@@ -30,8 +31,6 @@ from services.settings import Settings
 from tests.workers.conftest import BACKBONE, SHORT, TASK, UNENDING, ended, step_of, submit, wait_for
 from tests.workers.hold import Hold
 from workers.job import LocalDeltaSink
-
-ray = pytest.importorskip("ray")
 
 
 def dispatcher_for(

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import pytest
-
 from services.registry import JobStatus, Registry
 from services.registry.models import DispatcherLeader
 from tests.workers.conftest import ended, submit, wait_for
 from tests.workers.test_dispatcher import delta_folders, dispatcher_for
-
-ray = pytest.importorskip("ray")
 
 
 def pairs(jobs: list[int]) -> list[list[int]]:

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 import pytest
+import ray
 
 from services.dispatcher import Dispatcher, DispatcherConfig
 from services.dispatcher.config import DEFAULT_GPU_PACK_SIZE
@@ -18,7 +19,6 @@ from services.registry import JobStatus, Registry
 from tests.workers.conftest import BACKBONE, SHORT, TASK
 from tests.workers.test_dispatcher import FakeActor, FakeActorClass, dispatcher_for
 
-ray = pytest.importorskip("ray")
 NODE = "ab" * 28  # a Ray node id: 28 bytes in hex
 
 
