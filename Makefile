@@ -2,6 +2,7 @@
 # Both build the virtual environment first (deploy/install.sh: torch's CPU build first, pinned, then the rest).
 # `make test` also installs Debian's chromium for the page's browser tests (deploy/install-chromium.sh).
 VENV ?= .venv
+TEST_PROCESSES ?= 3  # pytest-xdist processes of `make test` (the suite waits on processes as much as it computes)
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -9,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 # the browser tests drive Debian's chromium, never a browser download
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-fast lint bench clean
 
 install: $(VENV)/.installed
 
@@ -24,12 +25,17 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
+# every test, on TEST_PROCESSES pytest-xdist processes (tests/tiers.py: a module stays on one process, the
+# tests that start Ray or a service stack run one at a time), the 25 slowest named at the end
 test: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	bash deploy/install-chromium.sh
-	PELT_TEST_DATABASE_URL="$${PELT_TEST_DATABASE_URL:-$$(bash deploy/local-postgres.sh)}" \
-		$(PY) -m pytest $(PYTEST_ARGS)
+	url="$${PELT_TEST_DATABASE_URL:-}"; \
+	if [ -z "$$url" ]; then url="$$(bash deploy/local-postgres.sh)" || exit 1; fi; \
+	PELT_TEST_DATABASE_URL="$$url" $(PY) -m pytest -n $(TEST_PROCESSES) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
-clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+# the inner loop: every test not marked slow, SQLite only (no Ray, no browser, no service processes, no
+# PostgreSQL, none that took a second or more in the last measured full run: tests/tiers.py)
+test-fast: install
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow and not gpu and not postgres" $(PYTEST_ARGS)

@@ -12,3 +12,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # imported without them): a local Ray on 127.0.0.1 only, with token authentication (services.dispatcher)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+import pytest
+
+from tests.tiers import mark_slow_tests, refuse_slow_work  # noqa: F401  (refuse_slow_work: an autouse fixture)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark_slow_tests(items)

@@ -1,0 +1,147 @@
+"""The two tiers of the suite, the guard that keeps them honest, and how `make test` spreads the suite
+over processes.
+
+`make test` runs every test. `make test-fast` (the inner loop) leaves out the tests marked `slow`: those
+that start Ray, a browser or a stack of service processes (`pelt serve`, `pelt demo`, `pelt dispatcher`,
+`ray start`, `mlflow server`), load a packaged real model, or took a second or more in the last measured
+full run (tests/slow_tests.txt: `python -m tests.tiers refresh <junit.xml>` rewrites it from
+`pytest --junitxml`). A test is marked `slow` by hand (`pytest.mark.slow`), by using one of
+`SLOW_FIXTURES`, or by its line in tests/slow_tests.txt (`mark_slow_tests`, at collection).
+
+`make test` runs on several pytest-xdist processes (`--dist loadgroup`): each module stays on one process
+(its module fixtures are built once), and every test that starts Ray or a service stack runs on the same
+one, one at a time (`CLUSTER_GROUP`), so two Ray clusters never compete for this machine's cores and
+heartbeats.
+
+The guard (`refuse_slow_work`) runs around every test not marked `slow` or `gpu`: starting Ray, a browser or
+a service process there fails the test with a message naming the marker, so the fast tier cannot grow
+a Ray start unnoticed. Child interpreters that are not services (the dataset probe's sandbox, `python -c`
+scripts, `pelt` commands that end by themselves) stay allowed: they are what the unit tests check.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# fixtures that start Ray, a browser or a service stack: a test that uses one (however indirectly) is slow
+SLOW_FIXTURES = frozenset({"local_ray", "ray_session", "browser", "compose_stack"})
+# modules whose tests start Ray or a service stack without one of those fixtures
+CLUSTER_MODULES = frozenset(
+    {
+        "tests/api/test_demo.py",
+        "tests/api/test_end_to_end.py",
+        "tests/api/test_page.py",
+        "tests/deploy/test_compose_smoke.py",
+        "tests/workers/test_backbone_store.py",
+        "tests/workers/test_cluster.py",
+        "tests/workers/test_dispatcher_ha.py",
+    }
+)
+CLUSTER_GROUP = "cluster"
+SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
+SLOW_SECONDS = 1.0  # a test that took this long or longer in the measured run is left out of test-fast
+# argv words of a long-running service process (argv[0]'s base name, then its first arguments)
+SERVICE_COMMANDS = (
+    ("pelt", "serve"),
+    ("pelt", "demo"),
+    ("pelt", "dispatcher"),
+    ("ray", "start"),
+    ("mlflow", "server"),
+)
+BROWSERS = ("chromium", "chrome", "headless_shell")
+HOW_TO_MARK = "mark it `@pytest.mark.slow` (tests/tiers.py) so that `make test-fast` leaves it out"
+
+
+def starts_cluster(item: pytest.Item) -> bool:
+    """Whether the test starts Ray or a service stack (by its fixtures or its module)."""
+    return bool(SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ()))) or (
+        item.nodeid.split("::")[0] in CLUSTER_MODULES
+    )
+
+
+def mark_slow_tests(items: Sequence[pytest.Item]) -> None:
+    """Mark `slow` every test that starts Ray or a service stack, or that tests/slow_tests.txt lists; put
+    each test in its xdist group (its module's, or `CLUSTER_GROUP`)."""
+    listed = set(SLOW_LIST.read_text().splitlines()) if SLOW_LIST.exists() else set()
+    for item in items:
+        cluster = starts_cluster(item)
+        if cluster or item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+        group = CLUSTER_GROUP if cluster else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def refresh_slow_list(junit_xml: Path) -> list[str]:
+    """Rewrite tests/slow_tests.txt: the tests that took `SLOW_SECONDS` or more (setup, call and teardown)
+    in a full run's `pytest --junitxml` report."""
+    slow = []
+    for case in ElementTree.parse(junit_xml).iter("testcase"):
+        if float(case.get("time", 0)) >= SLOW_SECONDS:
+            module = case.get("classname", "").replace(".", "/") + ".py"
+            slow.append(f"{module}::{case.get('name')}")
+    SLOW_LIST.write_text("".join(f"{nodeid}\n" for nodeid in sorted(slow)))
+    return slow
+
+
+def is_service_command(argv: Any) -> bool:
+    """Whether a Popen argv (a list, or a shell string) starts a long-running service or a browser."""
+    words = argv.split() if isinstance(argv, str) else [os.fspath(a) for a in argv]
+    if not words:
+        return False
+    names = [os.path.basename(w) for w in words]
+    if names[0].startswith(BROWSERS) or "run-driver" in words:  # a browser, or Playwright's driver
+        return True
+    for program, verb in SERVICE_COMMANDS:
+        for index, name in enumerate(names[:-1]):
+            if name == program and verb in words[index + 1 : index + 3]:
+                return True
+        # `python -m services.cli serve` and friends
+        if program == "pelt" and "services.cli" in words and verb in words:
+            return True
+    return False
+
+
+class SlowWorkInFastTest(AssertionError):
+    """A test outside the `slow` tier started Ray, a browser or a service process."""
+
+
+@pytest.fixture(autouse=True)
+def refuse_slow_work(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Around a test not marked slow or gpu: starting Ray, a browser or a service process fails it."""
+    if request.node.get_closest_marker("slow") or request.node.get_closest_marker("gpu"):
+        yield
+        return
+    name = request.node.nodeid
+
+    def refuse(what: str) -> None:
+        raise SlowWorkInFastTest(f"{name} started {what} but is not marked slow: {HOW_TO_MARK}")
+
+    import ray
+
+    def refuse_ray(*args: Any, **kwargs: Any) -> Any:
+        refuse("Ray (ray.init)")
+
+    monkeypatch.setattr(ray, "init", refuse_ray)
+    popen_init = subprocess.Popen.__init__
+
+    def checked_popen(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        if is_service_command(args):
+            refuse(f"a service process ({args if isinstance(args, str) else ' '.join(map(str, args))})")
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
+    yield
+
+
+if __name__ == "__main__":  # python -m tests.tiers refresh JUNIT_XML
+    if len(sys.argv) != 3 or sys.argv[1] != "refresh":
+        sys.exit("usage: python -m tests.tiers refresh JUNIT_XML  (a full run's pytest --junitxml report)")
+    print(f"{len(refresh_slow_list(Path(sys.argv[2])))} tests listed in {SLOW_LIST}")
