@@ -2,7 +2,7 @@
 # Both build the virtual environment first (deploy/install.sh: torch's CPU build first, pinned, then the rest).
 # `make test` also installs Debian's chromium for the page's browser tests (deploy/install-chromium.sh).
 VENV ?= .venv
-TEST_PROCESSES ?= 3  # pytest-xdist processes of `make test` (the suite waits on processes as much as it computes)
+TEST_PROCESSES ?= 2  # pytest-xdist processes of `make test`
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1

@@ -79,15 +79,15 @@ def mark_slow_tests(items: Sequence[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
 
 
-def refresh_slow_list(junit_xml: Path) -> list[str]:
-    """Rewrite tests/slow_tests.txt: the tests that took `SLOW_SECONDS` or more (setup, call and teardown)
-    in a full run's `pytest --junitxml` report."""
+def refresh_slow_list(junit_xml: Path, out: Path = SLOW_LIST) -> list[str]:
+    """Rewrite `out` (tests/slow_tests.txt): the tests that took `SLOW_SECONDS` or more (setup, call and
+    teardown) in a full run's `pytest --junitxml` report."""
     slow = []
     for case in ElementTree.parse(junit_xml).iter("testcase"):
         if float(case.get("time", 0)) >= SLOW_SECONDS:
             module = case.get("classname", "").replace(".", "/") + ".py"
             slow.append(f"{module}::{case.get('name')}")
-    SLOW_LIST.write_text("".join(f"{nodeid}\n" for nodeid in sorted(slow)))
+    out.write_text("".join(f"{nodeid}\n" for nodeid in sorted(slow)))
     return slow
 
 

@@ -68,7 +68,7 @@ from services.delta_store.testing import free_port
 from services.registry.testing import create_postgres_database, drop_postgres_database, write_jsonl
 from tests.deploy.deployment_files import DEPLOY, created_databases, env_file, instruction, load_compose
 from tests.postgres import postgres_url
-from tests.workers.conftest import save_tiny_bert, toy_rows, wait_for
+from tests.workers.conftest import LOAD_FACTOR, save_tiny_bert, toy_rows, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -673,7 +673,7 @@ def test_the_compose_stack_runs_a_sweep_through_a_killed_dispatcher_and_worker_n
     stack, variables = compose_stack
     started = time.monotonic()
     with logs_shown_on_failure(stack):
-        stack.up(timeout=150)
+        stack.up(timeout=150 * LOAD_FACTOR)
         client = client_of(stack, variables["FIRST_API_TOKEN"], tmp_path)
         sweep = submit_sweep(client, tmp_path)
         job_ids = sorted(job.id for job in client.jobs(sweep_id=sweep.id))
@@ -692,7 +692,7 @@ def test_the_compose_stack_runs_a_sweep_through_a_killed_dispatcher_and_worker_n
         stack.start("dispatcher")
 
         try:
-            ended = client.wait(sweep, timeout=150, poll_seconds=1, progress=False)
+            ended = client.wait(sweep, timeout=150 * LOAD_FACTOR, poll_seconds=1, progress=False)
         except TimeoutError as exc:
             pytest.fail(f"{exc}: {[(j.id, j.status, j.attempts) for j in client.jobs(sweep_id=sweep.id)]}")
         stack.assert_running()

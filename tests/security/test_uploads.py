@@ -575,11 +575,16 @@ def test_data_that_decode_past_the_probe_memory_limit_are_a_422_naming_the_split
 
 
 def test_a_probe_past_its_memory_limit_is_a_422_and_the_api_stays_up(api, toy_files):
-    api.settings.dataset_probe_memory_bytes = 32 << 20  # too little to start the probe's interpreter
+    api.settings.dataset_probe_memory_bytes = 32 << 20  # enough to start the probe, too little to read
     train = ("train.jsonl", Path(toy_files["train"]).read_bytes())
-    refused(
-        upload(api, {"train": train}), 422, "source", "could not be read", "PELT_DATASET_PROBE_MEMORY_BYTES"
+    message = refused(
+        upload(api, {"train": train}),
+        422,
+        "source.train",
+        "ran out of its memory limit",
+        "PELT_DATASET_PROBE_MEMORY_BYTES",
     )
+    assert "train.jsonl" in message  # the file it was reading
     nothing_written(api)
     api.settings.dataset_probe_memory_bytes = 4 << 30
     assert upload(api, {"train": train}, definition='{"text_fields": ["sentence"]}').status_code == 201

@@ -112,8 +112,16 @@ def submit(
     return [registry.submit_job(TASK, "lora", BACKBONE, values, seed=seed0 + i).id for i in range(count)]
 
 
+# Waits are deadlines, not margins: each returns as soon as its condition holds. Their sizes in the tests are
+# what a quiet machine needs, times LOAD_FACTOR for a 2-core machine running the suite on several processes
+# (`make test`), where a Ray worker's start alone can take most of a minute.
+LOAD_FACTOR = 3
+
+
 def wait_for(predicate: Callable[[], _T], timeout: float, what: str, interval: float = 0.2) -> _T:
-    """Poll until `predicate()` is truthy; its value, or a failure naming `what`."""
+    """Poll until `predicate()` is truthy; its value, or a failure naming `what` after `timeout` x
+    LOAD_FACTOR seconds."""
+    timeout *= LOAD_FACTOR
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
