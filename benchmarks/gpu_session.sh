@@ -9,7 +9,8 @@
 # "GPU benchmark"):  the service packages the GPU image lacks in .devbundle/site.tar.xz, and the
 # benchmark's rows and backbone configs in out/gpu-input. Then, on the GPU machine, from the project root:
 #     bash benchmarks/gpu_session.sh
-# Time limits (seconds): TEST_SECONDS (120), BF16_SECONDS (240), FP32_SECONDS (150).
+# Time limits (seconds): TEST_SECONDS (120), BF16_SECONDS (240), FP32_SECONDS (150). PRECISIONS ("bf16 fp32")
+# picks the benchmark steps and PACK_SIZES ("1,8,16,32") their pack sizes, e.g. to rerun one step in a later session.
 set -u
 OUT=${OUT:-out/gpu-session}
 mkdir -p "$OUT"
@@ -41,13 +42,18 @@ timeout "${TEST_SECONDS:-120}" "$PYTHON" -m pytest -m gpu tests/gpu \
   -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
 
 BENCH=(benchmarks/bench_gpu.py --data out/gpu-input/glue --backbone-configs out/gpu-input/backbones
-       --random-weights --jobs 32 --pack-sizes 1,8,16,32)
-echo "== bench_gpu.py, bf16, PEFT peer"
-timeout "${BF16_SECONDS:-240}" "$PYTHON" "${BENCH[@]}" --precision bf16 --peer peft --peer-jobs 8 \
-  --json "$OUT/gpu-bf16.json" --markdown "$OUT/gpu-bf16.md" 2>&1 | tee "$OUT/gpu-bf16.log"
-echo "== bench_gpu.py, fp32"
-timeout "${FP32_SECONDS:-150}" "$PYTHON" "${BENCH[@]}" --precision fp32 --peer none \
-  --json "$OUT/gpu-fp32.json" --markdown "$OUT/gpu-fp32.md" 2>&1 | tee "$OUT/gpu-fp32.log"
+       --random-weights --jobs 32 --pack-sizes "${PACK_SIZES:-1,8,16,32}")
+PRECISIONS=${PRECISIONS:-bf16 fp32}
+if [[ " $PRECISIONS " == *" bf16 "* ]]; then
+  echo "== bench_gpu.py, bf16, PEFT peer"
+  timeout "${BF16_SECONDS:-240}" "$PYTHON" "${BENCH[@]}" --precision bf16 --peer peft --peer-jobs 8 \
+    --json "$OUT/gpu-bf16.json" --markdown "$OUT/gpu-bf16.md" 2>&1 | tee "$OUT/gpu-bf16.log"
+fi
+if [[ " $PRECISIONS " == *" fp32 "* ]]; then
+  echo "== bench_gpu.py, fp32"
+  timeout "${FP32_SECONDS:-150}" "$PYTHON" "${BENCH[@]}" --precision fp32 --peer none \
+    --json "$OUT/gpu-fp32.json" --markdown "$OUT/gpu-fp32.md" 2>&1 | tee "$OUT/gpu-fp32.log"
+fi
 echo "== done"
 tail -n 4 "$OUT/gpu-tests.log"
 cat "$OUT/gpu-bf16.md" "$OUT/gpu-fp32.md" 2>/dev/null
