@@ -32,7 +32,10 @@ def launch_chromium() -> Iterator[Any]:
     """A headless Debian Chromium under Playwright, or a skip naming what to install."""
     os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
     if not CHROMIUM.exists():
-        pytest.skip(f"the browser tests need Debian's chromium at {CHROMIUM}: {INSTALL_CHROMIUM}")
+        why = f"the browser tests need Debian's chromium at {CHROMIUM}: {INSTALL_CHROMIUM}"
+        if os.environ.get("PELT_REQUIRE_BROWSER") == "1":  # CI sets it: a missing browser fails, never skips
+            pytest.fail(f"{why} (PELT_REQUIRE_BROWSER=1 is set)")
+        pytest.skip(why)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS

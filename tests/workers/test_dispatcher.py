@@ -37,9 +37,17 @@ def dispatcher_for(
     registry: Registry, tmp_path: Path, namespace: str, hold: Hold | None = None, **config
 ) -> Dispatcher:
     """A dispatcher storing deltas under tmp_path/deltas; with `hold`, every attempt waits there for the test.
-    It leads its namespace if no other dispatcher does (so a test may drive its rounds by hand)."""
+    It leads its namespace if no other dispatcher does (so a test may drive its rounds by hand). The node
+    cools down for 1 s after a worker died there, not 10: the tests' one node is not going away, and the
+    tests that kill a worker would otherwise wait out the cooldown before the retry can start."""
     settings = Settings(data_dir=tmp_path / "data", ray_address=None)
-    values = {"namespace": namespace, "heartbeat_seconds": 1.0, "poll_seconds": 0.2, **config}
+    values = {
+        "namespace": namespace,
+        "heartbeat_seconds": 1.0,
+        "poll_seconds": 0.2,
+        "node_cooldown_seconds": 1.0,
+        **config,
+    }
     sink = LocalDeltaSink(tmp_path / "deltas")
     dispatcher = Dispatcher(
         registry,
