@@ -6,13 +6,19 @@ label is s / 2 plus up to 0.4 of noise. 500 training pairs, 200 evaluation pairs
 its own learning rate; prints Pearson's r after every epoch and the final MSE beside the labels' variance (a
 constant predictor at the mean scores r = 0 and MSE = variance).
 
-    HF_HUB_OFFLINE=1 python benchmarks/bench_regression.py --methods prefix,lora --epochs 4
+    HF_HUB_OFFLINE=1 python benchmarks/bench_regression.py --methods prefix,lora --epochs 4 --json out/regression.json
+
+`--json PATH` writes every number (per method: Pearson's r and the loss of every epoch, the final metrics),
+with the CPU, torch's version and threads, and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import platform
 import random
 import statistics
 import sys
@@ -50,7 +56,10 @@ def main() -> None:
     )
     parser.add_argument("--methods", default="prefix,lora,pfeiffer,bitfit,unipelt")
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--json", help="write every number to this file")
     args = parser.parse_args()
+
+    import torch
 
     from pelt_core.train import train
 
@@ -59,7 +68,17 @@ def main() -> None:
     train_rows, eval_rows = similarity_pairs(words, 500, 0), similarity_pairs(words, 200, 1)
     variance = statistics.pvariance([row["label"] for row in eval_rows])
     backbone = Backbone.load("all-minilm-l6-v2")
+    machine = {
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load_average_start": os.getloadavg()[0],
+    }
+    print(
+        f"{machine['cpu']}, torch {machine['torch']}, {machine['threads']} threads, load {machine['load_average_start']:.2f}"
+    )
     print(f"{'method':<10} {'pearson per epoch':<36} {'mse':>6}  (labels' variance {variance:.3f})")
+    results = {}
     for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
         result = train(
             backbone,
@@ -70,6 +89,34 @@ def main() -> None:
         )
         per_epoch = " ".join(f"{h['pearson']:+.3f}" for h in result.history)
         print(f"{method:<10} {per_epoch:<36} {result.metrics['mse']:>6.3f}", flush=True)
+        results[method] = {"history": result.history, "metrics": result.metrics}
+    if args.json:
+        report = {
+            **machine,
+            "load_average_end": os.getloadavg()[0],
+            "epochs": args.epochs,
+            "train_pairs": len(train_rows),
+            "eval_pairs": len(eval_rows),
+            "label_variance": variance,
+            "methods": results,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2, default=float))
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its vector extensions (avx2, avx512f, avx512_bf16, amx_tile)."""
+    name, flags = platform.processor() or "unknown CPU", set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+    present = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in wanted)
+    return f"{name} ({present})"
 
 
 if __name__ == "__main__":
