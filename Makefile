@@ -2,7 +2,7 @@
 # Both build the virtual environment first (deploy/install.sh: torch's CPU build first, pinned, then the rest).
 # `make test` also installs Debian's chromium for the page's browser tests (deploy/install-chromium.sh).
 VENV ?= .venv
-TEST_PROCESSES ?= 2  # pytest-xdist processes of `make test`
+TEST_PROCESSES ?= 2  # pytest-xdist processes of `make test` (3 on 2 cores overloaded them: leases expired)
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -26,16 +26,16 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 # every test, on TEST_PROCESSES pytest-xdist processes (tests/tiers.py: a module stays on one process, the
-# tests that start Ray or a service stack run one at a time), the 25 slowest named at the end
+# tests that start Ray or a service stack run one at a time on one), the 25 slowest named at the end
 test: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	bash deploy/install-chromium.sh
 	url="$${PELT_TEST_DATABASE_URL:-}"; \
 	if [ -z "$$url" ]; then url="$$(bash deploy/local-postgres.sh)" || exit 1; fi; \
-	PELT_TEST_DATABASE_URL="$$url" $(PY) -m pytest -n $(TEST_PROCESSES) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+	PELT_TEST_DATABASE_URL="$$url" $(PY) -m pytest -n $(TEST_PROCESSES) --dist loadscope --durations=25 $(PYTEST_ARGS)
 
 # the inner loop: every test not marked slow, SQLite only (no Ray, no browser, no service processes, no
 # PostgreSQL, none that took a second or more in the last measured full run: tests/tiers.py)
 test-fast: install
-	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow and not gpu and not postgres" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadscope -m "not slow and not gpu and not postgres" $(PYTEST_ARGS)

@@ -34,9 +34,17 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 
 import pytest  # noqa: E402  (after the environment above)
 
-from tests.tiers import mark_slow_tests, refuse_slow_work  # noqa: E402, F401  (refuse_slow_work: autouse)
+from tests.tiers import UnitScheduling, mark_slow_tests, refuse_slow_work  # noqa: E402, F401  (refuse_slow_work: autouse)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mark_slow_tests(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """pelt's units of work (tests/tiers.py `UnitScheduling`) for pytest-xdist's load-balancing modes."""
+    if config.getvalue("dist") in ("load", "loadscope", "loadfile", "loadgroup"):
+        return UnitScheduling(config, log)
+    return None

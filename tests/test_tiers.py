@@ -3,12 +3,24 @@ marked slow, and the list of slow tests written from a measured run."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.tiers import SlowWorkInFastTest, is_service_command, refresh_slow_list
+from tests.tiers import (
+    CLUSTER_GROUP,
+    SlowWorkInFastTest,
+    UngroupedClusterTest,
+    heavy_groups_first,
+    is_service_command,
+    mark_slow_tests,
+    refresh_slow_list,
+    work_unit_of,
+)
 
 
 @pytest.mark.parametrize(
@@ -68,3 +80,89 @@ def test_the_slow_list_holds_the_tests_of_a_second_or_more_in_a_junit_report(tmp
         "tests/api/test_api.py::test_upload[a b]",
         "tests/core/test_train.py::test_epochs",
     ]
+
+
+class StandIn:
+    """What the grouping reads of a collected test: its node id and fixture names."""
+
+    def __init__(self, nodeid: str, *fixtures: str) -> None:
+        self.nodeid, self.fixturenames = nodeid, list(fixtures)
+
+
+def test_every_cluster_test_runs_in_one_group_and_every_other_test_with_its_module():
+    for module in (
+        "tests/workers/test_dispatcher.py",
+        "tests/workers/test_dispatcher_ha.py",
+        "tests/security/test_workers_side.py",
+        "tests/api/test_end_to_end.py",
+        "tests/deploy/test_compose_smoke.py",
+        "tests/api/test_page.py",
+        "tests/api/test_demo.py",
+    ):
+        assert work_unit_of(f"{module}::test_a[x]") == CLUSTER_GROUP
+    assert work_unit_of("tests/core/test_train.py::test_c[a::b]") == "tests/core/test_train.py"
+
+
+def test_the_cluster_group_is_handed_out_first_and_keeps_its_collection_order():
+    items = [
+        StandIn("tests/api/test_api.py::test_1"),
+        StandIn("tests/api/test_end_to_end.py::test_2"),
+        StandIn("tests/api/test_page.py::test_3"),
+        StandIn("tests/core/test_train.py::test_4"),
+        StandIn("tests/workers/test_dispatcher.py::test_5", "local_ray"),
+        StandIn("tests/workers/test_cluster.py::test_6"),
+    ]
+    heavy_groups_first(items)
+    assert [item.nodeid.rsplit("_", 1)[1] for item in items] == ["2", "3", "5", "6", "1", "4"]
+
+
+def test_a_cluster_test_in_a_module_outside_the_cluster_group_is_refused_at_collection():
+    with pytest.raises(UngroupedClusterTest, match=re.escape("tests/core/test_new.py in tests/tiers.py")):
+        mark_slow_tests([StandIn("tests/core/test_new.py::test_x", "local_ray")])
+
+
+@pytest.mark.slow  # three pytest processes
+def test_pelts_scheduler_hands_the_cluster_group_and_each_module_to_one_process_whole():
+    """Quick tests of three modules of the cluster group and of one other module, on three pytest-xdist
+    processes: the group's tests, across its modules, all run on one process."""
+    nodeids = {
+        CLUSTER_GROUP: [
+            "tests/workers/test_dispatcher.py::test_a_pack_worker_of_four_places_reserves_the_cpus_of_one_job",
+            "tests/workers/test_dispatcher.py::test_job_slots_without_packs_still_take_the_oldest_job_on_any_backbone",
+            "tests/security/test_workers_side.py::test_rays_temp_folder_goes_under_ray_tmpdir_where_it_is_set",
+            "tests/security/test_workers_side.py::test_pelt_reaches_ray_through_its_public_means_only",
+            "tests/api/test_page.py::test_the_html_has_no_inline_script_or_style_and_loads_nothing_from_outside",
+            "tests/api/test_page.py::test_the_static_files_are_package_data",
+        ],
+        "tests/test_tiers.py": [
+            "tests/test_tiers.py::test_commands_that_end_by_themselves_are_not_slow_work"
+        ],
+    }
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    selected = [nodeid for group in nodeids.values() for nodeid in group]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "3",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            *selected,
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ran = re.findall(r"^\[(gw\d+)\] \[\s*\d+%\] PASSED (\S+)", done.stdout, re.MULTILINE)
+    processes: dict[str, set[str]] = {}
+    for worker, nodeid in ran:
+        processes.setdefault(work_unit_of(nodeid), set()).add(worker)
+    assert set(processes) == set(nodeids), done.stdout[-3000:]
+    assert all(len(workers) == 1 for workers in processes.values()), processes
+    assert len(ran) == len(selected) + 4  # test_commands_that_end_by_themselves_are_not_slow_work has 5 cases

@@ -8,10 +8,16 @@ full run (tests/slow_tests.txt: `python -m tests.tiers refresh <junit.xml>` rewr
 `pytest --junitxml`). A test is marked `slow` by hand (`pytest.mark.slow`), by using one of
 `SLOW_FIXTURES`, or by its line in tests/slow_tests.txt (`mark_slow_tests`, at collection).
 
-`make test` runs on several pytest-xdist processes (`--dist loadgroup`): each module stays on one process
-(its module fixtures are built once), and every test that starts Ray or a service stack runs on the same
-one, one at a time (`CLUSTER_GROUP`), so two Ray clusters never compete for this machine's cores and
-heartbeats.
+`make test` runs on several pytest-xdist processes. What one process gets at a time is a unit of work
+(`work_unit_of`, through `UnitScheduling`, pelt's pytest-xdist scheduler): a module (its module fixtures are
+built once), or `CLUSTER_GROUP`, every test that starts Ray or a service stack (the dispatcher, the service
+in-process, compose as processes, the demo, the two-node cluster, the browser), run one test at a time on
+one process, so that two clusters never compete for a small machine's cores and heartbeats. It is handed
+out first (`heavy_groups_first`): it is the longest unit, and the other processes go through the modules
+meanwhile. Measured on 2 cores: with two such groups running side by side beside a third process, leases
+expired under the load and the cluster tests took 2-4x as long. (pytest-xdist's own `--dist loadgroup`
+cannot do this under pytest 9: it renames each test's `_nodeid`, which pytest 9 no longer reads, so its
+groups silently fall apart into single tests, and cluster tests ran side by side.)
 
 The guard (`refuse_slow_work`) runs around every test not marked `slow` or `gpu`: starting Ray, a browser or
 a service process there fails the test with a message naming the marker, so the fast tier cannot grow
@@ -25,11 +31,12 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 # fixtures that start Ray, a browser or a service stack: a test that uses one (however indirectly) is slow
 SLOW_FIXTURES = frozenset({"local_ray", "ray_session", "browser", "compose_stack"})
@@ -46,6 +53,21 @@ CLUSTER_MODULES = frozenset(
     }
 )
 CLUSTER_GROUP = "cluster"
+# every module with a test that starts Ray or a service stack, and the group all its tests run in
+HEAVY_GROUP_OF_MODULE = {
+    module: CLUSTER_GROUP
+    for module in (
+        "tests/api/test_demo.py",
+        "tests/api/test_end_to_end.py",
+        "tests/api/test_page.py",
+        "tests/deploy/test_compose_smoke.py",
+        "tests/security/test_workers_side.py",
+        "tests/workers/test_backbone_store.py",
+        "tests/workers/test_cluster.py",
+        "tests/workers/test_dispatcher.py",
+        "tests/workers/test_dispatcher_ha.py",
+    )
+}
 SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
 SLOW_SECONDS = 1.0  # a test that took this long or longer in the measured run is left out of test-fast
 # argv words of a long-running service process (argv[0]'s base name, then its first arguments)
@@ -67,16 +89,50 @@ def starts_cluster(item: pytest.Item) -> bool:
     )
 
 
-def mark_slow_tests(items: Sequence[pytest.Item]) -> None:
-    """Mark `slow` every test that starts Ray or a service stack, or that tests/slow_tests.txt lists; put
-    each test in its xdist group (its module's, or `CLUSTER_GROUP`)."""
+def work_unit_of(nodeid: str) -> str:
+    """What one xdist process runs as one unit: `CLUSTER_GROUP` for a module in `HEAVY_GROUP_OF_MODULE`, else
+    the test's module. From the node id alone: the process that hands out the tests has no test objects."""
+    module = nodeid.split("::", 1)[0]
+    return HEAVY_GROUP_OF_MODULE.get(module, module)
+
+
+class UngroupedClusterTest(pytest.UsageError):
+    """A test that starts a cluster lives in a module `HEAVY_GROUP_OF_MODULE` does not name."""
+
+
+def mark_slow_tests(items: list[pytest.Item]) -> None:
+    """Mark `slow` every test that starts Ray or a service stack, or that tests/slow_tests.txt lists; refuse
+    a cluster test outside `HEAVY_GROUP_OF_MODULE`; hand out the cluster group first (`heavy_groups_first`)."""
     listed = set(SLOW_LIST.read_text().splitlines()) if SLOW_LIST.exists() else set()
     for item in items:
-        cluster = starts_cluster(item)
-        if cluster or item.nodeid in listed:
+        if starts_cluster(item):
+            module = item.nodeid.split("::", 1)[0]
+            if module not in HEAVY_GROUP_OF_MODULE:
+                raise UngroupedClusterTest(
+                    f"{item.nodeid} starts Ray or a service stack: name {module} in tests/tiers.py's "
+                    "HEAVY_GROUP_OF_MODULE, so that it never runs beside another cluster of its kind"
+                )
+        if starts_cluster(item) or item.nodeid in listed:
             item.add_marker(pytest.mark.slow)
-        group = CLUSTER_GROUP if cluster else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+    heavy_groups_first(items)
+
+
+def heavy_groups_first(items: list[pytest.Item]) -> None:
+    """Reorder `items` in place: `CLUSTER_GROUP`'s tests first, then the rest, each in collection order
+    (`UnitScheduling` hands out units in the order of their first test)."""
+    items.sort(key=lambda item: work_unit_of(item.nodeid) != CLUSTER_GROUP)  # a stable sort
+
+
+class UnitScheduling(LoadScopeScheduling):
+    """pytest-xdist's scope scheduling with `work_unit_of` as the scope, units handed out in collection order
+    (the cluster group first), each whole to one process."""
+
+    def __init__(self, config: pytest.Config, log: Any = None) -> None:
+        super().__init__(config, log)
+        config.option.loadscopereorder = False  # keep `heavy_groups_first`'s order, not largest-unit-first
+
+    def _split_scope(self, nodeid: str) -> str:
+        return work_unit_of(nodeid)
 
 
 def refresh_slow_list(junit_xml: Path, out: Path = SLOW_LIST) -> list[str]:

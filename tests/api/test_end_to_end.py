@@ -21,14 +21,15 @@ pytestmark = pytest.mark.slow  # the service with its dispatcher and Ray (tests/
 TRAINING = {"epochs": 2, "batch_size": 8, "learning_rate": 5e-3}
 
 
-@pytest.fixture
-def server(tmp_path: Path, templates, tiny_bert_dir: Path):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, templates, tiny_bert_dir: Path):
+    """One service for this module's tests (each on a task of its own), the tiny backbone registered."""
     import shutil
 
     from services.api.server import ApiServer
     from services.dispatcher import DispatcherConfig
 
-    data = tmp_path / "data"
+    data = tmp_path_factory.mktemp("e2e") / "data"
     data.mkdir()
     shutil.copyfile(templates["mlflow"], data / "mlflow.db")
     settings = Settings(
@@ -46,6 +47,8 @@ def server(tmp_path: Path, templates, tiny_bert_dir: Path):
         settings, port=0, num_cpus=2, dispatcher_config=config
     ).start()  # embedded: migrates itself
     try:
+        client = PeltClient(running.url, token=running.token, settings=running.settings)
+        client.register_backbone(BACKBONE, str(tiny_bert_dir))
         yield running
     finally:
         running.stop()
@@ -82,8 +85,8 @@ def test_register_sweep_wait_leaderboard_pull_and_compose_over_http(
     assert server.token and (server.settings.data_dir / "api_token").read_text().strip() == server.token
     client = PeltClient(server.url, token=server.token, settings=server.settings)
     assert client.health()["dispatcher"] is not None
+    assert BACKBONE in {backbone.name for backbone in client.backbones()}  # registered by the fixture
 
-    client.register_backbone(BACKBONE, str(tiny_bert_dir))
     out = cli(
         server,
         "task",
@@ -156,10 +159,9 @@ def test_a_running_job_cancelled_over_http_stops_and_is_not_retried(server, tiny
     import time
 
     client = PeltClient(server.url, token=server.token, settings=server.settings)
-    client.register_backbone(BACKBONE, str(tiny_bert_dir))
-    client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
+    client.register_task("toy-cancel", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
     job = client.submit(
-        "toy", "lora", backbone=BACKBONE, hyperparameters={"max_steps": 5000, "batch_size": 2}
+        "toy-cancel", "lora", backbone=BACKBONE, hyperparameters={"max_steps": 5000, "batch_size": 2}
     )
     deadline = time.monotonic() + 120
     while (client.job(job.id).progress_detail or {}).get("step", 0) < 3:
