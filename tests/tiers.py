@@ -110,7 +110,7 @@ def mark_slow_tests(items: list[pytest.Item]) -> None:
             if module not in HEAVY_GROUP_OF_MODULE:
                 raise UngroupedClusterTest(
                     f"{item.nodeid} starts Ray or a service stack: name {module} in tests/tiers.py's "
-                    "HEAVY_GROUP_OF_MODULE, so that it never runs beside another cluster of its kind"
+                    "HEAVY_GROUP_OF_MODULE, so that it never runs beside another cluster test"
                 )
         if starts_cluster(item) or item.nodeid in listed:
             item.add_marker(pytest.mark.slow)
