@@ -15,7 +15,7 @@ from tests.tiers import (
     CLUSTER_GROUP,
     SlowWorkInFastTest,
     UngroupedClusterTest,
-    heavy_groups_first,
+    cluster_group_first,
     is_service_command,
     mark_slow_tests,
     refresh_slow_list,
@@ -112,7 +112,7 @@ def test_the_cluster_group_is_handed_out_first_and_keeps_its_collection_order():
         StandIn("tests/workers/test_dispatcher.py::test_5", "local_ray"),
         StandIn("tests/workers/test_cluster.py::test_6"),
     ]
-    heavy_groups_first(items)
+    cluster_group_first(items)
     assert [item.nodeid.rsplit("_", 1)[1] for item in items] == ["2", "3", "5", "6", "1", "4"]
 
 

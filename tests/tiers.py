@@ -13,7 +13,7 @@ full run (tests/slow_tests.txt: `python -m tests.tiers refresh <junit.xml>` rewr
 built once), or `CLUSTER_GROUP`, every test that starts Ray or a service stack (the dispatcher, the service
 in-process, compose as processes, the demo, the two-node cluster, the browser), run one test at a time on
 one process, so that two clusters never compete for a small machine's cores and heartbeats. It is handed
-out first (`heavy_groups_first`): it is the longest unit, and the other processes go through the modules
+out first (`cluster_group_first`): it is the longest unit, and the other processes go through the modules
 meanwhile. Measured on 2 cores: with two such groups running side by side beside a third process, leases
 expired under the load and the cluster tests took 2-4x as long. (pytest-xdist's own `--dist loadgroup`
 cannot do this under pytest 9: it renames each test's `_nodeid`, which pytest 9 no longer reads, so its
@@ -53,20 +53,11 @@ CLUSTER_MODULES = frozenset(
     }
 )
 CLUSTER_GROUP = "cluster"
-# every module with a test that starts Ray or a service stack, and the group all its tests run in
-HEAVY_GROUP_OF_MODULE = {
-    module: CLUSTER_GROUP
-    for module in (
-        "tests/api/test_demo.py",
-        "tests/api/test_end_to_end.py",
-        "tests/api/test_page.py",
-        "tests/deploy/test_compose_smoke.py",
-        "tests/security/test_workers_side.py",
-        "tests/workers/test_backbone_store.py",
-        "tests/workers/test_cluster.py",
-        "tests/workers/test_dispatcher.py",
-        "tests/workers/test_dispatcher_ha.py",
-    )
+# every module with a test that starts Ray or a service stack: all of its tests run in `CLUSTER_GROUP`
+# (CLUSTER_MODULES, and the modules whose cluster tests say so by a fixture)
+CLUSTER_GROUP_MODULES = CLUSTER_MODULES | {
+    "tests/security/test_workers_side.py",
+    "tests/workers/test_dispatcher.py",
 }
 SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
 SLOW_SECONDS = 1.0  # a test that took this long or longer in the measured run is left out of test-fast
@@ -90,34 +81,34 @@ def starts_cluster(item: pytest.Item) -> bool:
 
 
 def work_unit_of(nodeid: str) -> str:
-    """What one xdist process runs as one unit: `CLUSTER_GROUP` for a module in `HEAVY_GROUP_OF_MODULE`, else
+    """What one xdist process runs as one unit: `CLUSTER_GROUP` for a module in `CLUSTER_GROUP_MODULES`, else
     the test's module. From the node id alone: the process that hands out the tests has no test objects."""
     module = nodeid.split("::", 1)[0]
-    return HEAVY_GROUP_OF_MODULE.get(module, module)
+    return CLUSTER_GROUP if module in CLUSTER_GROUP_MODULES else module
 
 
 class UngroupedClusterTest(pytest.UsageError):
-    """A test that starts a cluster lives in a module `HEAVY_GROUP_OF_MODULE` does not name."""
+    """A test that starts a cluster lives in a module `CLUSTER_GROUP_MODULES` does not name."""
 
 
 def mark_slow_tests(items: list[pytest.Item]) -> None:
     """Mark `slow` every test that starts Ray or a service stack, or that tests/slow_tests.txt lists; refuse
-    a cluster test outside `HEAVY_GROUP_OF_MODULE`; hand out the cluster group first (`heavy_groups_first`)."""
+    a cluster test outside `CLUSTER_GROUP_MODULES`; hand out the cluster group first (`cluster_group_first`)."""
     listed = set(SLOW_LIST.read_text().splitlines()) if SLOW_LIST.exists() else set()
     for item in items:
         if starts_cluster(item):
             module = item.nodeid.split("::", 1)[0]
-            if module not in HEAVY_GROUP_OF_MODULE:
+            if module not in CLUSTER_GROUP_MODULES:
                 raise UngroupedClusterTest(
                     f"{item.nodeid} starts Ray or a service stack: name {module} in tests/tiers.py's "
-                    "HEAVY_GROUP_OF_MODULE, so that it never runs beside another cluster test"
+                    "CLUSTER_GROUP_MODULES, so that it never runs beside another cluster test"
                 )
         if starts_cluster(item) or item.nodeid in listed:
             item.add_marker(pytest.mark.slow)
-    heavy_groups_first(items)
+    cluster_group_first(items)
 
 
-def heavy_groups_first(items: list[pytest.Item]) -> None:
+def cluster_group_first(items: list[pytest.Item]) -> None:
     """Reorder `items` in place: `CLUSTER_GROUP`'s tests first, then the rest, each in collection order
     (`UnitScheduling` hands out units in the order of their first test)."""
     items.sort(key=lambda item: work_unit_of(item.nodeid) != CLUSTER_GROUP)  # a stable sort
@@ -129,7 +120,7 @@ class UnitScheduling(LoadScopeScheduling):
 
     def __init__(self, config: pytest.Config, log: Any = None) -> None:
         super().__init__(config, log)
-        config.option.loadscopereorder = False  # keep `heavy_groups_first`'s order, not largest-unit-first
+        config.option.loadscopereorder = False  # keep `cluster_group_first`'s order, not largest-unit-first
 
     def _split_scope(self, nodeid: str) -> str:
         return work_unit_of(nodeid)
