@@ -4,6 +4,7 @@ with concurrent claimer processes, on SQLite and on PostgreSQL. Prints numbers; 
     python benchmarks/bench_queue.py                          # both databases, 4 claimers
     python benchmarks/bench_queue.py --backend sqlite --sweeps 3
     python benchmarks/bench_queue.py --postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/test
+    python benchmarks/bench_queue.py --backend sqlite --json out/queue.json   # every number, and the CPU
 
 PostgreSQL: --postgres-url, else PELT_BENCH_DATABASE_URL, else PELT_TEST_DATABASE_URL; the benchmark
 creates a scratch database (pelt_bench_<random>) on that server and drops it afterwards.
@@ -14,6 +15,7 @@ completion are one transaction each, as a worker's would be (the heartbeat is le
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import platform
@@ -24,6 +26,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from bench_packs import cpu_description
 
 from services.registry import Registry, upgrade
 from services.registry.testing import claim_until_empty, scratch_postgres, sqlite_url, write_jsonl
@@ -57,11 +61,13 @@ def database(backend: str, postgres_url: str | None, folder: Path) -> Iterator[s
 
 def prepare(url: str, folder: Path) -> None:
     upgrade(url)
-    data = write_jsonl(
-        folder / "train.jsonl", [{"sentence": f"s{i}", "label": i % 2} for i in range(TRAIN_ROWS)]
-    )
+    rows = [{"sentence": f"s{i}", "label": i % 2} for i in range(TRAIN_ROWS)]
+    splits = {  # a validation split of its own, so that K=2000 leaves no dev rows to hold out of train
+        "train": write_jsonl(folder / "train.jsonl", rows),
+        "validation": write_jsonl(folder / "validation.jsonl", rows[:200]),
+    }
     with Registry(url) as registry:
-        registry.register_task("bench", data, text_fields="sentence")
+        registry.register_task("bench", splits, text_fields="sentence")
         registry.register_backbone("bench-backbone", "hf:bench", "sha256:" + "0" * 64)
 
 
@@ -127,7 +133,7 @@ def bench_claims(url: str, claimers: int) -> dict[str, float]:
     }
 
 
-def run(backend: str, postgres_url: str | None, claimers: int, sweeps: int) -> None:
+def run(backend: str, postgres_url: str | None, claimers: int, sweeps: int) -> dict[str, dict]:
     with (
         tempfile.TemporaryDirectory(prefix="pelt-bench-") as tmp,
         database(backend, postgres_url, Path(tmp)) as url,
@@ -144,6 +150,7 @@ def run(backend: str, postgres_url: str | None, claimers: int, sweeps: int) -> N
             f"{backend:10s} claim+complete, {claimers} claimer processes: {claims['jobs_per_s']:.0f} jobs/s "
             f"({claims['jobs']} jobs in {claims['seconds']:.1f} s; per claimer {claims['per_claimer']})"
         )
+        return {"submit_sweep_1000_jobs": submit, "claims": {"claimers": claimers, **claims}}
 
 
 def main() -> None:
@@ -152,6 +159,7 @@ def main() -> None:
     parser.add_argument("--postgres-url", default=None)
     parser.add_argument("--claimers", type=int, default=4)
     parser.add_argument("--sweeps", type=int, default=3, help="1,000-job sweeps to submit (and then drain)")
+    parser.add_argument("--json", help="also write every number, the CPU and the versions to this file")
     args = parser.parse_args()
     postgres_url = (
         args.postgres_url
@@ -159,7 +167,19 @@ def main() -> None:
         or os.environ.get("PELT_TEST_DATABASE_URL")
     )
 
-    print(f"python {platform.python_version()}, SQLite {sqlite3.sqlite_version}, {os.cpu_count()} CPUs")
+    cpu = cpu_description()
+    print(
+        f"python {platform.python_version()}, SQLite {sqlite3.sqlite_version}, {os.cpu_count()} CPUs "
+        f"({cpu['model']})"
+    )
+    report: dict = {
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "date": time.strftime("%Y-%m-%d"),
+        "backends": {},
+    }
     backends = ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]
     for backend in backends:
         if backend == "postgresql" and not postgres_url:
@@ -167,7 +187,10 @@ def main() -> None:
                 "postgresql skipped: give --postgres-url or set PELT_BENCH_DATABASE_URL / PELT_TEST_DATABASE_URL"
             )
             continue
-        run(backend, postgres_url, args.claimers, args.sweeps)
+        report["backends"][backend] = run(backend, postgres_url, args.claimers, args.sweeps)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
