@@ -29,7 +29,10 @@ How this machine stands in for Compose's containers, network and volumes (`Machi
 - Test-only additions (`added_environment`): short leases and retry backoffs, so that the jobs of the
   killed worker node come back within seconds instead of PELT_LEASE_SECONDS' default minute, and
   PELT_BACKBONE_DIRS, so that the API can register the tiny test backbone (which the worker node and the
-  dispatcher then load from the same path).
+  dispatcher then load from the same path). The `pelt` on the processes' PATH is pelt's own CLI (PELT_CLI);
+  in the dispatcher's container it first makes the dispatcher hold each attempt, trained but not yet
+  stored, until the test lets it go (`tests.workers.hold`), so the jobs are certainly running when their
+  node and dispatcher are killed, whatever the machine's speed, without training for long.
 - Scale: one dispatcher (compose runs two: the standby's takeover is tested in
   tests/workers/test_dispatcher_ha.py) and one ray-worker.
 - Ignored: `image`, `build`, `restart`, `init`, `shm_size` (IGNORED_KEYS says why). Compose's start order
@@ -69,10 +72,12 @@ from services.registry.testing import create_postgres_database, drop_postgres_da
 from tests.deploy.deployment_files import DEPLOY, created_databases, env_file, instruction, load_compose
 from tests.postgres import postgres_url
 from tests.workers.conftest import LOAD_FACTOR, save_tiny_bert, toy_rows, wait_for
+from tests.workers.hold import Hold
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 LOOPBACK = "127.0.0.1"
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 SECRET_MAKERS = {  # the secrets of deploy/env.example, made fresh for each run
     "POSTGRES_PASSWORD": lambda: secrets.token_urlsafe(24),
     "RAY_AUTH_TOKEN": lambda: secrets.token_hex(32),
@@ -104,6 +109,19 @@ QUEUE_KNOBS = {  # test-only: a lost worker node's jobs come back in seconds
     "PELT_RETRY_BACKOFF_SECONDS": "0.5",
     "PELT_RETRY_BACKOFF_MAX_SECONDS": "2",
 }
+# `pelt` for the processes: pelt's CLI; where SMOKE_HOLD_FOLDER is set, its dispatcher holds every attempt there
+PELT_CLI = """#!{python}
+import os
+import sys
+
+if os.environ.get("SMOKE_HOLD_FOLDER"):  # with the checkout on PYTHONPATH (added_environment)
+    from tests.workers.hold import hold_dispatcher_deltas
+
+    hold_dispatcher_deltas(os.environ["SMOKE_HOLD_FOLDER"])
+from services.cli import main
+
+sys.exit(main())
+"""
 # `ray` for the processes: Ray's CLI in its loopback-only mode, which would refuse to join a cluster by address
 RAY_CLI = '''#!{python}
 """Ray's `ray` command, with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0's refusal of `ray start --address` lifted
@@ -123,7 +141,7 @@ _LOCAL = re.compile(  # what `Machine.localize` rewrites, tried in this order at
     r"|(?P<path>(?:/var/lib|/opt/venv)(?:/[\w.-]+)*)"
     r"|(?P<any>\b0\.0\.0\.0\b)"
 )
-STEPS = 2500  # optimisation steps of a job: long enough to be killed mid-training (~10 s on one CPU)
+STEPS = 20  # optimisation steps of a job: each attempt then waits at its hold until the test lets it go
 
 
 def refuse(what: str) -> NoReturn:
@@ -166,6 +184,9 @@ class Machine:
         ray = self.root / "bin" / "ray"
         ray.write_text(RAY_CLI.format(python=sys.executable))
         ray.chmod(0o755)
+        pelt = self.root / "bin" / "pelt"
+        pelt.write_text(PELT_CLI.format(python=sys.executable))
+        pelt.chmod(0o755)
 
     @property
     def services(self) -> dict[str, dict[str, Any]]:
@@ -563,6 +584,12 @@ def scratch_databases() -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture
+def hold(tmp_path: Path) -> Hold:
+    """Where the dispatcher's attempts wait, trained, until the test lets them store (tests/workers/hold.py)."""
+    return Hold(tmp_path / "hold")
+
+
+@pytest.fixture
 def ray_root() -> Iterator[Path]:
     """A short folder for the Ray nodes' temp dirs (Ray's socket paths must fit in 107 bytes)."""
     folder = Path(tempfile.mkdtemp(prefix="pelt-smoke-"))
@@ -572,7 +599,7 @@ def ray_root() -> Iterator[Path]:
 
 @pytest.fixture
 def compose_stack(
-    tmp_path: Path, scratch_databases: dict[str, str], ray_root: Path
+    tmp_path: Path, scratch_databases: dict[str, str], ray_root: Path, hold: Hold
 ) -> Iterator[tuple[Stack, dict]]:
     """The stack, not started yet, and the generated env file's variables; stopped afterwards whatever
     happened (the test itself checks that stopping leaves nothing behind)."""
@@ -589,7 +616,7 @@ def compose_stack(
         tmp_path,
         ray_root,
         scratch_databases,
-        added_environment(backbones),
+        added_environment(backbones, hold),
     )
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -600,14 +627,18 @@ def compose_stack(
         stack.down()
 
 
-def added_environment(backbones: Path) -> dict[str, dict[str, str]]:
+def added_environment(backbones: Path, hold: Hold) -> dict[str, dict[str, str]]:
     """Settings this test adds to compose.yaml's, per service ("*": every service)."""
     backbone_dirs = {"PELT_BACKBONE_DIRS": str(backbones)}
+    holding = {  # the hold's sink travels to the worker node's processes, which import it from the checkout
+        "PYTHONPATH": str(ROOT),
+        "SMOKE_HOLD_FOLDER": str(hold.folder),
+    }
     return {
         "*": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
         "api": backbone_dirs,
-        "ray-worker": backbone_dirs,
-        "dispatcher": {**backbone_dirs, **QUEUE_KNOBS},
+        "ray-worker": {**backbone_dirs, "PYTHONPATH": str(ROOT)},
+        "dispatcher": {**backbone_dirs, **QUEUE_KNOBS, **holding},
     }
 
 
@@ -660,16 +691,18 @@ def submit_sweep(client: Any, tmp_path: Path) -> Any:
     )
 
 
-def early_in_training(stack: Stack, client: Any, sweep_id: int) -> list[Any]:
-    """The sweep's jobs once one of them trains and every running one is in its first half (so that none
-    can end before it is killed); [] before."""
+def held_and_running(stack: Stack, client: Any, sweep_id: int, hold: Hold) -> list[Any]:
+    """The sweep's jobs once two of them (one per worker: the worker node has 2 CPUs) wait at their hold,
+    trained and still running; [] before."""
     stack.assert_running()
     jobs = client.jobs(sweep_id=sweep_id)
-    steps = [(job.progress_detail or {}).get("step", 0) for job in jobs if job.status == "running"]
-    return jobs if steps and 0 < max(steps) < STEPS // 2 else []
+    held = [job for job in jobs if hold.holds([job.id])]
+    return jobs if len(held) == 2 and all(job.status == "running" for job in held) else []
 
 
-def test_the_compose_stack_runs_a_sweep_through_a_killed_dispatcher_and_worker_node(compose_stack, tmp_path):
+def test_the_compose_stack_runs_a_sweep_through_a_killed_dispatcher_and_worker_node(
+    compose_stack, tmp_path, hold
+):
     stack, variables = compose_stack
     started = time.monotonic()
     with logs_shown_on_failure(stack):
@@ -680,7 +713,9 @@ def test_the_compose_stack_runs_a_sweep_through_a_killed_dispatcher_and_worker_n
         assert len(job_ids) == 4
 
         before = wait_for(
-            lambda: early_in_training(stack, client, sweep.id), 150, "a job of the sweep to train"
+            lambda: held_and_running(stack, client, sweep.id, hold),
+            150 * LOAD_FACTOR,
+            "two jobs of the sweep to train and wait at their hold",
         )
         addresses = stack.listening_and_peers()
         assert addresses and all(is_loopback(ip) for ip in addresses), addresses
@@ -690,6 +725,7 @@ def test_the_compose_stack_runs_a_sweep_through_a_killed_dispatcher_and_worker_n
         assert killed_mid_job
         stack.start("ray-worker")  # the same commands again
         stack.start("dispatcher")
+        hold.release()  # every attempt from now on stores its delta and ends
 
         try:
             ended = client.wait(sweep, timeout=150 * LOAD_FACTOR, poll_seconds=1, progress=False)

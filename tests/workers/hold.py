@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.job import DeltaSink, JobSpec, LocalDeltaSink, StoredDelta
+from workers.job import DeltaSink, JobSpec, StoredDelta
 
 ALL = "all"  # release every job, held now or later
 
@@ -31,6 +31,12 @@ class HeldSink:
     folder: str
     timeout: float = 600.0
     poll_seconds: float = 0.05
+
+    def __getattr__(self, name: str) -> Any:
+        """What the inner sink offers beyond `store` (MlflowDeltaStore's `finalize_job`), as the inner's."""
+        if name.startswith("__") or name == "inner":  # unpickling asks before `inner` is set
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def store(
         self, job: JobSpec, delta_dir: Path, result: dict[str, Any], history: list[dict[str, Any]]
@@ -67,16 +73,17 @@ class Hold:
             (self.folder / f"release-{name}").touch()
 
 
-def hold_local_deltas(folder: str) -> None:
-    """Make a dispatcher started later in this process (by `pelt dispatcher`, run as a deployment runs it)
-    hold every attempt in `folder` before storing it in its default local delta folder; for a test that
-    runs the real command in a subprocess, where it cannot hand the dispatcher a sink."""
-    import services.dispatcher.dispatcher as dispatcher_module
+def hold_dispatcher_deltas(folder: str) -> None:
+    """Make every dispatcher started later in this process (by `pelt dispatcher` or `pelt serve`, run as a
+    deployment runs them) hold each attempt in `folder` before storing it through the sink it was given
+    (local or MLflow); for a test that runs the real command in a subprocess, where it cannot hand the
+    dispatcher a sink."""
+    from services.dispatcher.dispatcher import Dispatcher
 
-    if dispatcher_module.LocalDeltaSink is not LocalDeltaSink:
-        raise RuntimeError("the dispatcher no longer makes its default sink from workers.job.LocalDeltaSink")
+    unheld = Dispatcher.__init__
 
-    def held_local_sink(root: Path) -> HeldSink:
-        return HeldSink(LocalDeltaSink(root), folder)
+    def held(self: Dispatcher, *args: Any, **kwargs: Any) -> None:
+        unheld(self, *args, **kwargs)
+        self.sink = HeldSink(self.sink, folder)
 
-    dispatcher_module.LocalDeltaSink = held_local_sink
+    Dispatcher.__init__ = held  # type: ignore[method-assign]

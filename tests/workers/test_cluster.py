@@ -63,9 +63,9 @@ def cluster() -> Iterator[object]:
         cluster.shutdown()
 
 
-# `pelt dispatcher`, its deltas held in the folder given first (see tests.workers.hold.hold_local_deltas)
+# `pelt dispatcher`, its deltas held in the folder given first (see tests.workers.hold.hold_dispatcher_deltas)
 HELD_DISPATCHER = (
-    "import sys; from tests.workers.hold import hold_local_deltas; hold_local_deltas(sys.argv.pop(1)); "
+    "import sys; from tests.workers.hold import hold_dispatcher_deltas; hold_dispatcher_deltas(sys.argv.pop(1)); "
     "from services.cli import main; main()"
 )
 
