@@ -45,6 +45,7 @@ from bench_workers import (
     MINILM,
     TEXT_FIELDS,
     Service,
+    learning_note,
     minilm_path,
     run_peft_script,
     worker_shape,
@@ -182,15 +183,20 @@ def timed_sweep(
     failed = [(job.id, job.last_error) for job in done if job.status != "succeeded"]
     if failed:
         raise RuntimeError(f"sweep jobs failed (pack size {pack_size}): {failed[:2]}")
-    accuracy = {
-        task: statistics.mean(
+    runs = {
+        task: [
             service.registry.get_result(j).metrics["accuracy"]
             for j, job in zip(job_ids, jobs, strict=True)
             if job.task == task
-        )
+        ]
         for task in sorted({job.task for job in jobs})
     }
-    return {"seconds": wall, "workers_used": len(workers_of(service, job_ids)), "accuracy": accuracy}
+    return {
+        "seconds": wall,
+        "workers_used": len(workers_of(service, job_ids)),
+        "accuracy": {task: statistics.mean(values) for task, values in runs.items()},
+        "accuracies": runs,
+    }
 
 
 def run_size_table(
@@ -259,6 +265,7 @@ def sweep_scripts(jobs: list[SweepJob], k: int, epochs: int, folder: Path) -> di
         "seconds": sum(seconds),
         "seconds_each": seconds,
         "accuracy": {task: statistics.mean(values) for task, values in accuracy.items()},
+        "accuracies": accuracy,
     }
 
 
@@ -308,7 +315,7 @@ def run_sweep(
             f"{run['seconds']:.1f} s on {run['workers_used']} worker(s); {100 * run['share_of_limit']:.1f}% of "
             f"the node's fp32 limit (start-up incl. Ray and {run['warm_up_jobs']} warm-up jobs on "
             f"{run['warm_workers']} worker(s): {run['start_seconds']:.1f} s); mean dev accuracy "
-            f"{accuracies(run['accuracy'])}",
+            f"{accuracies(run['accuracy'])}{learning_note(run['accuracies'])}",
             flush=True,
         )
     print("  PEFT peer: LoRA for every job (the only PEFT peer here), on each job's K rows and dev set")
@@ -316,7 +323,7 @@ def run_sweep(
     print(
         f"  peers: {count} PEFT scripts one after another in {scripts['seconds']:.1f} s "
         f"({statistics.mean(scripts['seconds_each']):.1f} s each); mean dev accuracy "
-        f"{accuracies(scripts['accuracy'])}"
+        f"{accuracies(scripts['accuracy'])}{learning_note(scripts['accuracies'])}"
     )
     packed, slotted = runs["packed"], runs["slots"]
     scripts_ratio = scripts["seconds"] / packed["seconds"]

