@@ -84,6 +84,7 @@ def hold_dispatcher_deltas(folder: str) -> None:
 
     def held(self: Dispatcher, *args: Any, **kwargs: Any) -> None:
         unheld(self, *args, **kwargs)
-        self.sink = HeldSink(self.sink, folder)
+        if not isinstance(self.sink, HeldSink):  # a second call of this function holds once, not twice
+            self.sink = HeldSink(self.sink, folder)
 
     Dispatcher.__init__ = held  # type: ignore[method-assign]
