@@ -27,8 +27,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench_packs import cpu_description
-
 from services.registry import Registry, upgrade
 from services.registry.testing import claim_until_empty, scratch_postgres, sqlite_url, write_jsonl
 
@@ -166,6 +164,8 @@ def main() -> None:
         or os.environ.get("PELT_BENCH_DATABASE_URL")
         or os.environ.get("PELT_TEST_DATABASE_URL")
     )
+
+    from bench_packs import cpu_description  # here, not above: each claimer process imports this script
 
     cpu = cpu_description()
     print(
