@@ -73,8 +73,10 @@ class TrainResult:
 def bf16_available(device: torch.device) -> bool:
     """Whether bf16 autocast makes training faster here.
 
-    On CPUs only AMX pays: with AVX512-BF16 alone, bf16 matmuls measured about half as fast as fp32
-    (84 vs 162 GFLOP/s on one core; benchmarks/bench_pelt_core.py prints both peaks).
+    On CPUs only with AMX. With AVX512-BF16 alone, machines of one kind disagreed (an EPYC's bf16 matmul
+    peak was about 4x its fp32 one, an earlier Xeon's bf16 was slower) and no whole bf16 training step there
+    has been measured (benchmarks/README.md; benchmarks/bench_pelt_core.py prints both peaks), so autocast
+    stays off there.
     """
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
