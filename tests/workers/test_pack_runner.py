@@ -63,8 +63,10 @@ def test_a_broken_step_ends_every_job_of_its_pack_and_the_runner_recovers(tmp_pa
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the test
 def test_a_runner_whose_thread_dies_ends_its_waiting_jobs(tmp_path, monkeypatch):
     runner = PackRunner(tiny_bert(str(tmp_path)))
+    pack_threads: list[threading.Thread] = []
 
     def dying(self, packs, entries):
+        pack_threads.append(threading.current_thread())
         for entry in self._pending:  # joined, then the thread dies
             entries[id(entry)] = entry
         self._pending = []
@@ -76,3 +78,6 @@ def test_a_runner_whose_thread_dies_ends_its_waiting_jobs(tmp_path, monkeypatch)
     thread.join(60)
     assert not thread.is_alive() and "pack's thread stopped" in str(outcomes[0])
     assert not runner.active
+    for pack_thread in pack_threads:  # its death is reported in this test, not in whichever runs next
+        pack_thread.join(60)
+        assert not pack_thread.is_alive()
