@@ -18,7 +18,6 @@ after another, never at the same time. Peers run through benchmarks/bench_peer.p
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -234,21 +233,16 @@ def combine_runs(runs: list[dict]) -> dict:
     return combined
 
 
-@functools.lru_cache
-def dev_class_shares(task: str) -> tuple[int, list[float]]:
-    """The dev set's size and each class's share of it."""
-    labels = load_glue(task, "validation")["label"]
-    return len(labels), [labels.count(c) / len(labels) for c in sorted(set(labels))]
-
-
 def failed_to_learn(task: str, side: dict | None) -> bool:
     """Whether any of a side's runs scored exactly one class's share of the dev set: it predicted one class
-    (or did no better than that), so an accuracy comparison against it means nothing."""
+    (or did no better than that), so an accuracy comparison against it means nothing (the rule of
+    bench_workers.failed_to_learn, which the sweep and throughput benchmarks apply too)."""
+    import bench_workers
+
     if not side or side.get("accuracy") is None:
         return False
-    size, shares = dev_class_shares(task)
     runs = side.get("accuracies") or [side["accuracy"]]
-    return any(abs(a - share) < 0.5 / size for a in runs if a is not None for share in shares)
+    return bench_workers.failed_to_learn(task, [a for a in runs if a is not None]) > 0
 
 
 def fmt(value, spec: str, missing: str = "-") -> str:

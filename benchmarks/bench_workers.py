@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -637,6 +638,7 @@ def write_k_shot_files(folder: Path, seeds: list[int], k: int, task: str = "sst2
     return files
 
 
+@functools.lru_cache
 def dev_class_shares(task: str) -> tuple[int, list[float]]:
     """The task's dev set size and each class's share of it."""
     labels = [

@@ -9,12 +9,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_pelt_core
+import bench_workers
 
 
 @pytest.fixture
 def sst2_dev(monkeypatch):
     """SST-2's dev set: 872 rows, 428 of class 0 and 444 of class 1."""
-    monkeypatch.setattr(bench_pelt_core, "dev_class_shares", lambda task: (872, [428 / 872, 444 / 872]))
+    monkeypatch.setattr(bench_workers, "dev_class_shares", lambda task: (872, [428 / 872, 444 / 872]))
 
 
 def test_a_run_at_exactly_one_classs_share_of_dev_failed_to_learn(sst2_dev):
