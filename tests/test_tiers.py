@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -121,38 +122,39 @@ def test_a_cluster_test_in_a_module_outside_the_cluster_group_is_refused_at_coll
         mark_slow_tests([StandIn("tests/core/test_new.py::test_x", "local_ray")])
 
 
-@pytest.mark.slow  # three pytest processes
-def test_pelts_scheduler_hands_the_cluster_group_and_each_module_to_one_process_whole():
-    """Quick tests of three modules of the cluster group and of one other module, on three pytest-xdist
-    processes: the group's tests, across its modules, all run on one process."""
-    nodeids = {
-        CLUSTER_GROUP: [
-            "tests/workers/test_dispatcher.py::test_a_pack_worker_of_four_places_reserves_the_cpus_of_one_job",
-            "tests/workers/test_dispatcher.py::test_job_slots_without_packs_still_take_the_oldest_job_on_any_backbone",
-            "tests/security/test_workers_side.py::test_rays_temp_folder_goes_under_ray_tmpdir_where_it_is_set",
-            "tests/security/test_workers_side.py::test_pelt_reaches_ray_through_its_public_means_only",
-            "tests/api/test_page.py::test_the_html_has_no_inline_script_or_style_and_loads_nothing_from_outside",
-            "tests/api/test_page.py::test_the_static_files_are_package_data",
-        ],
-        "tests/test_tiers.py": [
-            "tests/test_tiers.py::test_commands_that_end_by_themselves_are_not_slow_work"
-        ],
-    }
+# the scheduler's check below runs stand-in modules at real module paths, two tests each
+STAND_INS = {
+    CLUSTER_GROUP: [
+        "tests/workers/test_dispatcher.py",
+        "tests/workers/test_cluster.py",
+        "tests/security/test_workers_side.py",
+        "tests/api/test_page.py",
+    ],
+    "tests/core/test_spec.py": ["tests/core/test_spec.py"],
+    "tests/registry/test_registry_queue.py": ["tests/registry/test_registry_queue.py"],
+}
+
+
+def test_pelts_scheduler_hands_the_cluster_group_and_each_module_to_one_process_whole(tmp_path):
+    """On three pytest-xdist processes, with this checkout's tests/conftest.py and tests/tiers.py: stand-in
+    modules at the paths of four modules of the cluster group and of two other modules (two quick tests
+    each): the group's tests, across its modules, all run on one process, and each other module on one."""
+    checkout = Path(__file__).resolve().parents[1]
+    (tmp_path / "tests").mkdir()
+    for name in ("__init__.py", "conftest.py", "tiers.py"):
+        shutil.copyfile(checkout / "tests" / name, tmp_path / "tests" / name)
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n    slow: stand-in\n    gpu: stand-in\n    postgres: stand-in\n"
+    )
+    for module in (m for modules in STAND_INS.values() for m in modules):
+        path = tmp_path / module
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "__init__.py").touch()
+        path.write_text("def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
     environment = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    selected = [nodeid for group in nodeids.values() for nodeid in group]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-n",
-            "3",
-            "-v",
-            "-p",
-            "no:cacheprovider",
-            *selected,
-        ],
-        cwd=Path(__file__).resolve().parents[1],
+        [sys.executable, "-m", "pytest", "-n", "3", "-v", "-p", "no:cacheprovider", "tests"],
+        cwd=tmp_path,
         env=environment,
         capture_output=True,
         text=True,
@@ -163,6 +165,6 @@ def test_pelts_scheduler_hands_the_cluster_group_and_each_module_to_one_process_
     processes: dict[str, set[str]] = {}
     for worker, nodeid in ran:
         processes.setdefault(work_unit_of(nodeid), set()).add(worker)
-    assert set(processes) == set(nodeids), done.stdout[-3000:]
+    assert set(processes) == set(STAND_INS), done.stdout[-3000:]
     assert all(len(workers) == 1 for workers in processes.values()), processes
-    assert len(ran) == len(selected) + 4  # test_commands_that_end_by_themselves_are_not_slow_work has 5 cases
+    assert len(ran) == 2 * sum(len(modules) for modules in STAND_INS.values())
