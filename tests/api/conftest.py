@@ -1,7 +1,8 @@
 """Fixtures of the API tests: the real app over a real service (SQLite registry and MLflow store in tmp,
 fresh per test), called in-process through FastAPI's TestClient, with a token made in the registry.
 
-Ray and the dispatcher are not involved here, except in test_end_to_end.py.
+Ray and the dispatcher are not involved here, except in test_end_to_end.py and test_page.py, which share
+one whole service (`service`: `ApiServer` as `pelt serve` runs it), each on tasks of its own.
 """
 
 from __future__ import annotations
@@ -60,6 +61,38 @@ def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     upgrade(sqlite_url(folder / "registry.db"))
     ensure_store(sqlite_url(folder / "mlflow.db"), str(folder / "unused-artifacts"))
     return {"registry": folder / "registry.db", "mlflow": folder / "mlflow.db"}
+
+
+@pytest.fixture(scope="package")
+def service(tmp_path_factory: pytest.TempPathFactory, templates, tiny_bert_dir: Path) -> Iterator[Any]:
+    """The whole service in this process (`ApiServer`: API on a loopback port, dispatcher, local Ray), the
+    tiny backbone registered; started once for the end-to-end and page tests (each on tasks of its own,
+    run one after the other in the cluster group: tests/tiers.py) and stopped when this folder's tests end,
+    before another cluster test starts its own Ray."""
+    from services.api.server import ApiServer
+    from services.dispatcher import DispatcherConfig
+
+    data = tmp_path_factory.mktemp("service") / "data"
+    data.mkdir()
+    shutil.copyfile(templates["mlflow"], data / "mlflow.db")
+    settings = Settings(
+        data_dir=data,
+        ray_address=None,
+        lease_seconds=20,
+        heartbeat_seconds=1,
+        retry_backoff_seconds=0.2,
+        backbone_dirs=[tiny_bert_dir.parent],
+    )
+    config = DispatcherConfig(
+        namespace="api-service", heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=2
+    )
+    running = ApiServer(settings, port=0, num_cpus=2, dispatcher_config=config).start()  # migrates itself
+    try:
+        client = PeltClient(running.url, token=running.token, settings=running.settings)
+        client.register_backbone(BACKBONE, str(tiny_bert_dir))
+        yield running
+    finally:
+        running.stop()
 
 
 @pytest.fixture

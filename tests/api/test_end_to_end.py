@@ -7,51 +7,23 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from pelt_core.devices import resolve_device
 from services.client import PeltClient
-from services.settings import Settings, get_settings
+from services.settings import get_settings
 from tests.api.conftest import BACKBONE
 
 pytestmark = pytest.mark.slow  # the service with its dispatcher and Ray (tests/tiers.py)
 TRAINING = {"epochs": 2, "batch_size": 8, "learning_rate": 5e-3}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, templates, tiny_bert_dir: Path):
-    """One service for this module's tests (each on a task of its own), the tiny backbone registered."""
-    import shutil
-
-    from services.api.server import ApiServer
-    from services.dispatcher import DispatcherConfig
-
-    data = tmp_path_factory.mktemp("e2e") / "data"
-    data.mkdir()
-    shutil.copyfile(templates["mlflow"], data / "mlflow.db")
-    settings = Settings(
-        data_dir=data,
-        ray_address=None,
-        lease_seconds=20,
-        heartbeat_seconds=1,
-        retry_backoff_seconds=0.2,
-        backbone_dirs=[tiny_bert_dir.parent],
-    )
-    config = DispatcherConfig(
-        namespace="api-e2e", heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=2
-    )
-    running = ApiServer(
-        settings, port=0, num_cpus=2, dispatcher_config=config
-    ).start()  # embedded: migrates itself
-    try:
-        client = PeltClient(running.url, token=running.token, settings=running.settings)
-        client.register_backbone(BACKBONE, str(tiny_bert_dir))
-        yield running
-    finally:
-        running.stop()
+@pytest.fixture
+def server(service):
+    """The service this module shares with test_page.py (tests/api/conftest.py), the tiny backbone registered."""
+    return service
 
 
 def cli(server, *args: str, exit_code: int = 0) -> str:

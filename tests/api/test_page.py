@@ -19,7 +19,6 @@ import fnmatch
 import html.parser
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -36,7 +35,6 @@ from fastapi.testclient import TestClient
 
 from services.api.routes.page import CONTENT_SECURITY_POLICY, STATIC_DIR, static_files
 from services.client import PeltClient
-from services.settings import Settings
 from tests.api.browser import PageSession, launch_chromium, page_session
 from tests.api.conftest import BACKBONE, Api
 from tests.security.test_server_limits import output_lines, read_line_until
@@ -47,6 +45,8 @@ REFUSED = "the token was refused (wrong or revoked)"
 METHODS = ("bitfit", "lora")
 TRAINING = {"epochs": 1, "batch_size": 16, "learning_rate": 5e-3}
 LONG_JOB = {"max_steps": 5000, "batch_size": 2}  # runs until cancelled
+TASK = "page-toy"  # the service is shared with test_end_to_end.py, whose tasks are its own
+COMPOSED = "page-toy-both"
 HOSTILE_TASK = "hostile-text"
 HOSTILE = '<script>alert("task")</script><img src=x onerror=alert("img")><b>bold?</b>'
 
@@ -220,33 +220,17 @@ def browser() -> Iterator[object]:
 
 
 @pytest.fixture(scope="module")
-def trained(browser, tmp_path_factory, templates, tiny_bert_dir, toy_files) -> Iterator[Trained]:
-    from services.api.server import ApiServer
-    from services.dispatcher import DispatcherConfig
-
-    data = tmp_path_factory.mktemp("page-service") / "data"
-    data.mkdir()
-    shutil.copyfile(templates["mlflow"], data / "mlflow.db")
-    settings = Settings(
-        data_dir=data,
-        ray_address=None,
-        lease_seconds=20,
-        heartbeat_seconds=1,
-        backbone_dirs=[tiny_bert_dir.parent],
-    )
-    config = DispatcherConfig(
-        namespace="api-page", heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=2
-    )
-    with ApiServer(settings, port=0, num_cpus=2, dispatcher_config=config) as server:
-        client = PeltClient(server.url, token=server.token, settings=settings)
-        client.register_backbone(BACKBONE, str(tiny_bert_dir))
-        client.register_task("toy", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
-        client.register_task(HOSTILE_TASK, toy_files["train"], text_fields=["sentence"], description=HOSTILE)
-        sweep = client.sweep("toy", list(METHODS), backbone=BACKBONE, seeds=[0], hyperparameters=TRAINING)
-        ended = client.wait(sweep, timeout=180 * LOAD_FACTOR, poll_seconds=0.3, progress=False)
-        assert [job.status for job in ended] == ["succeeded"] * len(METHODS), [j.last_error for j in ended]
-        client.compose("multi_task", {m: f"toy@best-{m}" for m in METHODS}, "toy-both")
-        yield Trained(server.url, server.token, server.registry, client)
+def trained(browser, service, toy_files) -> Iterator[Trained]:
+    """The shared service (tests/api/conftest.py) with this module's tasks: TASK trained (one job per method),
+    a composition of its deltas and a task whose description is hostile."""
+    client = PeltClient(service.url, token=service.token, settings=service.settings)
+    client.register_task(TASK, toy_files["train"], toy_files["validation"], text_fields=["sentence"])
+    client.register_task(HOSTILE_TASK, toy_files["train"], text_fields=["sentence"], description=HOSTILE)
+    sweep = client.sweep(TASK, list(METHODS), backbone=BACKBONE, seeds=[0], hyperparameters=TRAINING)
+    ended = client.wait(sweep, timeout=180 * LOAD_FACTOR, poll_seconds=0.3, progress=False)
+    assert [job.status for job in ended] == ["succeeded"] * len(METHODS), [j.last_error for j in ended]
+    client.compose("multi_task", {m: f"{TASK}@best-{m}" for m in METHODS}, COMPOSED)
+    yield Trained(service.url, service.token, service.registry, client)
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +247,7 @@ def tab(browser, trained: Trained, artifacts: Path) -> Iterator[PageSession]:
 
 @pytest.fixture
 def long_job(trained: Trained):
-    job = trained.client.submit("toy", "lora", backbone=BACKBONE, hyperparameters=LONG_JOB)
+    job = trained.client.submit(TASK, "lora", backbone=BACKBONE, hyperparameters=LONG_JOB)
     yield job
     if trained.client.job(job.id).status in ("queued", "running"):
         trained.client.cancel(job.id)
@@ -279,12 +263,12 @@ def test_the_page_shows_the_leaderboard_plots_and_deltas_once_a_token_is_entered
     page = tab.page
     assert page.locator("#app").is_hidden() and page.locator("#task-list li").count() == 0
     tab.sign_in(trained.token)
-    page.locator("#task-list button", has_text="toy").first.wait_for()
-    assert set(page.locator("#task-list button").all_inner_texts()) == {"toy", HOSTILE_TASK}
+    page.locator(f"#task-list button[data-task='{TASK}']").wait_for()
+    assert {TASK, HOSTILE_TASK} <= set(page.locator("#task-list button").all_inner_texts())
     assert trained.token not in page.content() and trained.token not in page.url  # only in sessionStorage
     assert page.input_value("#token-input") == ""
 
-    tab.open_task("toy")
+    tab.open_task(TASK)
     page.locator("#leaderboard tbody tr").nth(len(METHODS) - 1).wait_for()
     methods = page.locator("#leaderboard tbody td.method").all_inner_texts()
     assert sorted(methods) == sorted(METHODS)
@@ -303,12 +287,12 @@ def test_the_page_shows_the_leaderboard_plots_and_deltas_once_a_token_is_entered
     with zipfile.ZipFile(download.value.path()) as archive:
         assert {"delta.safetensors", "manifest.json"} <= set(archive.namelist())
 
-    page.fill("#deltas-lookup-name", "toy-both")
+    page.fill("#deltas-lookup-name", COMPOSED)
     page.click("#deltas-lookup button")
     page.locator("#deltas tbody tr[data-kind='multi_task']").wait_for()
-    versions = {v.method: v.version for v in trained.client.versions("toy")}
+    versions = {v.method: v.version for v in trained.client.versions(TASK)}
     provenance = page.locator("#deltas .provenance li").all_inner_texts()
-    assert sorted(provenance) == sorted(f"{method}: toy/{versions[method]}" for method in METHODS)
+    assert sorted(provenance) == sorted(f"{method}: {TASK}/{versions[method]}" for method in METHODS)
     tab.screenshot("composed-provenance")
     assert tab.csp_violations() == [] and tab.dialogs == []
 
@@ -335,7 +319,7 @@ def test_a_job_that_ended_before_the_page_opened_shows_its_loss_curve(
     assert len(kept) >= 3 and [step for step, _ in kept] == sorted({step for step, _ in kept})
     page = tab.page
     tab.sign_in(trained.token)
-    tab.open_task("toy")
+    tab.open_task(TASK)
     curve = f"#job-{long_job.id} .job-curve svg"
     tab.wait_until(
         "([sel, n]) => Number(document.querySelector(sel)?.dataset.points) === n", [curve, len(kept)]
@@ -348,7 +332,7 @@ def test_a_job_that_ended_before_the_page_opened_shows_its_loss_curve(
 def test_a_running_jobs_progress_advances_and_cancel_ends_it(tab: PageSession, trained: Trained, long_job):
     page = tab.page
     tab.sign_in(trained.token)
-    tab.open_task("toy")
+    tab.open_task(TASK)
     step = f"#job-{long_job.id} .job-step .step-text"
     page.locator(step).wait_for()  # the first progress report
     seen = page.inner_text(step)
@@ -368,7 +352,7 @@ def test_a_running_jobs_progress_advances_and_cancel_ends_it(tab: PageSession, t
 def test_a_read_token_sees_the_data_but_no_write_action(tab: PageSession, trained: Trained, long_job):
     _, reader = trained.registry.create_api_token("page-reader", scope="read")
     tab.sign_in(reader)
-    tab.open_task("toy")
+    tab.open_task(TASK)
     tab.page.locator(f"#job-{long_job.id}").wait_for()
     assert "read scope" in tab.page.inner_text("#who")
     downloads = tab.page.locator("#jobs button.download")  # reading deltas is allowed
@@ -386,7 +370,7 @@ def test_a_wrong_or_revoked_token_shows_the_message_and_no_data(tab: PageSession
 
     _, secret = trained.registry.create_api_token("soon-revoked", scope="read")
     tab.sign_in(secret)
-    tab.open_task("toy")
+    tab.open_task(TASK)
     page.locator("#leaderboard tbody tr").first.wait_for()
     assert page.locator("#auth-message").is_hidden()
     trained.registry.revoke_api_token("soon-revoked")
