@@ -2,13 +2,17 @@
 
 PostgreSQL comes from PELT_TEST_DATABASE_URL (`make test` sets it; tests/postgres.py says when its tests
 skip or fail without it); each test gets its own freshly created database (`pelt_test_<random>`, cloned
-from a migrated template), dropped after the test.
+from a migrated template), dropped after the test. The clones are made ahead, two at a time, on a thread
+of their own (`MigratedTemplates.postgres_copy`): `CREATE DATABASE` copies the template's every file and
+waits for them on disk, which the test would otherwise wait for.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -37,10 +41,14 @@ def postgres_base_url() -> str:
 class MigratedTemplates:
     """One migrated database per backend, made on first use; each test gets a fresh copy."""
 
+    AHEAD = 2  # PostgreSQL copies made ahead of the tests that take them
+
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._sqlite: Path | None = None
         self._postgres: str | None = None
+        self._maker: ThreadPoolExecutor | None = None
+        self._ahead: deque[Future[str]] = deque()
 
     def sqlite_file(self) -> Path:
         if self._sqlite is None:
@@ -56,7 +64,24 @@ class MigratedTemplates:
             upgrade(url)
         return str(make_url(self._postgres).database)
 
+    def postgres_copy(self) -> str:
+        """The URL of a fresh copy of the PostgreSQL template (the caller drops it): one made ahead, while
+        the next ones are being made."""
+        template = self.postgres_name()
+        if self._maker is None:
+            self._maker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pelt-test-databases")
+        while len(self._ahead) < self.AHEAD + 1:
+            self._ahead.append(
+                self._maker.submit(create_postgres_database, postgres_base_url(), template=template)
+            )
+        return self._ahead.popleft().result()
+
     def close(self) -> None:
+        if self._maker is not None:
+            self._maker.shutdown(wait=True)
+            for made in self._ahead:
+                if made.exception() is None:
+                    drop_postgres_database(made.result())
         if self._postgres is not None:
             drop_postgres_database(self._postgres)
 
@@ -94,8 +119,11 @@ def migrated_url(backend: str, tmp_path: Path, templates: MigratedTemplates) -> 
         shutil.copyfile(templates.sqlite_file(), path)
         yield sqlite_url(path)
         return
-    with scratch_postgres(postgres_base_url(), template=templates.postgres_name()) as url:
+    url = templates.postgres_copy()
+    try:
         yield url
+    finally:
+        drop_postgres_database(url)
 
 
 @pytest.fixture
