@@ -5,6 +5,7 @@ writes the sink, the aliases, the reading and the composing parts all use."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -38,6 +39,7 @@ from services.delta_store.values import (
 )
 
 if TYPE_CHECKING:
+    from mlflow import MlflowClient
     from mlflow.entities import Run
     from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 
@@ -83,12 +85,17 @@ class StoreBase:
             ensure_store(self.tracking_uri, None if artifact_root is None else str(artifact_root))
         else:
             check_store(self.tracking_uri)
-        from mlflow import MlflowClient
-
-        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         self._backbones: dict[str, Backbone] = {b.content_hash: b for b in backbones}
         self._backbone_loader = backbone_loader
         self._experiments: dict[str, str] = {}
+
+    @functools.cached_property
+    def client(self) -> MlflowClient:
+        """MLflow's client of this store, made on first use (its stores open their own engines and check
+        their schema: about 0.1 s, which a service whose requests never reach MLflow need not spend)."""
+        from mlflow import MlflowClient
+
+        return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, **kwargs: Any) -> Self:

@@ -38,6 +38,14 @@ def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_bert_hash(tiny_bert_dir: Path) -> str:
+    """The tiny BERT's content hash (what registering it records), computed once."""
+    from pelt_core.backbones import Backbone
+
+    return Backbone.load(str(tiny_bert_dir)).content_hash
+
+
+@pytest.fixture(scope="session")
 def toy_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The toy sentiment task as JSON Lines, CSV and Parquet."""
     import pandas as pd
@@ -136,13 +144,11 @@ class Api:
 
 
 @pytest.fixture
-def api(settings: Settings, tiny_bert_dir: Path) -> Iterator[Api]:
-    from pelt_core.backbones import Backbone
-
+def api(settings: Settings, tiny_bert_dir: Path, tiny_bert_hash: str) -> Iterator[Api]:
     registry = Registry(settings=settings, lease_seconds=30, retry_backoff_seconds=0)
     store = MlflowDeltaStore.from_settings(settings, registry=registry)
     operations = PeltOperations(registry, store, settings=settings)
-    registry.register_backbone(BACKBONE, str(tiny_bert_dir), Backbone.load(str(tiny_bert_dir)).content_hash)
+    registry.register_backbone(BACKBONE, str(tiny_bert_dir), tiny_bert_hash)
     _, token = registry.create_api_token("tests", scope="admin")  # like the local token `pelt serve` makes
     try:
         yield Api(create_app(operations, settings), operations, registry, store, token, settings)
