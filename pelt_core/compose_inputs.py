@@ -217,6 +217,8 @@ def _spec_key(spec: MethodSpec, same_ranks: bool) -> dict[str, Any]:
     data = spec.to_dict()
     for key in ("description", "reference", "defaults"):
         data.pop(key)
+    for module in data["modules"].values():  # how fast a module learned, not what it computes
+        module.pop("lr_multiplier", None)
     if not same_ranks:
         for role, module in spec.modules.items():
             if is_low_rank(module):

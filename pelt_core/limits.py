@@ -209,6 +209,9 @@ SPEC_RANGES: dict[str, Range] = {
     "dropout": Range("float", 0, 1, high_open=True, doc="dropout on the module's input"),
     "layers": Range("int", 0, 1_023, doc="indices of the layers modified; below the backbone's layer count"),
     "reparam_hidden": Range("int", 1, 16_384, doc="width of prefix tuning's reparameterisation MLP"),
+    "lr_multiplier": Range(
+        "float", 0, 1_000, low_open=True, doc="the module's learning rate as a multiple of the job's"
+    ),
 }
 
 

@@ -15,6 +15,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -337,6 +338,42 @@ class JobDelta(nn.Module):
                 prefix.params = params.to(encoder.embedding.device)
             del self.prefix_encoders[role]
         self._prefix_layer_order = {}
+
+    def parameter_groups(self, learning_rate: float) -> list[dict[str, Any]]:
+        """The trainable parameters as optimizer parameter groups, one per learning-rate multiplier of the
+        method's modules (`ModuleSpec.lr_multiplier`): each group's `lr` is `learning_rate` times its
+        `lr_multiplier`, and `roles` names what it holds (module roles; `bitfit`, `norm` and `head`, which
+        learn at the job's rate)."""
+        multipliers = {role: spec.lr_multiplier for role, spec in self.method.modules.items()}
+        members: dict[float, tuple[list[nn.Parameter], list[str]]] = {}
+        placed: set[int] = set()
+
+        def add(module: nn.Module, role: str, multiplier: float) -> None:
+            for parameter in module.parameters():
+                if parameter.requires_grad and id(parameter) not in placed:
+                    placed.add(id(parameter))
+                    parameters, roles = members.setdefault(multiplier, ([], []))
+                    parameters.append(parameter)
+                    if role not in roles:
+                        roles.append(role)
+
+        for sites in self.layers.values():
+            for modules in sites.values():
+                for role, module in modules.items():
+                    own = not isinstance(module, BiasDelta | NormDelta)  # BitFit's and the norms' deltas
+                    add(module, role, multipliers.get(role, 1.0) if own else 1.0)
+        for role, encoder in self.prefix_encoders.items():
+            add(encoder, role, multipliers.get(role, 1.0))
+        add(self, "head", 1.0)  # the head, and anything else the job trains
+        return [
+            {
+                "params": parameters,
+                "lr": learning_rate * multiplier,
+                "lr_multiplier": multiplier,
+                "roles": roles,
+            }
+            for multiplier, (parameters, roles) in members.items()
+        ]
 
     def parameter_counts(self) -> dict[str, int]:
         """Parameter counts: `pelt` = what a saved delta keeps (modules, gates, prefixes, bias and norm

@@ -201,7 +201,7 @@ class Pack:
         learning_rate = config.resolved_learning_rate(method.defaults)
         parameters = [p for p in delta.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            parameters,
+            delta.parameter_groups(learning_rate),  # a group per module learning-rate multiplier
             lr=learning_rate,
             weight_decay=config.weight_decay,
             fused=self.device.type in ("cpu", "cuda"),
@@ -261,7 +261,7 @@ class Pack:
         batches = [(m, collate(m.train_set, m.next_batch(), pad_id)) for m in members]
         for member, _ in batches:
             for group in member.optimizer.param_groups:
-                group["lr"] = member.lr_at(member.step)
+                group["lr"] = member.lr_at(member.step) * group["lr_multiplier"]
         self.model.train()
         dropout_states = [
             m.delta.generator.get_state() if m.delta.generator is not None else None for m in members

@@ -19,6 +19,9 @@ two extras the dimensions do not cover (BitFit's bias deltas and trainable Layer
                           "gated" ((1-λ)h + λΔh: prefix tuning's attention-weighted mixture)
 
 `gate=True` adds UniPELT's learned gate G = σ(W_g x + b_g) on top of a module's own composition.
+`lr_multiplier` trains a module at that multiple of the job's learning rate (its own AdamW parameter group,
+on the job's schedule): a mixture's modules can learn at their own presets' rates, and a sweep of the job's
+rate moves them together. BitFit's bias deltas, LayerNorms and the task head learn at the job's rate.
 
 A user-defined method is just `MethodSpec.from_dict(json)`; nothing else needs to change.
 """
@@ -66,6 +69,7 @@ class ModuleSpec:
     dropout: float = 0.0
     layers: tuple[int, ...] | None = None
     reparam_hidden: int | None = None
+    lr_multiplier: float = 1.0
 
     @property
     def effective_scale(self) -> float:
@@ -88,7 +92,7 @@ class ModuleSpec:
             raise bad("nonlinearity", f"{self.nonlinearity!r} is not one of {', '.join(NONLINEARITIES)}")
         if self.init not in INITS:
             raise bad("init", f"{self.init!r} is not one of {', '.join(INITS)}")
-        for name in ("size", "scale", "alpha", "init_std", "dropout", "reparam_hidden"):
+        for name in ("size", "scale", "alpha", "init_std", "dropout", "reparam_hidden", "lr_multiplier"):
             value = getattr(self, name)
             if value is None and name in ("alpha", "reparam_hidden"):
                 continue
@@ -125,6 +129,10 @@ class ModuleSpec:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["layers"] = list(self.layers) if self.layers is not None else None
+        if (
+            self.lr_multiplier == 1.0
+        ):  # the default, left out: a spec written before it existed reads the same
+            del data["lr_multiplier"]
         return data
 
     @classmethod
@@ -143,7 +151,7 @@ class ModuleSpec:
         values = dict(data)
         if values.get("layers") is not None:
             values["layers"] = tuple(values["layers"])
-        for name in ("scale", "init_std", "dropout"):
+        for name in ("scale", "init_std", "dropout", "lr_multiplier"):
             if name in values and isinstance(values[name], int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         spec = cls(**values)
