@@ -146,28 +146,45 @@ def study_cells(plan: StudyPlan) -> list[Cell]:
 
 def existing_jobs(client: PeltClient, plan: StudyPlan) -> dict[Cell, JobOut]:
     """The jobs already in the registry that fill a cell of the study: same task, K, method, seed,
-    backbone and hyperparameters, whichever study or sweep made them (a succeeded one first, then a
-    running, a queued, a failed one)."""
+    backbone and hyperparameters, whichever study or sweep made them (one that ran the method's current
+    preset before one that ran an older version of it; then a succeeded one first, then a running, a
+    queued, a failed one)."""
+    current = current_fingerprints(client, plan)
     found: dict[Cell, JobOut] = {}
     wanted = set(study_cells(plan))
+
+    def order(job: JobOut) -> tuple[bool, int]:
+        return job.method_fingerprint != current[job.method], _PREFERENCE[job.status]
+
     for task in plan.tasks:
         for job in task_jobs(client, task, plan.backbone):
             cell = (task, job.k_shot, job.method, job.seed)
             if cell not in wanted or job.hyperparameters != plan.hyperparameters(job.k_shot):
                 continue
             kept = found.get(cell)
-            if kept is None or _PREFERENCE[job.status] < _PREFERENCE[kept.status]:
+            if kept is None or order(job) < order(kept):
                 found[cell] = job
     return found
 
 
+def current_fingerprints(client: PeltClient, plan: StudyPlan) -> dict[str, str]:
+    """The fingerprint of each method's preset as the service has it now (a job records the one it ran)."""
+    return {method: client.method(method).fingerprint for method in plan.methods}
+
+
 def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
-    """Queue the cells no job fills yet (or only a failed or cancelled one), as sweeps of one task and K
-    (methods × their missing seeds), and return (every job id of the study, how many were queued now). A
-    repeat queues nothing new; a plan with one more method or seed queues only those jobs."""
+    """Queue the cells no job fills yet (or only a failed or cancelled one, or one that ran an older version
+    of its method's preset), as sweeps of one task and K (methods × their missing seeds), and return (every
+    job id of the study, how many were queued now). A repeat queues nothing new; a plan with one more method
+    or seed queues only those jobs."""
     found = existing_jobs(client, plan)
+    current = current_fingerprints(client, plan)
     ended_badly = ("failed", "cancelled")
-    existing = {cell: job for cell, job in found.items() if job.status not in ended_badly}
+    existing = {  # a job of an older version of its preset (edited since, e.g. by an upgrade) is run again
+        cell: job
+        for cell, job in found.items()
+        if job.status not in ended_badly and job.method_fingerprint == current[job.method]
+    }
     queued, ids = 0, {job.id for job in existing.values()}
     for task in plan.tasks:
         for k in plan.k_values:

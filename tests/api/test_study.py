@@ -232,6 +232,30 @@ def test_a_rerun_queues_again_the_cells_whose_job_failed_or_was_cancelled(
     assert submit_study(client, study) == (retried, 0)
 
 
+def test_a_rerun_after_a_preset_changed_queues_again_the_cells_of_that_method_only(
+    api: Api, client: PeltClient, sst2_folder: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A preset edited since the jobs ran (a pelt upgrade, like UniPELT's per-module learning rates): the cells
+    whose jobs ran the old version are run again; the other methods' jobs still fill theirs."""
+    from pelt_core import methods
+
+    register_task_folder(client, "sst2", sst2_folder)
+    study = StudyPlan(**{**plan().__dict__, "methods": ("lora", "bitfit")})
+    job_ids, queued = submit_study(client, study)
+    assert queued == 4
+    old = {job.id: job for job in study_jobs(client, study, job_ids)}
+    edited = methods.BUILTIN_METHODS["lora"].with_overrides({"q.lr_multiplier": 2})
+    monkeypatch.setitem(methods.BUILTIN_METHODS, "lora", edited)
+
+    rerun, queued = submit_study(client, study)
+    assert queued == 2 and len(rerun) == 4
+    new = [job for job in study_jobs(client, study, rerun) if job.id not in old]
+    assert sorted((job.method, job.seed) for job in new) == [("lora", 0), ("lora", 1)]
+    assert {job.method_fingerprint for job in new} == {client.method("lora").fingerprint}
+    assert {old[i].method for i in set(rerun) & set(old)} == {"bitfit"}
+    assert submit_study(client, study) == (rerun, 0)
+
+
 def test_pelt_study_starts_on_a_fresh_service_whose_registry_holds_no_job_on_the_packaged_backbone(
     api: Api, sst2_folder: Path, tmp_path: Path, tiny_bert_dir: Path, monkeypatch: pytest.MonkeyPatch
 ):
