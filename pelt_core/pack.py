@@ -370,9 +370,11 @@ class Pack:
     def _check_finite(self, member: PackMember, loss: torch.Tensor) -> bool:
         if torch.isfinite(loss):
             return True
+        fastest = max(group["lr_multiplier"] for group in member.optimizer.param_groups)
+        modules = f" (its fastest modules at {fastest:g}x that: lr_multiplier)" if fastest != 1.0 else ""
         member.error = TrainingError(
             f"loss became {loss.item()} at step {member.step} (epoch {member.epoch}); "
-            f"try a lower learning rate than {member.learning_rate:g}"
+            f"try a lower learning rate than {member.learning_rate:g}{modules}"
         )
         return False
 

@@ -9,8 +9,8 @@ P_k and P_v. `unipelt` is the full APL mixture; `unipelt_ap` drops LoRA; any of 
 
 Learning rates: each module learns at its own preset's rate, as a multiple of the mixture's (the job's)
 learning rate, 1e-3 (`lr_multiplier`): the adapter at 1e-3 (the `pfeiffer` preset's), the prefix at 5e-3
-(the `prefix` preset's) and LoRA at 2e-3 (the `lora` preset's); the gates, the head and BitFit's biases at
-1e-3. A job's `learning_rate` scales them all together. The paper's reference code (its run_glue.py on the
+(the `prefix` preset's) and LoRA at 2e-3 (the `lora` preset's), each gate with its module; the head and
+BitFit's biases at 1e-3. A job's `learning_rate` scales them all together. The paper's reference code (its run_glue.py on the
 Hugging Face Trainer) trains the whole mixture at the one `--learning_rate` of its training arguments; on
 all-MiniLM-L6-v2 at K=100 one rate of 1e-3 held UniPELT (AP)'s prefix back (docs/unipelt-low-resource.md).
 """
