@@ -135,6 +135,7 @@ STAND_INS = {
 }
 
 
+@pytest.mark.slow  # three pytest processes
 def test_pelts_scheduler_hands_the_cluster_group_and_each_module_to_one_process_whole(tmp_path):
     """On three pytest-xdist processes, with this checkout's tests/conftest.py and tests/tiers.py: stand-in
     modules at the paths of four modules of the cluster group and of two other modules (two quick tests

@@ -39,7 +39,7 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 # fixtures that start Ray, a browser or a service stack: a test that uses one (however indirectly) is slow
-SLOW_FIXTURES = frozenset({"local_ray", "ray_session", "browser", "compose_stack"})
+SLOW_FIXTURES = frozenset({"local_ray", "ray_session", "browser", "compose_stack", "service"})
 # modules whose tests start Ray or a service stack without one of those fixtures
 CLUSTER_MODULES = frozenset(
     {

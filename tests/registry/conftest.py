@@ -77,13 +77,20 @@ class MigratedTemplates:
         return self._ahead.popleft().result()
 
     def close(self) -> None:
+        """Drop every database made: the copies made ahead and not taken, then the template (one that
+        cannot be dropped does not keep the others)."""
+        made = []
         if self._maker is not None:
             self._maker.shutdown(wait=True)
-            for made in self._ahead:
-                if made.exception() is None:
-                    drop_postgres_database(made.result())
-        if self._postgres is not None:
-            drop_postgres_database(self._postgres)
+            made = [ahead.result() for ahead in self._ahead if ahead.exception() is None]
+        failures = []
+        for url in [*made, *([self._postgres] if self._postgres is not None else [])]:
+            try:
+                drop_postgres_database(url)
+            except Exception as exc:  # every database gets its drop; the failures are raised after
+                failures.append(f"{make_url(url).database}: {exc}")
+        if failures:
+            raise RuntimeError("could not drop the test databases " + "; ".join(failures))
 
 
 @pytest.fixture(scope="session")
