@@ -144,12 +144,14 @@ def study_cells(plan: StudyPlan) -> list[Cell]:
     ]
 
 
-def existing_jobs(client: PeltClient, plan: StudyPlan) -> dict[Cell, JobOut]:
+def existing_jobs(
+    client: PeltClient, plan: StudyPlan, current: dict[str, str] | None = None
+) -> dict[Cell, JobOut]:
     """The jobs already in the registry that fill a cell of the study: same task, K, method, seed,
     backbone and hyperparameters, whichever study or sweep made them (one that ran the method's current
     preset before one that ran an older version of it; then a succeeded one first, then a running, a
-    queued, a failed one)."""
-    current = current_fingerprints(client, plan)
+    queued, a failed one). `current`: the methods' fingerprints (`current_fingerprints`), if already asked."""
+    current = current or current_fingerprints(client, plan)
     found: dict[Cell, JobOut] = {}
     wanted = set(study_cells(plan))
 
@@ -177,8 +179,8 @@ def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
     of its method's preset), as sweeps of one task and K (methods × their missing seeds), and return (every
     job id of the study, how many were queued now). A repeat queues nothing new; a plan with one more method
     or seed queues only those jobs."""
-    found = existing_jobs(client, plan)
     current = current_fingerprints(client, plan)
+    found = existing_jobs(client, plan, current)
     ended_badly = ("failed", "cancelled")
     existing = {  # a job of an older version of its preset (edited since, e.g. by an upgrade) is run again
         cell: job
