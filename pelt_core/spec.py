@@ -129,9 +129,8 @@ class ModuleSpec:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["layers"] = list(self.layers) if self.layers is not None else None
-        if (
-            self.lr_multiplier == 1.0
-        ):  # the default, left out: a spec written before it existed reads the same
+        # the default is left out, so a spec written before the field existed reads and writes the same
+        if self.lr_multiplier == 1.0:
             del data["lr_multiplier"]
         return data
 
