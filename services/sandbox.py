@@ -19,6 +19,20 @@ PELT_* settings, tokens, cloud keys or RAY_* addresses), `python -P` in a fresh 
 (RLIMIT_FSIZE 0), at most MAX_OPEN_FILES open files. Its output is read as bytes and bounded: at most
 MAX_ANSWER_BYTES of stdout (beyond, the child is stopped), the last MAX_STDERR_TAIL_BYTES of stderr;
 bytes that are not UTF-8 become U+FFFD.
+
+Warm children: starting an interpreter and importing a target's libraries (pyarrow for a dataset check,
+torch for a composition, transformers for a backbone) costs 0.3-2 s of CPU per request, more than most
+requests' own work. So each target has a warm child (`_WarmChild`): an interpreter started the same way,
+with the same environment and empty working folder, that imports the target's module and PRELOADS and then
+does nothing but fork, one child per request. A forked child starts a session of its own, takes the
+request's pipes as its stdin, stdout and stderr, moves into the request's fresh folder, keeps none of the
+warm child's other descriptors, sets the request's limits and runs `main` exactly as a fresh interpreter
+would; nothing a request does reaches the warm child or a later request (each is a fresh fork of the
+same untouched process). The warm child never runs a request itself, holds no request data, and exits when
+its parent goes away (its socket closes; every running child of it is then killed) or after
+PELT_SANDBOX_WARM_SECONDS without a request (0: no warm child, a fresh interpreter per request). It is a
+separate, single-threaded process: the API's threaded server is never forked. Whenever a warm child cannot
+be had (it failed to start, or ended between two requests), the request runs in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -26,13 +40,17 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import resource
+import selectors
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +61,15 @@ TARGETS = {
     "compose": "services.delta_store.compose_child:compose_in_child",
     "dataset_probe": "services.registry.dataset_probe.child:probe_in_child",
 }
+# what a target's warm child imports besides the target's own module: the libraries the function imports
+# when it runs (so that a forked child starts with them imported)
+PRELOADS = {
+    "backbone": ("transformers", "transformers.modeling_utils", "pelt_core.backbones"),
+    "compose": ("torch", "safetensors.torch", "pelt_core.compose", "pelt_core.backbones"),
+    "dataset_probe": ("pyarrow", "pyarrow.compute", "pyarrow.csv", "pyarrow.json", "pyarrow.parquet"),
+}
+WARM_START_TIMEOUT_SECONDS = 120.0  # a warm child not ready by then is given up (the request runs fresh)
+log = logging.getLogger("pelt.sandbox")
 MEMORY_WORDS = (
     "memoryerror",
     "cannot allocate memory",
@@ -107,10 +134,13 @@ def run_in_child(
     timeout_seconds: float,
     environment: Mapping[str, str] | None = None,
     write_files: bool = False,
+    warm_seconds: float | None = None,
 ) -> ChildOutcome:
     """Run TARGETS[target](request) in a child process under `memory_bytes` of address space and
     `timeout_seconds`; `environment` adds variables to the child's (`child_environment`, set before it
-    imports anything); `write_files`: the child may write files (else RLIMIT_FSIZE is 0)."""
+    imports anything); `write_files`: the child may write files (else RLIMIT_FSIZE is 0); `warm_seconds`:
+    how long the target's warm child stays after this request (default PELT_SANDBOX_WARM_SECONDS; 0: the
+    child is a fresh interpreter)."""
     if target not in TARGETS:
         raise ValueError(f"no such sandbox target: {target!r}")
     message = json.dumps(
@@ -121,16 +151,25 @@ def run_in_child(
             "write_files": write_files,
         }
     ).encode()
+    if warm_seconds is None:
+        from services.settings import get_settings
+
+        warm_seconds = get_settings().sandbox_warm_seconds
     with tempfile.TemporaryDirectory(prefix="pelt-sandbox-") as folder:
-        process = subprocess.Popen(
-            [sys.executable, "-P", "-m", "services.sandbox"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=folder,
-            env=child_environment(environment),
-            start_new_session=True,
-        )
+        environment = child_environment(environment)
+        process: subprocess.Popen[bytes] | _ForkedChild | None = None
+        if warm_seconds > 0:
+            process = _fork_warm(TARGETS[target], PRELOADS.get(target, ()), environment, warm_seconds, folder)
+        if process is None:
+            process = subprocess.Popen(
+                [sys.executable, "-P", "-m", "services.sandbox"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=folder,
+                env=environment,
+                start_new_session=True,
+            )
         assert process.stdin is not None and process.stdout is not None and process.stderr is not None
         output = _Capture(process.stdout, head=MAX_ANSWER_BYTES, on_overflow=lambda: _stop(process))
         errors = _Capture(process.stderr, tail=MAX_STDERR_TAIL_BYTES)
@@ -228,10 +267,184 @@ def _feed(pipe: IO[bytes], message: bytes) -> None:
         pipe.write(message)
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def _stop(process: subprocess.Popen[bytes] | _ForkedChild) -> None:
     """SIGKILL to the child's process group (its session, started for it)."""
+    if isinstance(process, _ForkedChild):
+        process.kill()
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
+
+
+# --- warm children (the parent's side) ---------------------------------------------------------------
+
+
+class _ForkedChild:
+    """A child forked by a warm child, seen as the few parts of a Popen that `run_in_child` uses. Its
+    pid, exit status and the order to kill it travel on a socket of its own to the warm child, which
+    is its parent (and reaps it)."""
+
+    def __init__(self, pid: int, channel: socket.socket, stdin: int, stdout: int, stderr: int) -> None:
+        self.pid, self.channel = pid, channel
+        self.stdin, self.stdout, self.stderr = (
+            os.fdopen(stdin, "wb"),
+            os.fdopen(stdout, "rb"),
+            os.fdopen(stderr, "rb"),
+        )
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        self.channel.settimeout(timeout)
+        try:
+            message = self.channel.recv(64)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired("services.sandbox (forked)", timeout or 0) from None
+        except OSError:
+            message = b""
+        if message.startswith(b"exit "):
+            self.returncode = os.waitstatus_to_exitcode(int(message[5:]))
+        else:  # its warm child ended without a word: end the child's session here
+            self._kill_group()
+            self.returncode = -signal.SIGKILL
+        self.channel.close()
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL to its session, by its warm child (which knows whether it is still running)."""
+        if self.returncode is not None:
+            return
+        try:
+            self.channel.send(b"kill")
+        except OSError:
+            self._kill_group()
+
+    def _kill_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+class _WarmChild:
+    """A running warm child of one target function (see the module docstring): `fork(folder)` asks it for a
+    child working in `folder`."""
+
+    def __init__(
+        self, function: str, preloads: tuple[str, ...], environment: dict[str, str], warm_seconds: float
+    ) -> None:
+        self.function, self.preloads, self.environment = function, preloads, environment
+        self.warm_seconds = warm_seconds
+        self.last_used = time.monotonic()
+        self.lock = threading.Lock()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        folder = tempfile.mkdtemp(prefix="pelt-sandbox-warm-")
+        spec = json.dumps({"function": function, "preloads": list(preloads), "warm_seconds": warm_seconds})
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-P", "-m", "services.sandbox", "--warm", str(theirs.fileno()), spec],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                cwd=folder,
+                env=environment,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+            )
+            theirs.close()
+            mine.settimeout(WARM_START_TIMEOUT_SECONDS)
+            try:
+                ready = mine.recv(1024)
+            except OSError as exc:
+                ready = f"no answer ({type(exc).__name__})".encode()
+            if ready != b"ready":
+                mine.close()
+                self.process.kill()
+                self.process.wait()
+                raise OSError(f"the warm child of {function} did not start: {ready.decode(errors='replace')}")
+            mine.settimeout(None)
+        finally:
+            theirs.close()
+            os.rmdir(folder)  # it never needs its working folder again: a forked child moves into its own
+        self.channel = mine
+
+    def usable(
+        self, function: str, preloads: tuple[str, ...], environment: dict[str, str], warm_seconds: float
+    ) -> bool:
+        """Running, started for these arguments, and not about to end for want of requests."""
+        idle = time.monotonic() - self.last_used
+        return (
+            idle < max(self.warm_seconds - 1.0, self.warm_seconds / 2)
+            and self.process.poll() is None
+            and (self.function, self.preloads, self.environment, self.warm_seconds)
+            == (function, preloads, environment, warm_seconds)
+        )
+
+    def fork(self, folder: str) -> _ForkedChild | None:
+        """A child of it working in `folder`, its stdin, stdout and stderr pipes to this process; None when
+        this warm child is gone (the caller then runs the request in a fresh interpreter)."""
+        stdin_read, stdin_write = os.pipe()
+        stdout_read, stdout_write = os.pipe()
+        stderr_read, stderr_write = os.pipe()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        theirs_fd = theirs.fileno()
+        try:
+            with self.lock:
+                self.last_used = time.monotonic()
+                socket.send_fds(
+                    self.channel, [folder.encode()], [stdin_read, stdout_write, stderr_write, theirs_fd]
+                )
+            mine.settimeout(WARM_START_TIMEOUT_SECONDS)
+            answer = mine.recv(64)
+        except OSError:
+            answer = b""
+        finally:
+            for fd in (stdin_read, stdout_write, stderr_write):
+                os.close(fd)
+            theirs.close()
+        if not answer.startswith(b"pid "):
+            mine.close()
+            for fd in (stdin_write, stdout_read, stderr_read):
+                os.close(fd)
+            return None
+        mine.settimeout(None)
+        return _ForkedChild(int(answer[4:]), mine, stdin_write, stdout_read, stderr_read)
+
+    def close(self) -> None:
+        """Let it go: it takes no more requests and ends once its running children have ended."""
+        self.channel.close()
+
+
+_warm_children: dict[str, _WarmChild] = {}
+_warm_locks: dict[str, threading.Lock] = {}
+_warm_guard = threading.Lock()
+
+
+def _fork_warm(
+    function: str, preloads: tuple[str, ...], environment: dict[str, str], warm_seconds: float, folder: str
+) -> _ForkedChild | None:
+    """A child for `function` forked by its warm child (started if missing, stale or of another
+    environment); None when none can be had (the request then runs in a fresh interpreter)."""
+    with _warm_guard:
+        lock = _warm_locks.setdefault(function, threading.Lock())
+    with lock:
+        warm = _warm_children.get(function)
+        if warm is not None and not warm.usable(function, preloads, environment, warm_seconds):
+            _warm_children.pop(function).close()
+            warm = None
+        if warm is None:
+            try:
+                warm = _WarmChild(function, preloads, environment, warm_seconds)
+            except OSError as exc:
+                log.warning("running %s in a fresh interpreter: %s", function, exc)
+                return None
+            _warm_children[function] = warm
+    child = warm.fork(folder)
+    if child is None:
+        with lock:
+            if _warm_children.get(function) is warm:
+                warm.close()
+                del _warm_children[function]
+    return child
 
 
 def _lines(stdout: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -301,6 +514,138 @@ def main() -> None:
     out.close()
 
 
+# --- the warm child ----------------------------------------------------------------------------------
+
+
+def warm_child(channel_fd: int, spec: dict[str, Any]) -> None:
+    """`python -m services.sandbox --warm FD SPEC`: import the target's module and preloads, say "ready" on
+    the socket FD, then fork one child per request that arrives there (its folder, and as descriptors its
+    stdin, stdout and stderr pipes and a socket of its own: "pid N" and later "exit STATUS" go back on
+    it; "kill" or its closing kills the child's session). Ends once the parent closes FD (or after
+    spec["warm_seconds"] without a request) and no child is running."""
+    channel = socket.socket(fileno=channel_fd)
+    try:
+        importlib.import_module(str(spec["function"]).partition(":")[0])
+        for module in spec["preloads"]:
+            importlib.import_module(module)
+    except BaseException as exc:  # said to the parent, which then runs the request in a fresh interpreter
+        with contextlib.suppress(OSError):
+            channel.send(f"failed: {type(exc).__name__}: {exc}"[:1000].encode())
+        return
+    wake_read, wake_write = os.pipe()
+    for fd in (wake_read, wake_write):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup byte is what counts
+    selector = selectors.DefaultSelector()
+    selector.register(channel, selectors.EVENT_READ, "request")
+    selector.register(wake_read, selectors.EVENT_READ, "ended")
+    children: dict[int, socket.socket | None] = {}  # pid -> its socket (None once its parent let it go)
+    accepting, last_request = True, time.monotonic()
+    warm_seconds = float(spec["warm_seconds"])
+    channel.send(b"ready")
+    while accepting or children:
+        timeout = None if children or not accepting else last_request + warm_seconds - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            break
+        for key, _ in selector.select(timeout):
+            if key.data == "request":
+                try:
+                    data, fds, _, _ = socket.recv_fds(channel, 4096, 4)
+                except OSError:
+                    data, fds = b"", []
+                if not data or len(fds) != 4:
+                    for fd in fds:
+                        os.close(fd)
+                    if not data:  # the parent closed it: no more requests
+                        selector.unregister(channel)
+                        accepting = False
+                    continue
+                last_request = time.monotonic()
+                own = [channel.fileno(), wake_read, wake_write, selector.fileno()]
+                own += [sock.fileno() for sock in children.values() if sock is not None]
+                pid = os.fork()
+                if pid == 0:
+                    _forked(data.decode(), fds, own)  # never returns
+                for fd in fds[:3]:
+                    os.close(fd)
+                sock = socket.socket(fileno=fds[3])
+                children[pid] = sock
+                selector.register(sock, selectors.EVENT_READ, pid)
+                with contextlib.suppress(OSError):
+                    sock.send(f"pid {pid}".encode())
+            elif key.data == "ended":
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(wake_read, 512):
+                        pass
+                _reap(children, selector)
+            else:  # "kill", or the parent closed the child's socket (it timed out, or went away)
+                pid, sock = key.data, key.fileobj
+                try:
+                    order = sock.recv(64)
+                except OSError:
+                    order = b""
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                if not order:
+                    selector.unregister(sock)
+                    sock.close()
+                    children[pid] = None
+        _reap(children, selector)  # a SIGCHLD that came between two selects
+
+
+def _reap(children: dict[int, socket.socket | None], selector: selectors.BaseSelector) -> None:
+    """Collect ended children: SIGKILL to whatever each left in its session, its exit status to its socket."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        sock = children.pop(pid, None)
+        if sock is not None:
+            selector.unregister(sock)
+            with contextlib.suppress(OSError):
+                sock.send(f"exit {status}".encode())
+            sock.close()
+
+
+def _forked(folder: str, fds: list[int], own: list[int]) -> None:
+    """A forked child: a session of its own, the request's pipes as 0, 1 and 2, none of the warm child's
+    descriptors, the request's folder as working folder; then `main`, and an exit that runs nothing of
+    the warm child's (no atexit, no finalizers)."""
+    code = 1
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in own:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for target, fd in zip((0, 1, 2), fds[:3], strict=True):
+            os.dup2(fd, target)
+        for fd in fds:
+            os.close(fd)
+        os.chdir(folder)
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            import traceback
+
+            traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code)
+
+
 __all__ = [
     "MAX_ANSWER_BYTES",
     "MAX_STDERR_TAIL_BYTES",
@@ -311,4 +656,7 @@ __all__ = [
 ]
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--warm"]:
+        warm_child(int(sys.argv[2]), json.loads(sys.argv[3]))
+    else:
+        main()

@@ -32,6 +32,9 @@ PELT_COMPOSE_MEMORY_BYTES, PELT_COMPOSE_TIMEOUT_SECONDS   a composition's memory
                           (default 600 s); beyond either: 413 / 422, nothing written
 PELT_COMPOSE_CONCURRENCY  compositions computed at once (default 2, each in its own child); beyond: 503 with
                           Retry-After
+PELT_SANDBOX_WARM_SECONDS  how long the warm child that forks those checking, loading and composing
+                          children stays after its last use (default 300; it holds their kind's imports, up
+                          to ~250 MB; 0: a fresh interpreter each time, ~0.3-2 s more per upload or composition)
 PELT_API_DOCS             serve /docs and /redoc (assets from a CDN) and an open /openapi.json (default off:
                           /openapi.json then needs a token)
 PELT_API_HEADER_TIMEOUT_SECONDS   close a connection whose request head is not complete within this time
@@ -161,6 +164,12 @@ class Settings(BaseSettings):
         default=2,
         ge=1,
         description="compositions computed at once; one beyond them is a 503 with Retry-After",
+    )
+    sandbox_warm_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        description="how long a warm child of each sandboxed kind (dataset check, backbone load, composition) "
+        "stays after its last use; 0: a fresh interpreter every time",
     )
     api_docs: bool = Field(
         default=False,

@@ -13,13 +13,14 @@ service (`PeltOperations.compose`) passes `ComposeLimits` to `MlflowDeltaStore.c
    files: their sizes (a tracking server's listing may lack them) and, for TIES and DARE, which take every
    LoRA module as its dense ΔW, the ΔW's size from the shapes in each file's header and its manifest's
    method (`dense_lora_bytes`: no tensor is read); the manifests also name the backbone;
-3. runs `compose_in_child` in a fresh interpreter (`services.sandbox`: spawned, never forked from the
-   threaded server) under RLIMIT_AS = PELT_COMPOSE_MEMORY_BYTES + RUNTIME_HEADROOM_BYTES (the interpreter
+3. runs `compose_in_child` in a child process (`services.sandbox`: forked from its warm interpreter, or a
+   fresh one; never forked from the threaded server) under RLIMIT_AS = PELT_COMPOSE_MEMORY_BYTES + RUNTIME_HEADROOM_BYTES (the interpreter
    and torch), and PELT_COMPOSE_TIMEOUT_SECONDS. It loads the sources onto the backbone's shapes alone
    (`pelt_core.backbones.ShapeBackbone`: its config, read without transformers where config.json says it
    all; no weights, tokenizer or model: composing takes only the deltas' tensors and the backbone's sizes,
    name and recorded hash), composes them with `pelt_core.compose` and writes the result into the temporary
-   folder; its answer is JSON (sha256, method, provenance). It starts in about a second: torch's import;
+   folder; its answer is JSON (sha256, method, provenance). A fresh interpreter starts in about a second (torch's
+   import); a forked one in milliseconds;
 4. stores that folder and records the audit event in the parent, all or nothing as before.
 
 A child that runs out of memory is a `ComposeMemoryError` (413); one that runs out of time, crashes, or

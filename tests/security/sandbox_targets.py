@@ -5,6 +5,7 @@ Never in the service's own TARGETS: a request only ever names one of those.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -37,3 +38,35 @@ def a_flood_of_progress(request: dict[str, Any], report: Any) -> dict[str, Any]:
     """A progress note far larger than any answer, then an answer."""
     report({"split": "x" * (64 << 20)})
     return {"done": True}
+
+
+REQUESTS_SEEN: list[Any] = []  # a module global a request could leave something in
+
+
+def remember_and_describe(request: dict[str, Any], report: Any) -> dict[str, Any]:
+    """Leaves its mark on the module, the environment and the process; says what it found of earlier ones,
+    its pid and parent's, and every descriptor it holds (what each one is)."""
+    found = {"requests_seen": list(REQUESTS_SEEN), "mark": os.environ.get("PELT_SANDBOX_TEST_MARK")}
+    REQUESTS_SEEN.append(request.get("tag"))
+    os.environ["PELT_SANDBOX_TEST_MARK"] = str(request.get("tag"))
+    descriptors = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            descriptors[name] = os.readlink(f"/proc/self/fd/{name}")
+    return {
+        **found,
+        "tag": request.get("tag"),
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "session": os.getsid(0),
+        "descriptors": descriptors,
+    }
+
+
+def report_pid_then_hang(request: dict[str, Any], report: Any) -> dict[str, Any]:
+    """Says its pid in a progress note, then never answers."""
+    import time
+
+    report({"pid": os.getpid()})
+    while True:
+        time.sleep(60)

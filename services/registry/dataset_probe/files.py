@@ -68,9 +68,11 @@ def probe_file(
     except Exception as exc:
         import pyarrow as pa
 
-        if not isinstance(
-            exc, OSError | ValueError | pa.ArrowException
-        ):  # a bug, or memory: not the data's fault
+        from services.sandbox import MEMORY_WORDS
+
+        if isinstance(exc, MemoryError) or any(word in str(exc).lower() for word in MEMORY_WORDS):
+            raise MemoryError(str(exc)) from None  # pyarrow's ArrowMemoryError too: the limit, not the data
+        if not isinstance(exc, OSError | ValueError | pa.ArrowException):  # a bug: not the data's fault
             raise
         reason = str(exc).replace(str(path), path.name) if not isinstance(exc, OSError) else exc.strerror
         raise RegistryValidationError(

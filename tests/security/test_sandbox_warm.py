@@ -1,0 +1,166 @@
+"""The sandbox's warm children (services/sandbox.py): a request's child is forked from a warm interpreter
+that has imported its target's libraries, and still sees nothing of another request, holds nothing of the
+warm child's, dies with its time limit, and falls back to a fresh interpreter whenever a warm child
+cannot be had. The warm child itself ends with its parent and after its idle time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+from services import sandbox
+
+TARGETS = "tests.security.sandbox_targets"
+
+
+@pytest.fixture
+def target(monkeypatch: pytest.MonkeyPatch):
+    """Names a function of tests/security/sandbox_targets.py as sandbox target "test" (no preloads)."""
+
+    def name(function: str) -> str:
+        monkeypatch.setitem(sandbox.TARGETS, "test", f"{TARGETS}:{function}")
+        monkeypatch.setitem(sandbox.PRELOADS, "test", ())
+        return "test"
+
+    yield name
+    warm = sandbox._warm_children.pop(sandbox.TARGETS["test"], None)
+    if warm is not None:
+        warm.close()
+
+
+def run(target: str, warm_seconds: float = 60, timeout: float = 120, **request: Any) -> sandbox.ChildOutcome:
+    return sandbox.run_in_child(
+        target, request, memory_bytes=2 << 30, timeout_seconds=timeout, warm_seconds=warm_seconds
+    )
+
+
+def gone(pid: int, within: float = 60) -> bool:
+    """Whether process `pid` has ended (or is a zombie) by the deadline."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_each_request_is_a_fresh_fork_of_one_warm_child_and_sees_nothing_of_the_one_before(target):
+    first = run(target("remember_and_describe"), tag="first").answer
+    second = run("test", tag="second").answer
+
+    assert first and second
+    assert second["requests_seen"] == [] and second["mark"] is None  # no module state, no environment
+    assert first["pid"] != second["pid"]
+    assert first["parent"] == second["parent"] != os.getpid()  # both forked by the same warm child
+    assert first["session"] == first["pid"]  # a session of its own: its time limit kills all it started
+
+
+def kinds(descriptors: dict[str, str]) -> list[str]:
+    """What each descriptor is ("pipe", "socket", a file's path), without inode numbers."""
+    return sorted(what.split(":[")[0] for what in descriptors.values())
+
+
+def test_a_forked_child_holds_no_descriptor_a_fresh_interpreter_would_not(target):
+    name = target("remember_and_describe")
+    fresh = run(name, warm_seconds=0, tag="fresh").answer["descriptors"]
+    run(name, tag="warming")  # another request's socket and pipes have been through the warm child
+
+    forked = run(name, tag="looked").answer["descriptors"]
+
+    assert kinds(forked) == kinds(fresh), (forked, fresh)  # stdin, stdout, stderr and the answer's pipe
+    assert "socket" not in kinds(forked)
+
+
+def test_requests_at_once_each_get_their_own_answer(target):
+    name = target("remember_and_describe")
+    answers: dict[int, Any] = {}
+
+    def ask(tag: int) -> None:
+        answers[tag] = run(name, tag=tag).answer
+
+    threads = [threading.Thread(target=ask, args=(tag,)) for tag in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert {tag: answer["tag"] for tag, answer in answers.items()} == {tag: tag for tag in range(6)}
+    assert len({answer["pid"] for answer in answers.values()}) == 6
+
+
+def test_a_forked_child_past_its_time_limit_is_killed_and_the_next_request_is_served(target):
+    outcome = run(target("report_pid_then_hang"), timeout=2)
+
+    assert outcome.timed_out and outcome.answer is None
+    assert gone(outcome.last_progress["pid"])
+    assert run(target("remember_and_describe"), tag="after").answer["tag"] == "after"
+
+
+def test_without_warm_time_each_request_runs_in_a_fresh_interpreter_of_this_process(target):
+    answer = run(target("remember_and_describe"), warm_seconds=0, tag="fresh").answer
+
+    assert answer["parent"] == os.getpid()
+    assert sandbox.TARGETS["test"] not in sandbox._warm_children
+
+
+def test_a_warm_child_that_cannot_start_leaves_the_request_to_a_fresh_interpreter(target, monkeypatch):
+    name = target("remember_and_describe")
+    monkeypatch.setitem(sandbox.PRELOADS, "test", ("no_such_module_anywhere",))
+
+    answer = run(name, tag="fallback").answer
+
+    assert answer["tag"] == "fallback" and answer["parent"] == os.getpid()
+
+
+def test_a_warm_child_killed_between_requests_is_replaced(target):
+    name = target("remember_and_describe")
+    warm_pid = run(name, tag="one").answer["parent"]
+    psutil.Process(warm_pid).kill()
+    assert gone(warm_pid)
+
+    answer = run(name, tag="two").answer
+
+    assert answer["tag"] == "two" and answer["parent"] not in {warm_pid, os.getpid()}
+
+
+def test_a_warm_child_ends_after_its_idle_time_and_when_its_parent_ends():
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from services import sandbox
+        sandbox.TARGETS["test"] = "{TARGETS}:remember_and_describe"
+        for idle in (1.0, 600.0):
+            outcome = sandbox.run_in_child("test", {{}}, memory_bytes=2 << 30, timeout_seconds=120, warm_seconds=idle)
+            print(outcome.answer["parent"], flush=True)
+            if idle == 1.0:
+                sys.stdin.readline()  # the test checks that this one ends by itself
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=sandbox.PROJECT_ROOT,
+    )
+    try:
+        idle_one = int(parent.stdout.readline())
+        assert gone(idle_one), "a warm child with 1 s of idle time was still running a minute later"
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        long_one = int(parent.stdout.readline())
+        assert parent.wait(120) == 0
+        assert gone(long_one), "a warm child outlived its parent"
+    finally:
+        parent.kill()
