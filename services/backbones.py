@@ -157,8 +157,9 @@ class SubprocessBackboneLoader:
                 "CUDA_VISIBLE_DEVICES": "",
                 "TOKENIZERS_PARALLELISM": "false",
             },
-            write_files=True,
-        )  # transformers' imports need a usable temporary folder (tempfile writes to test it)
+            write_files=True,  # transformers' imports need a usable temporary folder (tempfile writes to test it)
+            warm_seconds=self.settings.sandbox_warm_seconds,
+        )
         if outcome.timed_out:
             raise BackboneError(
                 f"loading backbone {source!r} took longer than PELT_BACKBONE_LOAD_TIMEOUT_SECONDS "

@@ -504,7 +504,9 @@ class PeltOperations:
                 description=description,
                 on_written=audit,
                 limits=ComposeLimits(
-                    self.settings.compose_memory_bytes, self.settings.compose_timeout_seconds
+                    self.settings.compose_memory_bytes,
+                    self.settings.compose_timeout_seconds,
+                    self.settings.sandbox_warm_seconds,
                 ),
                 **options,
             )

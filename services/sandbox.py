@@ -23,16 +23,20 @@ bytes that are not UTF-8 become U+FFFD.
 Warm children: starting an interpreter and importing a target's libraries (pyarrow for a dataset check,
 torch for a composition, transformers for a backbone) costs 0.3-2 s of CPU per request, more than most
 requests' own work. So each target has a warm child (`_WarmChild`): an interpreter started the same way,
-with the same environment and empty working folder, that imports the target's module and PRELOADS and then
-does nothing but fork, one child per request. A forked child starts a session of its own, takes the
-request's pipes as its stdin, stdout and stderr, moves into the request's fresh folder, keeps none of the
-warm child's other descriptors, sets the request's limits and runs `main` exactly as a fresh interpreter
-would; nothing a request does reaches the warm child or a later request (each is a fresh fork of the
-same untouched process). The warm child never runs a request itself, holds no request data, and exits when
-its parent goes away (its socket closes; every running child of it is then killed) or after
-PELT_SANDBOX_WARM_SECONDS without a request (0: no warm child, a fresh interpreter per request). It is a
-separate, single-threaded process: the API's threaded server is never forked. Whenever a warm child cannot
-be had (it failed to start, or ended between two requests), the request runs in a fresh interpreter.
+with the same environment, that imports the target's module and PRELOADS and then only forks, one child
+per request. A forked child starts a session of its own, takes the request's pipes as its stdin, stdout
+and stderr, closes the warm child's sockets and pipes (its own and other requests'), moves into the
+request's fresh folder, sets the request's limits and runs `main` as a fresh interpreter would; a change
+it makes to its memory, environment or modules is its own (the next request is another fork of the same
+untouched warm child). Every child, forked or fresh, is made non-dumpable (Linux): a sibling running as
+the same user cannot ptrace it or read its /proc. What forked children share is the warm child's
+address-space layout (one ASLR draw): a warm child serves at most MAX_FORKS requests, and none after one
+of its children crashed (SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE); the next request starts a fresh one.
+The warm child never runs a request itself, and ends when its parent goes away (its socket closes; its
+running children are then killed) or after PELT_SANDBOX_WARM_SECONDS without a request (0: no warm
+child). It is a separate, single-threaded process: the API's threaded server is never forked. Whenever a
+warm child cannot be had (it failed to start, stopped answering or ended between two requests), the
+request runs in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -68,7 +72,10 @@ PRELOADS = {
     "compose": ("torch", "safetensors.torch", "pelt_core.compose", "pelt_core.backbones"),
     "dataset_probe": ("pyarrow", "pyarrow.compute", "pyarrow.csv", "pyarrow.json", "pyarrow.parquet"),
 }
-WARM_START_TIMEOUT_SECONDS = 120.0  # a warm child not ready by then is given up (the request runs fresh)
+WARM_START_TIMEOUT_SECONDS = 120.0  # a warm child not ready (or not answering) by then is given up
+KILLED_WAIT_SECONDS = 60.0  # after a kill, how long a forked child's exit status is waited for at most
+MAX_FORKS = 200  # requests one warm child serves before a fresh one (fresh address-space randomisation)
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE})
 log = logging.getLogger("pelt.sandbox")
 MEMORY_WORDS = (
     "memoryerror",
@@ -284,8 +291,10 @@ class _ForkedChild:
     pid, exit status and the order to kill it travel on a socket of its own to the warm child, which
     is its parent (and reaps it)."""
 
-    def __init__(self, pid: int, channel: socket.socket, stdin: int, stdout: int, stderr: int) -> None:
-        self.pid, self.channel = pid, channel
+    def __init__(
+        self, warm: _WarmChild, pid: int, channel: socket.socket, stdin: int, stdout: int, stderr: int
+    ) -> None:
+        self.warm, self.pid, self.channel = warm, pid, channel
         self.stdin, self.stdout, self.stderr = (
             os.fdopen(stdin, "wb"),
             os.fdopen(stdout, "rb"),
@@ -294,20 +303,27 @@ class _ForkedChild:
         self.returncode: int | None = None
 
     def wait(self, timeout: float | None = None) -> int:
+        """Its exit status as Popen gives it (-N: killed by signal N). `timeout` None (after `kill`): at most
+        KILLED_WAIT_SECONDS, then its session is killed here and it counts as killed."""
         if self.returncode is not None:
             return self.returncode
-        self.channel.settimeout(timeout)
+        self.channel.settimeout(KILLED_WAIT_SECONDS if timeout is None else timeout)
         try:
             message = self.channel.recv(64)
         except TimeoutError:
-            raise subprocess.TimeoutExpired("services.sandbox (forked)", timeout or 0) from None
+            if timeout is not None:
+                raise subprocess.TimeoutExpired("services.sandbox (forked)", timeout) from None
+            message = b""
         except OSError:
             message = b""
         if message.startswith(b"exit "):
             self.returncode = os.waitstatus_to_exitcode(int(message[5:]))
-        else:  # its warm child ended without a word: end the child's session here
+        else:  # its warm child ended or stopped answering: end the child's session here, and that warm child
             self._kill_group()
             self.returncode = -signal.SIGKILL
+            self.warm.retire()
+        if -self.returncode in CRASH_SIGNALS:  # a crash may have learnt the shared layout: a fresh warm child
+            self.warm.retire()
         self.channel.close()
         return self.returncode
 
@@ -336,6 +352,7 @@ class _WarmChild:
         self.warm_seconds = warm_seconds
         self.last_used = time.monotonic()
         self.lock = threading.Lock()
+        self.forks, self.retired = 0, False
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         folder = tempfile.mkdtemp(prefix="pelt-sandbox-warm-")
         spec = json.dumps({"function": function, "preloads": list(preloads), "warm_seconds": warm_seconds})
@@ -361,7 +378,6 @@ class _WarmChild:
                 self.process.kill()
                 self.process.wait()
                 raise OSError(f"the warm child of {function} did not start: {ready.decode(errors='replace')}")
-            mine.settimeout(None)
         finally:
             theirs.close()
             os.rmdir(folder)  # it never needs its working folder again: a forked child moves into its own
@@ -373,7 +389,9 @@ class _WarmChild:
         """Running, started for these arguments, and not about to end for want of requests."""
         idle = time.monotonic() - self.last_used
         return (
-            idle < max(self.warm_seconds - 1.0, self.warm_seconds / 2)
+            not self.retired
+            and self.forks < MAX_FORKS
+            and idle < max(self.warm_seconds - 1.0, self.warm_seconds / 2)
             and self.process.poll() is None
             and (self.function, self.preloads, self.environment, self.warm_seconds)
             == (function, preloads, environment, warm_seconds)
@@ -389,7 +407,7 @@ class _WarmChild:
         theirs_fd = theirs.fileno()
         try:
             with self.lock:
-                self.last_used = time.monotonic()
+                self.last_used, self.forks = time.monotonic(), self.forks + 1
                 socket.send_fds(
                     self.channel, [folder.encode()], [stdin_read, stdout_write, stderr_write, theirs_fd]
                 )
@@ -407,11 +425,16 @@ class _WarmChild:
                 os.close(fd)
             return None
         mine.settimeout(None)
-        return _ForkedChild(int(answer[4:]), mine, stdin_write, stdout_read, stderr_read)
+        return _ForkedChild(self, int(answer[4:]), mine, stdin_write, stdout_read, stderr_read)
+
+    def retire(self) -> None:
+        """Serve no more requests from it (the next one starts a fresh warm child)."""
+        self.retired = True
 
     def close(self) -> None:
         """Let it go: it takes no more requests and ends once its running children have ended."""
-        self.channel.close()
+        with self.lock:
+            self.channel.close()
 
 
 _warm_children: dict[str, _WarmChild] = {}
@@ -485,6 +508,16 @@ def _limit_resources(memory_bytes: int, write_files: bool) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
 
 
+def _not_dumpable() -> None:
+    """Linux: no other process of this user may ptrace this one or read its memory or descriptors under
+    /proc (its sibling children run as the same user); no core file either."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+
+
 def main() -> None:
     """`python -m services.sandbox`: {"function", "request", "memory_bytes", "write_files"} on stdin (from
     `run_in_child`, whose TARGETS chose the function); JSON lines on stdout."""
@@ -496,6 +529,7 @@ def main() -> None:
         out.flush()
 
     message = json.loads(sys.stdin.buffer.read())
+    _not_dumpable()
     _limit_resources(int(message["memory_bytes"]), bool(message.get("write_files")))
     try:
         module, _, name = str(message["function"]).partition(":")
@@ -521,8 +555,9 @@ def warm_child(channel_fd: int, spec: dict[str, Any]) -> None:
     """`python -m services.sandbox --warm FD SPEC`: import the target's module and preloads, say "ready" on
     the socket FD, then fork one child per request that arrives there (its folder, and as descriptors its
     stdin, stdout and stderr pipes and a socket of its own: "pid N" and later "exit STATUS" go back on
-    it; "kill" or its closing kills the child's session). Ends once the parent closes FD (or after
+    it; "kill" or its closing kills the child). Ends once the parent closes FD (or after
     spec["warm_seconds"] without a request) and no child is running."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     channel = socket.socket(fileno=channel_fd)
     try:
         importlib.import_module(str(spec["function"]).partition(":")[0])
@@ -532,85 +567,119 @@ def warm_child(channel_fd: int, spec: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             channel.send(f"failed: {type(exc).__name__}: {exc}"[:1000].encode())
         return
-    wake_read, wake_write = os.pipe()
-    for fd in (wake_read, wake_write):
-        os.set_blocking(fd, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup byte is what counts
-    selector = selectors.DefaultSelector()
-    selector.register(channel, selectors.EVENT_READ, "request")
-    selector.register(wake_read, selectors.EVENT_READ, "ended")
-    children: dict[int, socket.socket | None] = {}  # pid -> its socket (None once its parent let it go)
-    accepting, last_request = True, time.monotonic()
-    warm_seconds = float(spec["warm_seconds"])
-    channel.send(b"ready")
-    while accepting or children:
-        timeout = None if children or not accepting else last_request + warm_seconds - time.monotonic()
-        if timeout is not None and timeout <= 0:
-            break
-        for key, _ in selector.select(timeout):
-            if key.data == "request":
-                try:
-                    data, fds, _, _ = socket.recv_fds(channel, 4096, 4)
-                except OSError:
-                    data, fds = b"", []
-                if not data or len(fds) != 4:
-                    for fd in fds:
-                        os.close(fd)
-                    if not data:  # the parent closed it: no more requests
-                        selector.unregister(channel)
-                        accepting = False
-                    continue
-                last_request = time.monotonic()
-                own = [channel.fileno(), wake_read, wake_write, selector.fileno()]
-                own += [sock.fileno() for sock in children.values() if sock is not None]
-                pid = os.fork()
-                if pid == 0:
-                    _forked(data.decode(), fds, own)  # never returns
-                for fd in fds[:3]:
-                    os.close(fd)
-                sock = socket.socket(fileno=fds[3])
-                children[pid] = sock
-                selector.register(sock, selectors.EVENT_READ, pid)
-                with contextlib.suppress(OSError):
-                    sock.send(f"pid {pid}".encode())
-            elif key.data == "ended":
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(wake_read, 512):
-                        pass
-                _reap(children, selector)
-            else:  # "kill", or the parent closed the child's socket (it timed out, or went away)
-                pid, sock = key.data, key.fileobj
-                try:
-                    order = sock.recv(64)
-                except OSError:
-                    order = b""
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                if not order:
-                    selector.unregister(sock)
-                    sock.close()
-                    children[pid] = None
-        _reap(children, selector)  # a SIGCHLD that came between two selects
+    _WarmLoop(channel, float(spec["warm_seconds"])).run()
 
 
-def _reap(children: dict[int, socket.socket | None], selector: selectors.BaseSelector) -> None:
-    """Collect ended children: SIGKILL to whatever each left in its session, its exit status to its socket."""
-    while children:
+class _WarmLoop:
+    """The warm child's one thread: requests, children's exits (SIGCHLD, through a wakeup pipe) and orders
+    from the parent, each on a descriptor of `selector`."""
+
+    def __init__(self, channel: socket.socket, warm_seconds: float) -> None:
+        self.channel, self.warm_seconds = channel, warm_seconds
+        self.wake_read, self.wake_write = os.pipe()
+        for fd in (self.wake_read, self.wake_write):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self.wake_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup byte is what counts
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(channel, selectors.EVENT_READ, "request")
+        self.selector.register(self.wake_read, selectors.EVENT_READ, "ended")
+        self.children: dict[int, socket.socket | None] = {}  # pid -> its socket (None once let go)
+        self.accepting, self.last_request = True, time.monotonic()
+
+    def run(self) -> None:
+        self.channel.send(b"ready")
+        while self.accepting or self.children:
+            timeout = None
+            if self.accepting and not self.children:
+                timeout = self.last_request + self.warm_seconds - time.monotonic()
+                if timeout <= 0:
+                    return
+            for key, _ in self.selector.select(timeout):
+                if self.selector.get_map().get(key.fd) is not key:
+                    continue  # unregistered by an earlier event of this round (its child was reaped)
+                if key.data == "request":
+                    self._request()
+                elif key.data == "ended":
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self.wake_read, 512):
+                            pass
+                    self._reap()
+                else:
+                    self._order(key.data, key.fileobj)
+            self._reap()  # a SIGCHLD that came between two selects
+
+    def _request(self) -> None:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
+            data, fds, _, _ = socket.recv_fds(self.channel, 4096, 4)
+        except OSError:
+            data, fds = b"", []
+        if not data or len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            if not data:  # the parent closed it: no more requests
+                self.selector.unregister(self.channel)
+                self.accepting = False
             return
+        self.last_request = time.monotonic()
+        own = [self.channel.fileno(), self.wake_read, self.wake_write, self.selector.fileno()]
+        own += [sock.fileno() for sock in self.children.values() if sock is not None]
+        try:
+            pid = os.fork()
+        except OSError:  # no process to be had (EAGAIN, ENOMEM): the parent runs it in a fresh interpreter
+            pid = -1
         if pid == 0:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        sock = children.pop(pid, None)
-        if sock is not None:
-            selector.unregister(sock)
+            _forked(data.decode(), fds, own)  # never returns
+        for fd in fds[:3]:
+            os.close(fd)
+        sock = socket.socket(fileno=fds[3])
+        if pid < 0:
             with contextlib.suppress(OSError):
-                sock.send(f"exit {status}".encode())
+                sock.send(b"failed: no fork")
             sock.close()
+            return
+        self.children[pid] = sock
+        self.selector.register(sock, selectors.EVENT_READ, pid)
+        with contextlib.suppress(OSError):
+            sock.send(f"pid {pid}".encode())
+
+    def _order(self, pid: int, sock: socket.socket) -> None:
+        """A "kill" order, or the parent closed the child's socket (it timed out, or went away): SIGKILL to
+        the child and its session (the child itself too: it may not have started its session yet)."""
+        if self.children.get(pid) is not sock:
+            return
+        try:
+            order = sock.recv(64)
+        except OSError:
+            order = b""
+        for kill in (os.kill, os.killpg):  # pid is not reaped yet: it cannot be another process's
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, signal.SIGKILL)
+        if not order:
+            self.selector.unregister(sock)
+            sock.close()
+            self.children[pid] = None
+
+    def _reap(self) -> None:
+        """Collect ended children: SIGKILL to whatever each left in its session (before it is reaped, while
+        its pid still names it), its exit status to its socket."""
+        while self.children:
+            try:
+                ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if ended is None or ended.si_pid == 0:
+                return
+            pid = ended.si_pid
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            sock = self.children.pop(pid, None)
+            if sock is not None:
+                self.selector.unregister(sock)
+                with contextlib.suppress(OSError):
+                    sock.send(f"exit {status}".encode())
+                sock.close()
 
 
 def _forked(folder: str, fds: list[int], own: list[int]) -> None:
@@ -633,7 +702,7 @@ def _forked(folder: str, fds: list[int], own: list[int]) -> None:
         main()
         code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
         with contextlib.suppress(BaseException):
             import traceback

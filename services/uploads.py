@@ -195,6 +195,7 @@ class TaskUploads:
             limits,
             memory_bytes=self.settings.dataset_probe_memory_bytes,
             timeout_seconds=self.settings.dataset_probe_timeout_seconds,
+            warm_seconds=self.settings.sandbox_warm_seconds,
         )
 
     def _stage(self, files: Mapping[str, Upload], staging: Path) -> list[str]:

@@ -67,10 +67,12 @@ class ComposeLimits:
     """The bounds of a composition computed in a child process (the service's settings):
     `memory_bytes` (PELT_COMPOSE_MEMORY_BYTES) for the sources' tensors and the working copies, checked
     against `estimate_compose_bytes` before anything is downloaded; `timeout_seconds`
-    (PELT_COMPOSE_TIMEOUT_SECONDS) for the child."""
+    (PELT_COMPOSE_TIMEOUT_SECONDS) for the child; `warm_seconds` (PELT_SANDBOX_WARM_SECONDS) for its warm
+    interpreter (None: the setting's)."""
 
     memory_bytes: int
     timeout_seconds: float
+    warm_seconds: float | None = None
 
     def child_memory_bytes(self) -> int:
         """The child's address-space limit: the budget and the runtime (it loads no backbone weights)."""
@@ -195,6 +197,7 @@ def run_compose_child(request: Mapping[str, Any], limits: ComposeLimits) -> dict
         timeout_seconds=limits.timeout_seconds,
         environment=CHILD_ENVIRONMENT,
         write_files=True,  # the composed delta
+        warm_seconds=limits.warm_seconds,
     )
     answer = outcome.answer or {}
     if "sha256" in answer:

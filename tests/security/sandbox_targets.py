@@ -45,7 +45,12 @@ REQUESTS_SEEN: list[Any] = []  # a module global a request could leave something
 
 def remember_and_describe(request: dict[str, Any], report: Any) -> dict[str, Any]:
     """Leaves its mark on the module, the environment and the process; says what it found of earlier ones,
-    its pid and parent's, and every descriptor it holds (what each one is)."""
+    its pid and parent's, and every descriptor it holds (what each one is). With "wait_for": first waits
+    until that path exists."""
+    import time
+
+    while request.get("wait_for") and not os.path.exists(request["wait_for"]):
+        time.sleep(0.02)
     found = {"requests_seen": list(REQUESTS_SEEN), "mark": os.environ.get("PELT_SANDBOX_TEST_MARK")}
     REQUESTS_SEEN.append(request.get("tag"))
     os.environ["PELT_SANDBOX_TEST_MARK"] = str(request.get("tag"))
@@ -53,8 +58,11 @@ def remember_and_describe(request: dict[str, Any], report: Any) -> dict[str, Any
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
             descriptors[name] = os.readlink(f"/proc/self/fd/{name}")
+    import ctypes
+
     return {
         **found,
+        "dumpable": ctypes.CDLL(None).prctl(3, 0, 0, 0, 0),  # PR_GET_DUMPABLE
         "tag": request.get("tag"),
         "pid": os.getpid(),
         "parent": os.getppid(),
@@ -70,3 +78,11 @@ def report_pid_then_hang(request: dict[str, Any], report: Any) -> dict[str, Any]
     report({"pid": os.getpid()})
     while True:
         time.sleep(60)
+
+
+def crash(request: dict[str, Any], report: Any) -> dict[str, Any]:
+    """Ends by SIGSEGV, as a native reader's bug would."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+    return {}

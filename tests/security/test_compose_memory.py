@@ -121,7 +121,8 @@ def test_a_composition_whose_process_runs_out_of_memory_is_413_and_leaves_nothin
 
 
 def test_a_composition_that_runs_past_its_time_is_killed_and_leaves_nothing(client, api, loras, private_tmp):
-    api.settings.compose_timeout_seconds = 0.01  # far less than the child needs to import torch
+    api.settings.sandbox_warm_seconds = 0  # a fresh interpreter: it cannot import torch in 10 ms
+    api.settings.compose_timeout_seconds = 0.01
     refused(
         lambda: client.compose("merge", loras, "toy", aliases=["soup"]),
         422,

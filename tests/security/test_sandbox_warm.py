@@ -6,6 +6,7 @@ cannot be had. The warm child itself ends with its parent and after its idle tim
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -42,6 +43,16 @@ def run(target: str, warm_seconds: float = 60, timeout: float = 120, **request: 
     )
 
 
+def until(condition: Any, within: float = 60) -> bool:
+    """Whether `condition()` holds by the deadline (checked every 20 ms)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def gone(pid: int, within: float = 60) -> bool:
     """Whether process `pid` has ended (or is a zombie) by the deadline."""
     deadline = time.monotonic() + within
@@ -64,6 +75,7 @@ def test_each_request_is_a_fresh_fork_of_one_warm_child_and_sees_nothing_of_the_
     assert first["pid"] != second["pid"]
     assert first["parent"] == second["parent"] != os.getpid()  # both forked by the same warm child
     assert first["session"] == first["pid"]  # a session of its own: its time limit kills all it started
+    assert first["dumpable"] == second["dumpable"] == 0  # no sibling may ptrace it or read its /proc
 
 
 def kinds(descriptors: dict[str, str]) -> list[str]:
@@ -71,12 +83,24 @@ def kinds(descriptors: dict[str, str]) -> list[str]:
     return sorted(what.split(":[")[0] for what in descriptors.values())
 
 
-def test_a_forked_child_holds_no_descriptor_a_fresh_interpreter_would_not(target):
+def test_a_forked_child_holds_no_descriptor_a_fresh_interpreter_would_not(target, monkeypatch, tmp_path):
     name = target("remember_and_describe")
+    monkeypatch.setitem(
+        sandbox.PRELOADS, "test", sandbox.PRELOADS["dataset_probe"] + sandbox.PRELOADS["compose"]
+    )
     fresh = run(name, warm_seconds=0, tag="fresh").answer["descriptors"]
-    run(name, tag="warming")  # another request's socket and pipes have been through the warm child
+    run(name, tag="warming")
+    go = tmp_path / "go"
+    sibling = threading.Thread(target=run, args=(name,), kwargs={"tag": "sibling", "wait_for": str(go)})
+    sibling.start()  # a request in flight while the next one forks: its socket is in the warm child then
+    try:
+        warm = psutil.Process(sandbox._warm_children[sandbox.TARGETS["test"]].process.pid)
+        assert until(lambda: warm.children()), "the sibling request never started"
 
-    forked = run(name, tag="looked").answer["descriptors"]
+        forked = run(name, tag="looked").answer["descriptors"]
+    finally:
+        go.touch()
+        sibling.join()
 
     assert kinds(forked) == kinds(fresh), (forked, fresh)  # stdin, stdout, stderr and the answer's pipe
     assert "socket" not in kinds(forked)
@@ -100,9 +124,10 @@ def test_requests_at_once_each_get_their_own_answer(target):
 
 
 def test_a_forked_child_past_its_time_limit_is_killed_and_the_next_request_is_served(target):
-    outcome = run(target("report_pid_then_hang"), timeout=2)
+    outcome = run(target("report_pid_then_hang"), timeout=5)
 
     assert outcome.timed_out and outcome.answer is None
+    assert outcome.progress, "the child did not report its pid within its time limit"
     assert gone(outcome.last_progress["pid"])
     assert run(target("remember_and_describe"), tag="after").answer["tag"] == "after"
 
@@ -134,17 +159,48 @@ def test_a_warm_child_killed_between_requests_is_replaced(target):
     assert answer["tag"] == "two" and answer["parent"] not in {warm_pid, os.getpid()}
 
 
-def test_a_warm_child_ends_after_its_idle_time_and_when_its_parent_ends():
+def test_a_warm_child_serves_at_most_max_forks_requests_then_a_fresh_one_does(target, monkeypatch):
+    monkeypatch.setattr(sandbox, "MAX_FORKS", 2)
+    name = target("remember_and_describe")
+
+    parents = [run(name, tag=tag).answer["parent"] for tag in range(3)]
+
+    assert parents[0] == parents[1] != parents[2]  # a fresh address-space layout every MAX_FORKS requests
+
+
+def test_after_a_child_crashes_its_warm_child_serves_no_more_requests(target):
+    name = target("crash")
+
+    crashed = run(name)
+
+    warm = sandbox._warm_children[sandbox.TARGETS["test"]]
+    assert crashed.returncode == -signal.SIGSEGV and crashed.answer is None
+    assert warm.retired  # the crash may have learnt the layout every child of that warm child shares
+    run(name)
+    assert sandbox._warm_children[sandbox.TARGETS["test"]] is not warm
+    assert gone(warm.process.pid)
+
+
+def test_a_warm_child_ends_after_its_idle_time_and_with_its_parent_and_so_do_its_running_children(
+    tmp_path,
+):
     script = textwrap.dedent(
         f"""
-        import sys
+        import os, sys, threading, time
+        import psutil
         from services import sandbox
         sandbox.TARGETS["test"] = "{TARGETS}:remember_and_describe"
-        for idle in (1.0, 600.0):
-            outcome = sandbox.run_in_child("test", {{}}, memory_bytes=2 << 30, timeout_seconds=120, warm_seconds=idle)
-            print(outcome.answer["parent"], flush=True)
-            if idle == 1.0:
-                sys.stdin.readline()  # the test checks that this one ends by itself
+        def run(warm_seconds, **request):
+            return sandbox.run_in_child("test", request, memory_bytes=2 << 30, timeout_seconds=600,
+                                        warm_seconds=warm_seconds)
+        print(run(1.0).answer["parent"], flush=True)
+        sys.stdin.readline()  # the test has seen that warm child end by itself
+        warm = run(600.0).answer["parent"]
+        threading.Thread(target=run, args=(600.0,), kwargs={{"wait_for": "{tmp_path / "never"}"}}, daemon=True).start()
+        while not psutil.Process(warm).children():
+            time.sleep(0.02)
+        print(warm, psutil.Process(warm).children()[0].pid, flush=True)
+        os._exit(0)  # gone, with a request in flight
         """
     )
     parent = subprocess.Popen(
@@ -159,8 +215,9 @@ def test_a_warm_child_ends_after_its_idle_time_and_when_its_parent_ends():
         assert gone(idle_one), "a warm child with 1 s of idle time was still running a minute later"
         parent.stdin.write("\n")
         parent.stdin.flush()
-        long_one = int(parent.stdout.readline())
+        warm, in_flight = map(int, parent.stdout.readline().split())
         assert parent.wait(120) == 0
-        assert gone(long_one), "a warm child outlived its parent"
+        assert gone(in_flight), "a request's child outlived the process that asked for it"
+        assert gone(warm), "a warm child outlived its parent"
     finally:
         parent.kill()

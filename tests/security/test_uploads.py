@@ -591,7 +591,8 @@ def test_a_probe_past_its_memory_limit_is_a_422_and_the_api_stays_up(api, toy_fi
 
 
 def test_a_probe_past_its_time_limit_is_a_422(api, toy_files):
-    api.settings.dataset_probe_timeout_seconds = 0.001  # no interpreter starts in a millisecond
+    api.settings.sandbox_warm_seconds = 0  # a fresh interpreter, and none starts in a millisecond
+    api.settings.dataset_probe_timeout_seconds = 0.001
     train = ("train.jsonl", Path(toy_files["train"]).read_bytes())
     refused(upload(api, {"train": train}), 422, "source", "PELT_DATASET_PROBE_TIMEOUT_SECONDS")
     nothing_written(api)

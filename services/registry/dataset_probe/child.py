@@ -25,16 +25,22 @@ def probe_dataset_in_child(
     *,
     memory_bytes: int,
     timeout_seconds: float,
+    warm_seconds: float | None = None,
 ) -> DatasetProbe:
     """`probe_dataset` in a child process (`services.sandbox`) under `memory_bytes` of address space
-    (PELT_DATASET_PROBE_MEMORY_BYTES) and `timeout_seconds` (PELT_DATASET_PROBE_TIMEOUT_SECONDS). Its
+    (PELT_DATASET_PROBE_MEMORY_BYTES) and `timeout_seconds` (PELT_DATASET_PROBE_TIMEOUT_SECONDS), forked
+    from a warm interpreter kept `warm_seconds` (PELT_SANDBOX_WARM_SECONDS; None: the setting's). Its
     refusals come back as they are; a child that runs out of either, or crashes, is a 422 naming the
     split it was reading (`source.<split>`; `source` for a `datasets` folder or before any split)."""
     from services.sandbox import run_in_child
 
     request = {"source": asdict(source), "label_field": label_field, "limits": asdict(limits)}
     outcome = run_in_child(
-        "dataset_probe", request, memory_bytes=memory_bytes, timeout_seconds=timeout_seconds
+        "dataset_probe",
+        request,
+        memory_bytes=memory_bytes,
+        timeout_seconds=timeout_seconds,
+        warm_seconds=warm_seconds,
     )
     answer = outcome.answer or {}
     if "probe" in answer:

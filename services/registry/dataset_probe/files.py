@@ -68,12 +68,8 @@ def probe_file(
     except Exception as exc:
         import pyarrow as pa
 
-        from services.sandbox import MEMORY_WORDS
-
-        if isinstance(exc, MemoryError) or any(word in str(exc).lower() for word in MEMORY_WORDS):
-            raise MemoryError(str(exc)) from None  # pyarrow's ArrowMemoryError too: the limit, not the data
-        if not isinstance(exc, OSError | ValueError | pa.ArrowException):  # a bug: not the data's fault
-            raise
+        if isinstance(exc, MemoryError) or not isinstance(exc, OSError | ValueError | pa.ArrowException):
+            raise  # out of memory (ArrowMemoryError is a MemoryError), or a bug: not the data's fault
         reason = str(exc).replace(str(path), path.name) if not isinstance(exc, OSError) else exc.strerror
         raise RegistryValidationError(
             where, f"cannot read the {split} split as {FORMAT_NAMES[kind]}: {reason or type(exc).__name__}"
