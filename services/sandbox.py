@@ -25,18 +25,20 @@ torch for a composition, transformers for a backbone) costs 0.3-2 s of CPU per r
 requests' own work. So each target has a warm child (`_WarmChild`): an interpreter started the same way,
 with the same environment, that imports the target's module and PRELOADS and then only forks, one child
 per request. A forked child starts a session of its own, takes the request's pipes as its stdin, stdout
-and stderr, closes the warm child's sockets and pipes (its own and other requests'), moves into the
-request's fresh folder, sets the request's limits and runs `main` as a fresh interpreter would; a change
-it makes to its memory, environment or modules is its own (the next request is another fork of the same
-untouched warm child). Every child, forked or fresh, is made non-dumpable (Linux): a sibling running as
-the same user cannot ptrace it or read its /proc. What forked children share is the warm child's
-address-space layout (one ASLR draw): a warm child serves at most MAX_FORKS requests, and none after one
-of its children crashed (SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE); the next request starts a fresh one.
-The warm child never runs a request itself, and ends when its parent goes away (its socket closes; its
-running children are then killed) or after PELT_SANDBOX_WARM_SECONDS without a request (0: no warm
-child). It is a separate, single-threaded process: the API's threaded server is never forked. Whenever a
-warm child cannot be had (it failed to start, stopped answering or ended between two requests), the
-request runs in a fresh interpreter.
+and stderr, closes every other descriptor it inherited (the warm child's sockets and pipes, other
+requests' sockets, files a library opened at import), moves into the request's fresh folder, sets the
+request's limits and runs `main` as a fresh interpreter would; a change it makes to its memory,
+environment or modules is its own (the next request is another fork of the same untouched warm child).
+Every child, forked or fresh, and the warm child are non-dumpable (Linux): a sibling running as the same
+user cannot ptrace them or read their /proc. What forked children share is the warm child's address-space
+layout (one ASLR draw): a warm child serves at most MAX_FORKS requests, and none after one of its
+children crashed (SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE; a C++ allocation failing under the memory
+limit aborts too, which costs only a warm start); the next request starts a fresh one. The warm child
+never runs a request itself, is killed if it stops answering, and ends when its parent goes away (its
+socket closes; its running children are then killed) or after PELT_SANDBOX_WARM_SECONDS without a request
+(0: no warm child). It is a separate, single-threaded process: the API's threaded server is never
+forked. Whenever a warm child cannot be had (it failed to start or to fork, stopped answering or ended
+between two requests), the request runs in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -301,13 +303,14 @@ class _ForkedChild:
             os.fdopen(stderr, "rb"),
         )
         self.returncode: int | None = None
+        self.lock = threading.Lock()  # between `kill` (an output reader's thread) and `wait`
 
     def wait(self, timeout: float | None = None) -> int:
         """Its exit status as Popen gives it (-N: killed by signal N). `timeout` None (after `kill`): at most
         KILLED_WAIT_SECONDS, then its session is killed here and it counts as killed."""
         if self.returncode is not None:
             return self.returncode
-        self.channel.settimeout(KILLED_WAIT_SECONDS if timeout is None else timeout)
+        self.channel.settimeout(KILLED_WAIT_SECONDS if timeout is None else max(timeout, 0.001))
         try:
             message = self.channel.recv(64)
         except TimeoutError:
@@ -317,24 +320,29 @@ class _ForkedChild:
         except OSError:
             message = b""
         if message.startswith(b"exit "):
-            self.returncode = os.waitstatus_to_exitcode(int(message[5:]))
+            code = os.waitstatus_to_exitcode(int(message[5:]))
         else:  # its warm child ended or stopped answering: end the child's session here, and that warm child
             self._kill_group()
-            self.returncode = -signal.SIGKILL
+            self.warm.abandon()
+            code = -signal.SIGKILL
+        if (
+            -code in CRASH_SIGNALS
+        ):  # the crash may have learnt the layout every child of its warm child shares
             self.warm.retire()
-        if -self.returncode in CRASH_SIGNALS:  # a crash may have learnt the shared layout: a fresh warm child
-            self.warm.retire()
-        self.channel.close()
-        return self.returncode
+        with self.lock:
+            self.returncode = code
+            self.channel.close()
+        return code
 
     def kill(self) -> None:
         """SIGKILL to its session, by its warm child (which knows whether it is still running)."""
-        if self.returncode is not None:
-            return
-        try:
-            self.channel.send(b"kill")
-        except OSError:
-            self._kill_group()
+        with self.lock:
+            if self.returncode is not None:
+                return
+            try:
+                self.channel.send(b"kill")
+            except OSError:  # its warm child is gone: its session is not reaped by anyone who could reuse it
+                self._kill_group()
 
     def _kill_group(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -399,7 +407,7 @@ class _WarmChild:
 
     def fork(self, folder: str) -> _ForkedChild | None:
         """A child of it working in `folder`, its stdin, stdout and stderr pipes to this process; None when
-        this warm child is gone (the caller then runs the request in a fresh interpreter)."""
+        it could not fork one or is gone (then abandoned); the caller then runs the request fresh."""
         stdin_read, stdin_write = os.pipe()
         stdout_read, stdout_write = os.pipe()
         stderr_read, stderr_write = os.pipe()
@@ -407,7 +415,6 @@ class _WarmChild:
         theirs_fd = theirs.fileno()
         try:
             with self.lock:
-                self.last_used, self.forks = time.monotonic(), self.forks + 1
                 socket.send_fds(
                     self.channel, [folder.encode()], [stdin_read, stdout_write, stderr_write, theirs_fd]
                 )
@@ -423,6 +430,8 @@ class _WarmChild:
             mine.close()
             for fd in (stdin_write, stdout_read, stderr_read):
                 os.close(fd)
+            if not answer.startswith(b"failed:"):  # gone, or stuck (not "no process to be had just now")
+                self.abandon()
             return None
         mine.settimeout(None)
         return _ForkedChild(self, int(answer[4:]), mine, stdin_write, stdout_read, stderr_read)
@@ -430,6 +439,11 @@ class _WarmChild:
     def retire(self) -> None:
         """Serve no more requests from it (the next one starts a fresh warm child)."""
         self.retired = True
+
+    def abandon(self) -> None:
+        """It stopped answering: serve nothing more from it, and kill it (its memory would stay held)."""
+        self.retired = True
+        self.process.kill()
 
     def close(self) -> None:
         """Let it go: it takes no more requests and ends once its running children have ended."""
@@ -461,8 +475,9 @@ def _fork_warm(
                 log.warning("running %s in a fresh interpreter: %s", function, exc)
                 return None
             _warm_children[function] = warm
+        warm.forks, warm.last_used = warm.forks + 1, time.monotonic()  # reserved here: MAX_FORKS holds
     child = warm.fork(folder)
-    if child is None:
+    if child is None and warm.retired:
         with lock:
             if _warm_children.get(function) is warm:
                 warm.close()
@@ -521,6 +536,7 @@ def _not_dumpable() -> None:
 def main() -> None:
     """`python -m services.sandbox`: {"function", "request", "memory_bytes", "write_files"} on stdin (from
     `run_in_child`, whose TARGETS chose the function); JSON lines on stdout."""
+    _not_dumpable()  # first: no sibling can attach while it reads its request
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the function prints goes to stderr
 
@@ -529,7 +545,6 @@ def main() -> None:
         out.flush()
 
     message = json.loads(sys.stdin.buffer.read())
-    _not_dumpable()
     _limit_resources(int(message["memory_bytes"]), bool(message.get("write_files")))
     try:
         module, _, name = str(message["function"]).partition(":")
@@ -558,6 +573,7 @@ def warm_child(channel_fd: int, spec: dict[str, Any]) -> None:
     it; "kill" or its closing kills the child). Ends once the parent closes FD (or after
     spec["warm_seconds"] without a request) and no child is running."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    _not_dumpable()  # and so is every child it forks, from its first instruction
     channel = socket.socket(fileno=channel_fd)
     try:
         importlib.import_module(str(spec["function"]).partition(":")[0])
@@ -673,7 +689,10 @@ class _WarmLoop:
             pid = ended.si_pid
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
+            try:
+                _, status = os.waitpid(pid, 0)
+            except ChildProcessError:
+                status = signal.SIGKILL
             sock = self.children.pop(pid, None)
             if sock is not None:
                 self.selector.unregister(sock)
@@ -696,8 +715,7 @@ def _forked(folder: str, fds: list[int], own: list[int]) -> None:
                 os.close(fd)
         for target, fd in zip((0, 1, 2), fds[:3], strict=True):
             os.dup2(fd, target)
-        for fd in fds:
-            os.close(fd)
+        os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # and whatever an import opened
         os.chdir(folder)
         main()
         code = 0

@@ -106,6 +106,15 @@ def test_a_forked_child_holds_no_descriptor_a_fresh_interpreter_would_not(target
     assert "socket" not in kinds(forked)
 
 
+def test_a_descriptor_a_preloaded_library_opened_is_not_inherited_by_a_forked_child(target, monkeypatch):
+    name = target("remember_and_describe")
+    monkeypatch.setitem(sandbox.PRELOADS, "test", ("tests.security.opens_a_file_at_import",))
+
+    descriptors = run(name, tag="looked").answer["descriptors"]
+
+    assert not [what for what in descriptors.values() if what.endswith("opens_a_file_at_import.py")]
+
+
 def test_requests_at_once_each_get_their_own_answer(target):
     name = target("remember_and_describe")
     answers: dict[int, Any] = {}
@@ -124,7 +133,7 @@ def test_requests_at_once_each_get_their_own_answer(target):
 
 
 def test_a_forked_child_past_its_time_limit_is_killed_and_the_next_request_is_served(target):
-    outcome = run(target("report_pid_then_hang"), timeout=5)
+    outcome = run(target("report_pid_then_hang"), timeout=10)
 
     assert outcome.timed_out and outcome.answer is None
     assert outcome.progress, "the child did not report its pid within its time limit"
@@ -146,6 +155,20 @@ def test_a_warm_child_that_cannot_start_leaves_the_request_to_a_fresh_interprete
     answer = run(name, tag="fallback").answer
 
     assert answer["tag"] == "fallback" and answer["parent"] == os.getpid()
+
+
+def test_a_stopped_warm_child_is_killed_and_the_request_runs_in_a_fresh_interpreter(target, monkeypatch):
+    name = target("remember_and_describe")
+    warm_pid = run(name, tag="one").answer["parent"]
+    warm = sandbox._warm_children[sandbox.TARGETS["test"]]
+    psutil.Process(warm_pid).suspend()  # SIGSTOP: it takes the request but never answers
+    monkeypatch.setattr(sandbox, "WARM_START_TIMEOUT_SECONDS", 2.0)
+
+    answer = run(name, tag="two").answer
+
+    assert answer["tag"] == "two" and answer["parent"] == os.getpid()
+    assert gone(warm_pid), "the stopped warm child was left holding its memory"
+    assert warm.retired
 
 
 def test_a_warm_child_killed_between_requests_is_replaced(target):
