@@ -44,6 +44,7 @@ from services.api.schemas import (
     LossHistoryOut,
     MethodOut,
     ResultOut,
+    SweepCheckOut,
     SweepOut,
     TaskOut,
     VersionOut,
@@ -274,21 +275,30 @@ class PeltClient:
         """Queue methods × seeds × K values (None: the full training set) in one go; `device` ("any",
         "cpu" or "gpu") applies to every job. The same sweep as one already queued, running or done
         returns that sweep's jobs (`already_submitted` true, nothing queued) unless `again=True`."""
-        body = {
-            "task": task,
-            "methods": list(methods),
-            "backbone": backbone,
-            "seeds": list(seeds),
-            "k_values": list(k_values),
-            "hyperparameters": dict(hyperparameters or {}),
-            "method_hyperparameters": {k: dict(v) for k, v in (method_hyperparameters or {}).items()},
-            "priority": priority,
-            "max_attempts": max_attempts,
-            "idempotency_key": idempotency_key,
-            **_placement(device),
-            **({"again": True} if again else {}),
-        }
-        return SweepOut.model_validate(self._post("/v1/sweeps", body))
+        body = _sweep_body(
+            task, methods, backbone, seeds, k_values, hyperparameters, method_hyperparameters, device
+        )
+        body |= {"priority": priority, "max_attempts": max_attempts, "idempotency_key": idempotency_key}
+        return SweepOut.model_validate(self._post("/v1/sweeps", body | ({"again": True} if again else {})))
+
+    def check_sweep(
+        self,
+        task: str,
+        methods: Sequence[str],
+        *,
+        backbone: str = DEFAULT_BACKBONE,
+        seeds: Sequence[int] = (0,),
+        k_values: Sequence[int | None] = (None,),
+        hyperparameters: Mapping[str, Any] | None = None,
+        method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
+        device: str = "any",
+    ) -> int:
+        """Check a sweep as `sweep` would submit it, queueing nothing: the number of jobs it holds, or the
+        PeltAPIError its submission would get (a K beyond the task's rows, an unknown method, a range)."""
+        body = _sweep_body(
+            task, methods, backbone, seeds, k_values, hyperparameters, method_hyperparameters, device
+        )
+        return SweepCheckOut.model_validate(self._post("/v1/sweeps/check", body)).jobs
 
     def job(self, job_id: int) -> JobOut:
         return JobOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}"))
@@ -567,6 +577,29 @@ def _default_token(settings: Settings, url: str) -> str | None:
         return path.read_text().strip() or None
     except OSError:
         return None
+
+
+def _sweep_body(
+    task: str,
+    methods: Sequence[str],
+    backbone: str,
+    seeds: Sequence[int],
+    k_values: Sequence[int | None],
+    hyperparameters: Mapping[str, Any] | None,
+    method_hyperparameters: Mapping[str, Mapping[str, Any]] | None,
+    device: str,
+) -> dict[str, Any]:
+    """What a sweep is, as /v1/sweeps and /v1/sweeps/check take it."""
+    return {
+        "task": task,
+        "methods": list(methods),
+        "backbone": backbone,
+        "seeds": list(seeds),
+        "k_values": list(k_values),
+        "hyperparameters": dict(hyperparameters or {}),
+        "method_hyperparameters": {k: dict(v) for k, v in (method_hyperparameters or {}).items()},
+        **_placement(device),
+    }
 
 
 def _placement(device: str) -> dict[str, str]:

@@ -300,6 +300,39 @@ class PeltOperations:
             again=again,
         )
 
+    def check_sweep(
+        self,
+        task: str,
+        methods: Sequence[str],
+        backbone: str,
+        seeds: Sequence[int] = (0,),
+        k_values: Sequence[int | None] = (None,),
+        hyperparameters: Mapping[str, Any] | None = None,
+        method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
+        device: str = DEFAULT_JOB_DEVICE,
+        **_submission_only: Any,
+    ) -> int:
+        """Check a sweep as `submit_sweep` would and queue nothing (`Registry.check_sweep`): how many jobs
+        it holds. A packaged backbone not yet registered is registered, as its first submission would."""
+        self.registry.get_task(task)
+        for method in methods:
+            self.registry.get_method(method)
+        check_json_numbers(hyperparameters)
+        for values in (method_hyperparameters or {}).values():
+            check_json_numbers(values)
+        check_device(device)
+        self.ensure_backbone(backbone)
+        return self.registry.check_sweep(
+            task,
+            methods,
+            seeds,
+            k_values,
+            backbone,
+            hyperparameters,
+            method_hyperparameters=method_hyperparameters,
+            device=device,
+        )
+
     def get_job(self, job_id: int) -> JobRecord:
         return self.registry.get_job(job_id)
 

@@ -276,6 +276,11 @@ class SweepOut(Response):
     )
 
 
+class SweepCheckOut(Response):
+    task: str
+    jobs: int = Field(description="how many jobs the sweep would queue")
+
+
 class SweepCancelOut(Response):
     sweep_id: int
     cancelled: int

@@ -3,6 +3,8 @@ them, read what a job ended with and what happened to it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from services.api.schemas import DEFAULT_BACKBONE, JOB_DEVICES
@@ -95,6 +97,7 @@ def say_if_first_use(client: PeltClient, backbone: str) -> None:
     help="queue new runs even if the same sweep was already submitted (else that sweep's jobs are shown)",
 )
 @click.option("--watch", is_flag=True, help="then show the jobs' progress until they end")
+@click.option("--check", is_flag=True, help="check the sweep as submitting it would, and queue nothing")
 @client_errors
 def sweep_command(
     task: str,
@@ -107,22 +110,27 @@ def sweep_command(
     device: str,
     again: bool,
     watch: bool,
+    check: bool,
 ) -> None:
     """Queue methods × seeds × K values for a task; the same sweep again queues nothing (it shows the
-    jobs already submitted) unless --again."""
+    jobs already submitted) unless --again. --check: only check it (the names, each K against the task's
+    rows, the ranges)."""
+    sweep_of: dict[str, Any] = {
+        "task": task,
+        "methods": [m.strip() for m in methods.split(",") if m.strip()],
+        "backbone": backbone,
+        "seeds": parse_ints(seeds, "--seeds"),
+        "k_values": parse_ints(k_values, "--k", allow_full=True),
+        "hyperparameters": parse_set_options(assignments),
+        "device": device,
+    }
     with PeltClient() as client:
         say_if_first_use(client, backbone)
-        sweep = client.sweep(
-            task,
-            [m.strip() for m in methods.split(",") if m.strip()],
-            backbone=backbone,
-            seeds=parse_ints(seeds, "--seeds"),
-            k_values=parse_ints(k_values, "--k", allow_full=True),
-            hyperparameters=parse_set_options(assignments),
-            priority=priority,
-            device=device,
-            again=again,
-        )
+        if check:
+            jobs = client.check_sweep(**sweep_of)
+            click.echo(f"the sweep checks out: it would queue {jobs} jobs (nothing queued)")
+            return
+        sweep = client.sweep(**sweep_of, priority=priority, again=again)
         span = f"({sweep.job_ids[0]}..{sweep.job_ids[-1]})"
         if sweep.already_submitted:
             click.echo(

@@ -206,20 +206,7 @@ class Submissions(RegistryCore):
             with self._writing() as session:
                 now = self._now()
                 task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
-                planned = [
-                    plan
-                    for name in request.methods
-                    for plan in self._plan_method(
-                        session,
-                        name,
-                        request.split[name],
-                        task_row,
-                        backbone_row,
-                        request.seeds,
-                        request.k_values,
-                        now,
-                    )
-                ]
+                planned = self._plan_sweep(session, request, task_row, backbone_row, now)
                 stored_key, mine = key, submitted_by_current_actor(Sweep)
                 if key is not None:
                     existing = session.scalar(select(Sweep).where(Sweep.idempotency_key == key, mine))
@@ -313,6 +300,43 @@ class Submissions(RegistryCore):
                 name: split_hyperparameters({**common, **per_method.get(name, {})}) for name in method_names
             },
         )
+
+    def check_sweep(
+        self,
+        task: str,
+        methods: Sequence[str],
+        seeds: Sequence[int],
+        k_values: Sequence[int | None],
+        backbone: str,
+        hyperparameters: Mapping[str, Any] | None = None,
+        *,
+        method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
+        device: str = DEFAULT_JOB_DEVICE,
+    ) -> int:
+        """Check a sweep as `submit_sweep` checks it (names, each K against the task's rows and held-out
+        rows, the ranges that depend on the backbone), writing nothing: how many jobs it holds, or the
+        error submitting it would raise. The queue quota is not checked (it changes as jobs end)."""
+        request = self._check_sweep_request(methods, seeds, k_values, hyperparameters, method_hyperparameters)
+        check_device(device)
+        try:
+            with self._writing() as session:  # planning may make a built-in method's row: rolled back
+                task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
+                planned = self._plan_sweep(session, request, task_row, backbone_row, self._now())
+                raise _Checked(len(planned))
+        except _Checked as checked:
+            return checked.jobs
+
+    def _plan_sweep(
+        self, session: Session, request: _SweepRequest, task: Task, backbone: Backbone, now: datetime
+    ) -> list[PlannedJob]:
+        """Every job of the sweep, validated (`_plan_method` for each method)."""
+        return [
+            plan
+            for name in request.methods
+            for plan in self._plan_method(
+                session, name, request.split[name], task, backbone, request.seeds, request.k_values, now
+            )
+        ]
 
     def _plan_method(
         self,
@@ -477,6 +501,14 @@ def _has_live_jobs(session: Session, sweep: Sweep) -> bool:
     ended_badly = [JobStatus.FAILED.value, JobStatus.CANCELLED.value]
     query = select(Job.id).where(Job.sweep_id == sweep.id, Job.status.not_in(ended_badly)).limit(1)
     return session.scalar(query) is not None
+
+
+class _Checked(Exception):
+    """Ends `check_sweep`'s transaction (rolled back) with the count of jobs it planned."""
+
+    def __init__(self, jobs: int) -> None:
+        super().__init__(jobs)
+        self.jobs = jobs
 
 
 def _check_same_sweep(

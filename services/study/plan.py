@@ -176,8 +176,9 @@ def current_fingerprints(client: PeltClient, plan: StudyPlan) -> dict[str, str]:
 
 def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
     """Queue the cells no job fills yet (or only a failed or cancelled one, or one that ran an older version
-    of its method's preset), as sweeps of one task and K (methods × their missing seeds), and return (every
-    job id of the study, how many were queued now). A repeat queues nothing new; a plan with one more method
+    of its method's preset), as sweeps of one task and K (methods × their missing seeds), once every one of
+    those sweeps has passed the service's check (a K beyond a task's rows fails here, before anything is
+    queued), and return (every job id of the study, how many were queued now). A repeat queues nothing new; a plan with one more method
     or seed queues only those jobs."""
     current = current_fingerprints(client, plan)
     found = existing_jobs(client, plan, current)
@@ -187,7 +188,7 @@ def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
         for cell, job in found.items()
         if job.status not in ended_badly and job.method_fingerprint == current[job.method]
     }
-    queued, ids = 0, {job.id for job in existing.values()}
+    sweeps = []  # (task, k, methods, seeds, the jobs they replace)
     for task in plan.tasks:
         for k in plan.k_values:
             missing: dict[tuple[int, ...], list[str]] = {}
@@ -199,17 +200,33 @@ def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
                 replacing = [
                     found[(task, k, m, s)].id for m in methods for s in seeds if (task, k, m, s) in found
                 ]
-                sweep = client.sweep(
-                    task,
-                    methods,
-                    backbone=plan.backbone,
-                    seeds=list(seeds),
-                    k_values=[k],
-                    hyperparameters=plan.hyperparameters(k),
-                    idempotency_key=plan.key(task, k, methods, seeds, replacing),
-                )
-                queued += len(sweep.job_ids)
-                ids.update(sweep.job_ids)
+                sweeps.append((task, k, methods, seeds, replacing))
+    for task, k, methods, seeds, _ in sweeps:  # the whole grid is checked before anything is queued
+        try:
+            client.check_sweep(
+                task,
+                methods,
+                backbone=plan.backbone,
+                seeds=list(seeds),
+                k_values=[k],
+                hyperparameters=plan.hyperparameters(k),
+            )
+        except PeltAPIError as exc:  # which cell of the grid, since the service's message cannot say
+            cell = f"task {task!r}, K={k}: {exc.message}"
+            raise PeltAPIError(exc.status, cell, type=exc.type, field=exc.field) from None
+    queued, ids = 0, {job.id for job in existing.values()}
+    for task, k, methods, seeds, replacing in sweeps:
+        sweep = client.sweep(
+            task,
+            methods,
+            backbone=plan.backbone,
+            seeds=list(seeds),
+            k_values=[k],
+            hyperparameters=plan.hyperparameters(k),
+            idempotency_key=plan.key(task, k, methods, seeds, replacing),
+        )
+        queued += len(sweep.job_ids)
+        ids.update(sweep.job_ids)
     return sorted(ids), queued
 
 

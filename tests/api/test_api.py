@@ -489,6 +489,25 @@ def test_pelt_sweep_run_twice_says_already_submitted_and_queues_again_only_with_
     assert len(api.registry.list_jobs()) == 8
 
 
+def test_pelt_sweep_check_says_how_many_jobs_the_sweep_would_queue_or_why_not_and_queues_nothing(
+    api, toy_task, monkeypatch
+):
+    from click.testing import CliRunner
+
+    from services.commands import jobs
+
+    monkeypatch.setattr(jobs, "PeltClient", api.client)
+    arguments = [toy_task, "--methods", "lora,bitfit", "--seeds", "0,1", "--backbone", BACKBONE, "--check"]
+    checked = CliRunner().invoke(jobs.sweep_command, arguments)
+    too_many = CliRunner().invoke(jobs.sweep_command, [*arguments, "--k", "1000000"])
+
+    assert checked.exit_code == 0 and "it would queue 4 jobs (nothing queued)" in checked.output, (
+        checked.output
+    )
+    assert too_many.exit_code != 0 and "k_shot" in too_many.output, too_many.output
+    assert api.registry.list_jobs() == []
+
+
 def test_a_sweeps_k_takes_full_for_the_whole_training_set_and_refuses_all_naming_full(
     api, toy_task, monkeypatch
 ):
@@ -509,6 +528,22 @@ def test_a_sweeps_k_takes_full_for_the_whole_training_set_and_refuses_all_naming
 
 def test_a_sweep_with_one_bad_method_queues_nothing(client, toy_task, api):
     refused(lambda: client.sweep(toy_task, ["lora", "nope"], backbone=BACKBONE), 404, "method")
+    assert api.registry.list_jobs() == []
+
+
+def test_checking_a_sweep_answers_how_many_jobs_it_holds_or_its_refusal_and_queues_nothing(
+    client, toy_task, api
+):
+    answer = client.http.post(
+        "/v1/sweeps/check",
+        json={"task": toy_task, "methods": ["lora", "bitfit"], "backbone": BACKBONE, "seeds": [0, 1]},
+    )
+    assert answer.status_code == 200 and answer.json() == {"task": toy_task, "jobs": 4}
+    assert client.check_sweep(toy_task, ["lora"], backbone=BACKBONE, k_values=[8, None]) == 2
+    refused(
+        lambda: client.check_sweep(toy_task, ["lora"], backbone=BACKBONE, k_values=[10**6]), 422, "k_shot"
+    )
+    refused(lambda: client.check_sweep(toy_task, ["lora", "nope"], backbone=BACKBONE), 404, "method")
     assert api.registry.list_jobs() == []
 
 

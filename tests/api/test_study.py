@@ -209,6 +209,28 @@ def test_a_study_extended_by_a_method_queues_only_that_methods_jobs(
     }
 
 
+def test_a_study_whose_later_task_cannot_supply_its_k_is_refused_before_any_sweep_is_queued(
+    api: Api, client: PeltClient, sst2_folder: Path, tmp_path: Path
+):
+    from services.client import PeltAPIError
+
+    small = tmp_path / "small"
+    small.mkdir()
+    write_jsonl(small / "train.jsonl", toy_rows(120, 2))  # K=100 and 50 dev rows need 150
+    write_jsonl(small / "validation.jsonl", toy_rows(40, 3))
+    (small / "task.json").write_text(json.dumps({"text_fields": ["sentence"]}))
+    register_task_folder(client, "sst2", sst2_folder)
+    register_task_folder(client, "small", small)
+    study = StudyPlan(**{**plan().__dict__, "tasks": ("sst2", "small")})
+
+    with pytest.raises(PeltAPIError) as refused:
+        submit_study(client, study)
+
+    assert refused.value.status == 422 and refused.value.field == "dev_rows", refused.value
+    assert refused.value.message.startswith("task 'small', K=100: dev_rows: 50 dev rows and K=100")
+    assert client.jobs(limit=None) == []  # not even the first task's sweep
+
+
 def test_short_training_keys_match_the_jobs_as_the_registry_stores_them(
     api: Api, client: PeltClient, sst2_folder: Path
 ):

@@ -250,6 +250,24 @@ def test_a_sweep_is_one_submit_of_every_method_seed_and_k(ready: Registry) -> No
     assert ready.get_sweep(sweep.id) == sweep
 
 
+def test_checking_a_sweep_counts_its_jobs_or_raises_what_submitting_it_would_and_writes_nothing(
+    ready: Registry,
+) -> None:
+    before = row_counts(ready)  # no method row yet: planning a built-in's jobs makes one, rolled back here
+
+    assert ready.check_sweep("sst2", ["lora", "bitfit"], [0, 1], [8, None], "tiny-bert", {"epochs": 2}) == 8
+    with pytest.raises(RegistryValidationError) as checked:
+        ready.check_sweep("sst2", ["lora"], [0], [8, 37], "tiny-bert")
+    with pytest.raises(RegistryValidationError) as submitted:
+        ready.submit_sweep("sst2", ["lora"], [0], [8, 37], "tiny-bert")
+    with pytest.raises(UnknownMethodError):
+        ready.check_sweep("sst2", ["loar"], [0], [None], "tiny-bert")
+
+    assert (checked.value.field, str(checked.value)) == (submitted.value.field, str(submitted.value))
+    assert checked.value.field == "k_shot" and "more than the task's 36" in str(checked.value)
+    assert row_counts(ready) == before
+
+
 def test_a_sweep_is_idempotent_by_key(ready: Registry) -> None:
     first = ready.submit_sweep("sst2", ["lora"], [0, 1, 2], [8], "tiny-bert", idempotency_key="sweep-1")
     again = ready.submit_sweep("sst2", ["lora"], [0, 1, 2], [8], "tiny-bert", idempotency_key="sweep-1")

@@ -10,7 +10,7 @@ from fastapi import Path as PathParam
 from pelt_core.limits import INT32_MAX
 from services.api.bodies import BoundedJsonRoute
 from services.api.dependencies import READ, WRITE, Caller, Operations
-from services.api.schemas import SweepCancelOut, SweepIn, SweepOut
+from services.api.schemas import SweepCancelOut, SweepCheckOut, SweepIn, SweepOut
 
 router = APIRouter(tags=["sweeps"], route_class=BoundedJsonRoute)  # JSON nests at most MAX_JSON_DEPTH deep
 
@@ -26,6 +26,13 @@ def submit_sweep(operations: Operations, body: SweepIn, response: Response) -> A
     if sweep.already_submitted:
         response.status_code = 200
     return sweep
+
+
+@router.post("/sweeps/check", response_model=SweepCheckOut, dependencies=[WRITE])
+def check_sweep(operations: Operations, body: SweepIn) -> Any:
+    """Check a sweep as submitting it would (names, each K against the task's rows, ranges) and queue
+    nothing: 200 with the number of jobs it holds, or the error its submission would get."""
+    return {"task": body.task, "jobs": operations.check_sweep(**body.model_dump())}
 
 
 @router.get("/sweeps/{sweep_id}", response_model=SweepOut, dependencies=[READ])
