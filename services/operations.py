@@ -277,14 +277,7 @@ class PeltOperations:
     ) -> SweepRecord:
         """Queue a sweep (`Registry.submit_sweep`); `device` applies to every job. The same sweep as one
         already queued, running or done answers with it (`already_submitted`) unless `again`."""
-        self.registry.get_task(task)
-        for method in methods:
-            self.registry.get_method(method)
-        check_json_numbers(hyperparameters)
-        for values in (method_hyperparameters or {}).values():
-            check_json_numbers(values)
-        check_device(device)
-        self.ensure_backbone(backbone)
+        self._check_sweep_names(task, methods, backbone, hyperparameters, method_hyperparameters, device)
         return self.registry.submit_sweep(
             task,
             methods,
@@ -309,19 +302,15 @@ class PeltOperations:
         k_values: Sequence[int | None] = (None,),
         hyperparameters: Mapping[str, Any] | None = None,
         method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
         device: str = DEFAULT_JOB_DEVICE,
-        **_submission_only: Any,
+        again: bool = False,
     ) -> int:
         """Check a sweep as `submit_sweep` would and queue nothing (`Registry.check_sweep`): how many jobs
         it holds. A packaged backbone not yet registered is registered, as its first submission would."""
-        self.registry.get_task(task)
-        for method in methods:
-            self.registry.get_method(method)
-        check_json_numbers(hyperparameters)
-        for values in (method_hyperparameters or {}).values():
-            check_json_numbers(values)
-        check_device(device)
-        self.ensure_backbone(backbone)
+        self._check_sweep_names(task, methods, backbone, hyperparameters, method_hyperparameters, device)
         return self.registry.check_sweep(
             task,
             methods,
@@ -330,8 +319,32 @@ class PeltOperations:
             backbone,
             hyperparameters,
             method_hyperparameters=method_hyperparameters,
+            priority=priority,
+            max_attempts=max_attempts,
+            idempotency_key=idempotency_key,
             device=device,
+            again=again,
         )
+
+    def _check_sweep_names(
+        self,
+        task: str,
+        methods: Sequence[str],
+        backbone: str,
+        hyperparameters: Mapping[str, Any] | None,
+        method_hyperparameters: Mapping[str, Mapping[str, Any]] | None,
+        device: str,
+    ) -> None:
+        """What a sweep names exists (a packaged backbone is registered on first use), its numbers are
+        JSON's, its device one of the known."""
+        self.registry.get_task(task)
+        for method in methods:
+            self.registry.get_method(method)
+        check_json_numbers(hyperparameters)
+        for values in (method_hyperparameters or {}).values():
+            check_json_numbers(values)
+        check_device(device)
+        self.ensure_backbone(backbone)
 
     def get_job(self, job_id: int) -> JobRecord:
         return self.registry.get_job(job_id)

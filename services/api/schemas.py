@@ -278,7 +278,7 @@ class SweepOut(Response):
 
 class SweepCheckOut(Response):
     task: str
-    jobs: int = Field(description="how many jobs the sweep would queue")
+    jobs: int = Field(description="how many jobs the sweep holds (none is queued by a check)")
 
 
 class SweepCancelOut(Response):

@@ -124,11 +124,14 @@ def sweep_command(
         "hyperparameters": parse_set_options(assignments),
         "device": device,
     }
+    given = click.get_current_context().get_parameter_source
+    if check and (again or watch or given("priority") != click.core.ParameterSource.DEFAULT):
+        raise click.UsageError("--check queues nothing: it takes no --again, --watch or --priority")
     with PeltClient() as client:
         say_if_first_use(client, backbone)
         if check:
             jobs = client.check_sweep(**sweep_of)
-            click.echo(f"the sweep checks out: it would queue {jobs} jobs (nothing queued)")
+            click.echo(f"the sweep checks out: it holds {jobs} jobs (nothing queued)")
             return
         sweep = client.sweep(**sweep_of, priority=priority, again=again)
         span = f"({sweep.job_ids[0]}..{sweep.job_ids[-1]})"

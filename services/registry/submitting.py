@@ -183,24 +183,18 @@ class Submissions(RegistryCore):
         same sweep as one of this token's already queued, running or done returns that sweep
         (`already_submitted`), unless `again` (module docstring); `again` with an idempotency key is
         refused."""
-        request = self._check_sweep_request(methods, seeds, k_values, hyperparameters, method_hyperparameters)
-        _, _, priority, max_attempts, key = self._check_job_args(
-            0, None, priority, max_attempts, idempotency_key
+        request, priority, max_attempts, key, device = self._check_sweep_args(
+            methods,
+            seeds,
+            k_values,
+            hyperparameters,
+            method_hyperparameters,
+            priority,
+            max_attempts,
+            idempotency_key,
+            device,
+            again,
         )
-        if key is not None and key.startswith(SWEEP_KEY_PREFIX):
-            raise RegistryValidationError(
-                "idempotency_key",
-                f"keys starting {SWEEP_KEY_PREFIX!r} are the service's own (a sweep's identity)",
-            )
-        device = check_device(device)
-        if not isinstance(again, bool):
-            raise RegistryValidationError("again", f"must be true or false, got {again!r}")
-        if again and key is not None:
-            raise RegistryValidationError(
-                "again",
-                "an idempotency_key names one sweep, so it cannot be submitted again under it: "
-                "drop the key, or drop again",
-            )
 
         def write() -> SweepRecord:
             with self._writing() as session:
@@ -311,20 +305,74 @@ class Submissions(RegistryCore):
         hyperparameters: Mapping[str, Any] | None = None,
         *,
         method_hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
         device: str = DEFAULT_JOB_DEVICE,
+        again: bool = False,
     ) -> int:
-        """Check a sweep as `submit_sweep` checks it (names, each K against the task's rows and held-out
-        rows, the ranges that depend on the backbone), writing nothing: how many jobs it holds, or the
-        error submitting it would raise. The queue quota is not checked (it changes as jobs end)."""
+        """Check a sweep as `submit_sweep` checks it (its arguments, names, each K against the task's rows
+        and held-out rows, the ranges that depend on the backbone), writing nothing: how many jobs it
+        holds, or the error submitting it would raise. The queue quota is not checked (it changes as
+        jobs end)."""
+        request, *_ = self._check_sweep_args(
+            methods,
+            seeds,
+            k_values,
+            hyperparameters,
+            method_hyperparameters,
+            priority,
+            max_attempts,
+            idempotency_key,
+            device,
+            again,
+        )
+
+        def plan() -> int:
+            try:
+                with self._writing() as session:  # planning may make a built-in method's row: rolled back
+                    task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
+                    planned = self._plan_sweep(session, request, task_row, backbone_row, self._now())
+                    raise _Checked(len(planned))
+            except _Checked as checked:
+                return checked.jobs
+
+        return retry_once_on_conflict(plan)
+
+    def _check_sweep_args(
+        self,
+        methods: Sequence[str],
+        seeds: Sequence[int],
+        k_values: Sequence[int | None],
+        hyperparameters: Mapping[str, Any] | None,
+        method_hyperparameters: Mapping[str, Mapping[str, Any]] | None,
+        priority: Any,
+        max_attempts: Any,
+        idempotency_key: Any,
+        device: Any,
+        again: Any,
+    ) -> tuple[_SweepRequest, int, int, str | None, str]:
+        """A sweep's arguments checked before anything is read: (request, priority, max_attempts, key,
+        device)."""
         request = self._check_sweep_request(methods, seeds, k_values, hyperparameters, method_hyperparameters)
-        check_device(device)
-        try:
-            with self._writing() as session:  # planning may make a built-in method's row: rolled back
-                task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
-                planned = self._plan_sweep(session, request, task_row, backbone_row, self._now())
-                raise _Checked(len(planned))
-        except _Checked as checked:
-            return checked.jobs
+        _, _, priority, max_attempts, key = self._check_job_args(
+            0, None, priority, max_attempts, idempotency_key
+        )
+        if key is not None and key.startswith(SWEEP_KEY_PREFIX):
+            raise RegistryValidationError(
+                "idempotency_key",
+                f"keys starting {SWEEP_KEY_PREFIX!r} are the service's own (a sweep's identity)",
+            )
+        device = check_device(device)
+        if not isinstance(again, bool):
+            raise RegistryValidationError("again", f"must be true or false, got {again!r}")
+        if again and key is not None:
+            raise RegistryValidationError(
+                "again",
+                "an idempotency_key names one sweep, so it cannot be submitted again under it: "
+                "drop the key, or drop again",
+            )
+        return request, priority, max_attempts, key, device
 
     def _plan_sweep(
         self, session: Session, request: _SweepRequest, task: Task, backbone: Backbone, now: datetime

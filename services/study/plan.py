@@ -178,8 +178,8 @@ def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
     """Queue the cells no job fills yet (or only a failed or cancelled one, or one that ran an older version
     of its method's preset), as sweeps of one task and K (methods × their missing seeds), once every one of
     those sweeps has passed the service's check (a K beyond a task's rows fails here, before anything is
-    queued), and return (every job id of the study, how many were queued now). A repeat queues nothing new; a plan with one more method
-    or seed queues only those jobs."""
+    queued), and return (every job id of the study, how many were queued now). A repeat queues nothing
+    new; a plan with one more method or seed queues only those jobs."""
     current = current_fingerprints(client, plan)
     found = existing_jobs(client, plan, current)
     ended_badly = ("failed", "cancelled")
@@ -211,8 +211,14 @@ def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
                 k_values=[k],
                 hyperparameters=plan.hyperparameters(k),
             )
-        except PeltAPIError as exc:  # which cell of the grid, since the service's message cannot say
-            cell = f"task {task!r}, K={k}: {exc.message}"
+        except PeltAPIError as exc:
+            if (
+                exc.status == 405
+            ):  # a service older than the check: each sweep is still checked as it is queued
+                break
+            if exc.status not in (404, 409, 422):
+                raise
+            cell = f"task {task!r}, K={k}: {exc.message}"  # which cell of the grid: the service cannot say
             raise PeltAPIError(exc.status, cell, type=exc.type, field=exc.field) from None
     queued, ids = 0, {job.id for job in existing.values()}
     for task, k, methods, seeds, replacing in sweeps:

@@ -489,7 +489,7 @@ def test_pelt_sweep_run_twice_says_already_submitted_and_queues_again_only_with_
     assert len(api.registry.list_jobs()) == 8
 
 
-def test_pelt_sweep_check_says_how_many_jobs_the_sweep_would_queue_or_why_not_and_queues_nothing(
+def test_pelt_sweep_check_says_how_many_jobs_the_sweep_holds_or_why_it_would_be_refused_and_queues_nothing(
     api, toy_task, monkeypatch
 ):
     from click.testing import CliRunner
@@ -500,11 +500,11 @@ def test_pelt_sweep_check_says_how_many_jobs_the_sweep_would_queue_or_why_not_an
     arguments = [toy_task, "--methods", "lora,bitfit", "--seeds", "0,1", "--backbone", BACKBONE, "--check"]
     checked = CliRunner().invoke(jobs.sweep_command, arguments)
     too_many = CliRunner().invoke(jobs.sweep_command, [*arguments, "--k", "1000000"])
+    with_again = CliRunner().invoke(jobs.sweep_command, [*arguments, "--again"])
 
-    assert checked.exit_code == 0 and "it would queue 4 jobs (nothing queued)" in checked.output, (
-        checked.output
-    )
+    assert checked.exit_code == 0 and "it holds 4 jobs (nothing queued)" in checked.output, checked.output
     assert too_many.exit_code != 0 and "k_shot" in too_many.output, too_many.output
+    assert with_again.exit_code == 2 and "--check queues nothing" in with_again.output, with_again.output
     assert api.registry.list_jobs() == []
 
 
@@ -544,6 +544,14 @@ def test_checking_a_sweep_answers_how_many_jobs_it_holds_or_its_refusal_and_queu
         lambda: client.check_sweep(toy_task, ["lora"], backbone=BACKBONE, k_values=[10**6]), 422, "k_shot"
     )
     refused(lambda: client.check_sweep(toy_task, ["lora", "nope"], backbone=BACKBONE), 404, "method")
+    body = {
+        "task": toy_task,
+        "methods": ["lora"],
+        "backbone": BACKBONE,
+        "again": True,
+        "idempotency_key": "k",
+    }
+    assert client.http.post("/v1/sweeps/check", json=body).json()["error"]["field"] == "again"
     assert api.registry.list_jobs() == []
 
 

@@ -231,6 +231,23 @@ def test_a_study_whose_later_task_cannot_supply_its_k_is_refused_before_any_swee
     assert client.jobs(limit=None) == []  # not even the first task's sweep
 
 
+def test_a_study_against_a_service_without_the_sweep_check_queues_as_before(
+    api: Api, client: PeltClient, sst2_folder: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from services.client import PeltAPIError
+
+    def older_service(*args, **kwargs):  # what a service older than the check answers: a POST on a GET route
+        raise PeltAPIError(405, "Method Not Allowed")
+
+    assert client.http.post("/v1/sweeps/1").status_code == 405  # how POST /v1/sweeps/check meets such a one
+    register_task_folder(client, "sst2", sst2_folder)
+    monkeypatch.setattr(client, "check_sweep", older_service)
+
+    job_ids, queued = submit_study(client, plan())
+
+    assert queued == 6 and len(job_ids) == 6
+
+
 def test_short_training_keys_match_the_jobs_as_the_registry_stores_them(
     api: Api, client: PeltClient, sst2_folder: Path
 ):
