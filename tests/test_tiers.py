@@ -81,6 +81,11 @@ def test_the_slow_list_holds_the_tests_of_a_second_or_more_in_a_junit_report(tmp
         "tests/api/test_api.py::test_upload[a b]",
         "tests/core/test_train.py::test_epochs",
     ]
+    out.write_text("tests/api/test_api.py::test_quick\n")  # slow on another machine
+    refresh_slow_list(report, out, add=True)
+    assert out.read_text().splitlines()[0] == "tests/api/test_api.py::test_quick"
+    refresh_slow_list(report, out)
+    assert "tests/api/test_api.py::test_quick" not in out.read_text().splitlines()
 
 
 class StandIn:

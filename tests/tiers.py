@@ -126,15 +126,17 @@ class UnitScheduling(LoadScopeScheduling):
         return work_unit_of(nodeid)
 
 
-def refresh_slow_list(junit_xml: Path, out: Path = SLOW_LIST) -> list[str]:
+def refresh_slow_list(junit_xml: Path, out: Path = SLOW_LIST, *, add: bool = False) -> list[str]:
     """Rewrite `out` (tests/slow_tests.txt): the tests that took `SLOW_SECONDS` or more (setup, call and
-    teardown) in a full run's `pytest --junitxml` report."""
-    slow = []
+    teardown) in a full run's `pytest --junitxml` report; with `add`, those and the tests already listed
+    (a run on a faster machine then adds its slow tests without dropping a slower machine's)."""
+    slow = sorted(set(out.read_text().splitlines())) if add and out.exists() else []
     for case in ElementTree.parse(junit_xml).iter("testcase"):
         if float(case.get("time", 0)) >= SLOW_SECONDS:
             module = case.get("classname", "").replace(".", "/") + ".py"
             slow.append(f"{module}::{case.get('name')}")
-    out.write_text("".join(f"{nodeid}\n" for nodeid in sorted(slow)))
+    slow = sorted(set(slow))
+    out.write_text("".join(f"{nodeid}\n" for nodeid in slow))
     return slow
 
 
@@ -188,7 +190,13 @@ def refuse_slow_work(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     yield
 
 
-if __name__ == "__main__":  # python -m tests.tiers refresh JUNIT_XML
-    if len(sys.argv) != 3 or sys.argv[1] != "refresh":
-        sys.exit("usage: python -m tests.tiers refresh JUNIT_XML  (a full run's pytest --junitxml report)")
-    print(f"{len(refresh_slow_list(Path(sys.argv[2])))} tests listed in {SLOW_LIST}")
+if __name__ == "__main__":  # python -m tests.tiers refresh [--add] JUNIT_XML
+    arguments = sys.argv[1:]
+    add = "--add" in arguments
+    arguments = [a for a in arguments if a != "--add"]
+    if len(arguments) != 2 or arguments[0] != "refresh":
+        sys.exit(
+            "usage: python -m tests.tiers refresh [--add] JUNIT_XML  (a full run's pytest --junitxml report; "
+            "--add keeps the tests already listed)"
+        )
+    print(f"{len(refresh_slow_list(Path(arguments[1]), add=add))} tests listed in {SLOW_LIST}")

@@ -133,7 +133,7 @@ def test_requests_at_once_each_get_their_own_answer(target):
 
 
 def test_a_forked_child_past_its_time_limit_is_killed_and_the_next_request_is_served(target):
-    outcome = run(target("report_pid_then_hang"), timeout=10)
+    outcome = run(target("report_pid_then_hang"), timeout=5)
 
     assert outcome.timed_out and outcome.answer is None
     assert outcome.progress, "the child did not report its pid within its time limit"
