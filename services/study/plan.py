@@ -201,20 +201,22 @@ def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
                     found[(task, k, m, s)].id for m in methods for s in seeds if (task, k, m, s) in found
                 ]
                 sweeps.append((task, k, methods, seeds, replacing))
+
+    def sweep_of(task: str, k: int | None, methods: list[str], seeds: tuple[int, ...]) -> dict[str, Any]:
+        return {
+            "task": task,
+            "methods": methods,
+            "backbone": plan.backbone,
+            "seeds": list(seeds),
+            "k_values": [k],
+            "hyperparameters": plan.hyperparameters(k),
+        }
+
     for task, k, methods, seeds, _ in sweeps:  # the whole grid is checked before anything is queued
         try:
-            client.check_sweep(
-                task,
-                methods,
-                backbone=plan.backbone,
-                seeds=list(seeds),
-                k_values=[k],
-                hyperparameters=plan.hyperparameters(k),
-            )
+            client.check_sweep(**sweep_of(task, k, methods, seeds))
         except PeltAPIError as exc:
-            if (
-                exc.status == 405
-            ):  # a service older than the check: each sweep is still checked as it is queued
+            if exc.status == 405:  # a service older than the check: each sweep is checked as it is queued
                 break
             if exc.status not in (404, 409, 422):
                 raise
@@ -222,15 +224,8 @@ def submit_study(client: PeltClient, plan: StudyPlan) -> tuple[list[int], int]:
             raise PeltAPIError(exc.status, cell, type=exc.type, field=exc.field) from None
     queued, ids = 0, {job.id for job in existing.values()}
     for task, k, methods, seeds, replacing in sweeps:
-        sweep = client.sweep(
-            task,
-            methods,
-            backbone=plan.backbone,
-            seeds=list(seeds),
-            k_values=[k],
-            hyperparameters=plan.hyperparameters(k),
-            idempotency_key=plan.key(task, k, methods, seeds, replacing),
-        )
+        key = plan.key(task, k, methods, seeds, replacing)
+        sweep = client.sweep(**sweep_of(task, k, methods, seeds), idempotency_key=key)
         queued += len(sweep.job_ids)
         ids.update(sweep.job_ids)
     return sorted(ids), queued

@@ -220,7 +220,7 @@ def test_a_loader_that_runs_out_of_its_memory_limit_is_a_422_and_the_api_stays_u
     api, client, models, tiny_bert_dir
 ):
     model_folder(tiny_bert_dir, models / "my-bert")
-    api.settings.backbone_load_memory_bytes = 64 << 20  # too little to import torch in the loader
+    api.settings.backbone_load_memory_bytes = 64 << 20  # below what torch alone maps: no model loads in it
     before = snapshot(api)
     error = refused(lambda: client.register_backbone("starved", "my-bert"), 422)
     assert "PELT_BACKBONE_LOAD_MEMORY_BYTES" in error.message, error.message
@@ -231,7 +231,7 @@ def test_a_loader_that_runs_out_of_its_memory_limit_is_a_422_and_the_api_stays_u
 
 def test_a_loader_past_its_time_limit_is_a_422(api, client, models, tiny_bert_dir):
     model_folder(tiny_bert_dir, models / "my-bert")
-    api.settings.backbone_load_timeout_seconds = 0.001  # no process imports torch in a millisecond
+    api.settings.backbone_load_timeout_seconds = 0.001  # no model loads in a millisecond, forked or fresh
     before = snapshot(api)
     error = refused(lambda: client.register_backbone("slow", "my-bert"), 422)
     assert "PELT_BACKBONE_LOAD_TIMEOUT_SECONDS" in error.message, error.message
