@@ -1,4 +1,4 @@
-"""The sandbox's warm children (services/sandbox.py): a request's child is forked from a warm interpreter
+"""The sandbox's warm children (services/warm_sandbox.py): a request's child is forked from a warm interpreter
 that has imported its target's libraries, and still sees nothing of another request, holds nothing of the
 warm child's, dies with its time limit, and falls back to a fresh interpreter whenever a warm child
 cannot be had. The warm child itself ends with its parent and after its idle time."""
@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
-from services import sandbox
+from services import sandbox, warm_sandbox
 
 TARGETS = "tests.security.sandbox_targets"
 
@@ -32,7 +32,7 @@ def target(monkeypatch: pytest.MonkeyPatch):
         return "test"
 
     yield name
-    warm = sandbox._warm_children.pop(sandbox.TARGETS["test"], None)
+    warm = warm_sandbox._warm_children.pop(sandbox.TARGETS["test"], None)
     if warm is not None:
         warm.close()
 
@@ -94,7 +94,7 @@ def test_a_forked_child_holds_no_descriptor_a_fresh_interpreter_would_not(target
     sibling = threading.Thread(target=run, args=(name,), kwargs={"tag": "sibling", "wait_for": str(go)})
     sibling.start()  # a request in flight while the next one forks: its socket is in the warm child then
     try:
-        warm = psutil.Process(sandbox._warm_children[sandbox.TARGETS["test"]].process.pid)
+        warm = psutil.Process(warm_sandbox._warm_children[sandbox.TARGETS["test"]].process.pid)
         assert until(lambda: warm.children()), "the sibling request never started"
 
         forked = run(name, tag="looked").answer["descriptors"]
@@ -145,7 +145,7 @@ def test_without_warm_time_each_request_runs_in_a_fresh_interpreter_of_this_proc
     answer = run(target("remember_and_describe"), warm_seconds=0, tag="fresh").answer
 
     assert answer["parent"] == os.getpid()
-    assert sandbox.TARGETS["test"] not in sandbox._warm_children
+    assert sandbox.TARGETS["test"] not in warm_sandbox._warm_children
 
 
 def test_a_warm_child_that_cannot_start_leaves_the_request_to_a_fresh_interpreter(target, monkeypatch):
@@ -160,9 +160,9 @@ def test_a_warm_child_that_cannot_start_leaves_the_request_to_a_fresh_interprete
 def test_a_stopped_warm_child_is_killed_and_the_request_runs_in_a_fresh_interpreter(target, monkeypatch):
     name = target("remember_and_describe")
     warm_pid = run(name, tag="one").answer["parent"]
-    warm = sandbox._warm_children[sandbox.TARGETS["test"]]
+    warm = warm_sandbox._warm_children[sandbox.TARGETS["test"]]
     psutil.Process(warm_pid).suspend()  # SIGSTOP: it takes the request but never answers
-    monkeypatch.setattr(sandbox, "WARM_START_TIMEOUT_SECONDS", 2.0)
+    monkeypatch.setattr(warm_sandbox, "WARM_START_TIMEOUT_SECONDS", 2.0)
 
     answer = run(name, tag="two").answer
 
@@ -183,7 +183,7 @@ def test_a_warm_child_killed_between_requests_is_replaced(target):
 
 
 def test_a_warm_child_serves_at_most_max_forks_requests_then_a_fresh_one_does(target, monkeypatch):
-    monkeypatch.setattr(sandbox, "MAX_FORKS", 2)
+    monkeypatch.setattr(warm_sandbox, "MAX_FORKS", 2)
     name = target("remember_and_describe")
 
     parents = [run(name, tag=tag).answer["parent"] for tag in range(3)]
@@ -196,11 +196,11 @@ def test_after_a_child_crashes_its_warm_child_serves_no_more_requests(target):
 
     crashed = run(name)
 
-    warm = sandbox._warm_children[sandbox.TARGETS["test"]]
+    warm = warm_sandbox._warm_children[sandbox.TARGETS["test"]]
     assert crashed.returncode == -signal.SIGSEGV and crashed.answer is None
     assert warm.retired  # the crash may have learnt the layout every child of that warm child shares
     run(name)
-    assert sandbox._warm_children[sandbox.TARGETS["test"]] is not warm
+    assert warm_sandbox._warm_children[sandbox.TARGETS["test"]] is not warm
     assert gone(warm.process.pid)
 
 
