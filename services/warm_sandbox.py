@@ -27,6 +27,7 @@ import contextlib
 import importlib
 import json
 import logging
+import math
 import os
 import resource
 import selectors
@@ -87,9 +88,8 @@ class ForkedChild:
             self._kill_group()
             self.warm.abandon()
             code = -signal.SIGKILL
-        if (
-            -code in CRASH_SIGNALS
-        ):  # the crash may have learnt the layout every child of its warm child shares
+        # a crash may have learnt the address-space layout every child of its warm child shares
+        if -code in CRASH_SIGNALS:
             self.warm.retire()
         with self.lock:
             self.returncode = code
@@ -214,6 +214,7 @@ class _WarmChild:
 
 
 _warm_children: dict[str, _WarmChild] = {}
+_failed_starts: dict[str, float] = {}  # function -> when its warm child last failed to start (monotonic)
 _warm_locks: dict[str, threading.Lock] = {}
 _warm_guard = threading.Lock()
 
@@ -222,7 +223,8 @@ def fork_warm(
     function: str, preloads: tuple[str, ...], environment: dict[str, str], warm_seconds: float, folder: str
 ) -> ForkedChild | None:
     """A child for `function` forked by its warm child (started if missing, stale or of another
-    environment); None when none can be had (the request then runs in a fresh interpreter)."""
+    environment); None when none can be had (the request then runs in a fresh interpreter). A warm child
+    that failed to start is not tried again for `warm_seconds`: each request would pay its imports twice."""
     with _warm_guard:
         lock = _warm_locks.setdefault(function, threading.Lock())
     with lock:
@@ -231,11 +233,15 @@ def fork_warm(
             _warm_children.pop(function).close()
             warm = None
         if warm is None:
+            if time.monotonic() - _failed_starts.get(function, -math.inf) < warm_seconds:
+                return None
             try:
                 warm = _WarmChild(function, preloads, environment, warm_seconds)
             except OSError as exc:
-                log.warning("running %s in a fresh interpreter: %s", function, exc)
+                _failed_starts[function] = time.monotonic()
+                log.warning("running %s in fresh interpreters for %g s: %s", function, warm_seconds, exc)
                 return None
+            _failed_starts.pop(function, None)
             _warm_children[function] = warm
         warm.forks, warm.last_used = warm.forks + 1, time.monotonic()  # reserved here: MAX_FORKS holds
     child = warm.fork(folder)

@@ -32,6 +32,7 @@ def target(monkeypatch: pytest.MonkeyPatch):
         return "test"
 
     yield name
+    warm_sandbox._failed_starts.pop(sandbox.TARGETS["test"], None)
     warm = warm_sandbox._warm_children.pop(sandbox.TARGETS["test"], None)
     if warm is not None:
         warm.close()
@@ -148,13 +149,21 @@ def test_without_warm_time_each_request_runs_in_a_fresh_interpreter_of_this_proc
     assert sandbox.TARGETS["test"] not in warm_sandbox._warm_children
 
 
-def test_a_warm_child_that_cannot_start_leaves_the_request_to_a_fresh_interpreter(target, monkeypatch):
+def test_a_warm_child_that_cannot_start_leaves_requests_to_fresh_interpreters_without_retrying_each_time(
+    target, monkeypatch
+):
     name = target("remember_and_describe")
     monkeypatch.setitem(sandbox.PRELOADS, "test", ("no_such_module_anywhere",))
+    starts = []
+    start = warm_sandbox._WarmChild.__init__
+    monkeypatch.setattr(
+        warm_sandbox._WarmChild, "__init__", lambda self, *a: starts.append(a) or start(self, *a)
+    )
 
-    answer = run(name, tag="fallback").answer
+    answers = [run(name, tag=tag).answer for tag in ("first", "second")]
 
-    assert answer["tag"] == "fallback" and answer["parent"] == os.getpid()
+    assert [(a["tag"], a["parent"]) for a in answers] == [("first", os.getpid()), ("second", os.getpid())]
+    assert len(starts) == 1  # the second request did not pay a failing warm start again
 
 
 def test_a_stopped_warm_child_is_killed_and_the_request_runs_in_a_fresh_interpreter(target, monkeypatch):
