@@ -65,15 +65,18 @@ def run_pack(backbone, specs: list[dict], join_at: dict[int, int] | None = None)
 
 
 def assert_same_delta(packed, alone, learning_rate: float = 3e-3) -> None:
-    """Same steps, same metrics, and every tensor within a tenth of one optimizer step: fp32 rounding differs
-    with the batch's shape, and AdamW turns it into steps of up to the learning rate where gradients are
-    near 0 (measured: at most 0.03 of a step on these tiny models; rows sent through another job's modules
-    move tensors by tens of steps)."""
+    """Same steps, same metrics, and every tensor within a tenth of one optimizer step of the method's
+    fastest module (`lr_multiplier`: UniPELT's prefix steps at 5x the job's rate): fp32 rounding differs
+    with the batch's shape and the thread count, and AdamW turns it into steps of up to the learning rate
+    where gradients are near 0 (measured: at most 0.035 of a step on these tiny models, on 1 and 2 threads
+    of an AVX2-only EPYC; rows sent through another job's modules move tensors by tens of steps)."""
     assert packed.steps == alone.steps
     packed_state, alone_state = packed.delta.state_dict(), alone.delta.state_dict()
     assert packed_state.keys() == alone_state.keys()
+    fastest = max([1.0, *(module.lr_multiplier for module in alone.delta.method.modules.values())])
+    step = learning_rate * fastest
     for name, tensor in alone_state.items():
-        torch.testing.assert_close(packed_state[name], tensor, rtol=1e-3, atol=learning_rate / 10, msg=name)
+        torch.testing.assert_close(packed_state[name], tensor, rtol=1e-3, atol=step / 10, msg=name)
     assert packed.metrics.keys() == alone.metrics.keys()
     for name, value in alone.metrics.items():
         assert packed.metrics[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name

@@ -101,15 +101,22 @@ def test_training_is_reproducible_by_seed(make_backbone):
     assert third.metrics != first.metrics
 
 
+# UniPELT's gates start half-open over three modules, so its mixture learns this task later than a single
+# method: at 8 epochs its seed 0 stayed at chance on one thread of an AVX2-only EPYC and learned on two;
+# at 16 epochs seeds 0, 1 and 2 all reached accuracy 1.0 (loss < 0.01) on either thread count
+EPOCHS_TO_LEARN = {"unipelt": 16}
+
+
 @pytest.mark.parametrize(
     ("family", "method"),
     [("bert", m) for m in ("lora", "pfeiffer", "prefix", "unipelt", "bitfit")] + [("llama", "lora")],
 )
 def test_a_few_epochs_learn_a_separable_toy_task(method, family, make_backbone):
-    result = fit(make_backbone(family), method, epochs=8, learning_rate=1e-2)
+    epochs = EPOCHS_TO_LEARN.get(method, 8)
+    result = fit(make_backbone(family), method, epochs=epochs, learning_rate=1e-2)
     assert result.history[-1]["loss"] < result.history[0]["loss"]
     assert result.metrics["accuracy"] >= 0.75
-    assert len(result.history) == 8 and result.steps == 8 * 6
+    assert len(result.history) == epochs and result.steps == epochs * 6
 
 
 def test_progress_reports_every_step_and_the_stop_flag_stops(make_backbone):
