@@ -5,7 +5,7 @@
     client.register_task("sentiment", train="train.jsonl", validation="dev.jsonl", text_fields=["sentence"])
     sweep = client.sweep("sentiment", ["lora", "bitfit", "prefix"], seeds=[0, 1], k_values=[100])
     client.wait(sweep)                                      # progress bars until every job has ended
-    client.leaderboard("sentiment")                         # a pandas DataFrame, best method first
+    client.leaderboard("sentiment")                         # a pandas DataFrame, best mean over seeds first
     client.plot_leaderboard("sentiment", "pareto.svg")      # or .png; view="metric-vs-k"
     model = client.pull("sentiment")                        # the best delta on its backbone
     model.predict(["a great film"])
@@ -391,34 +391,61 @@ class PeltClient:
     # --- leaderboard and deltas ------------------------------------------------------------------
 
     def leaderboard(
-        self, task: str, k_shot: int | None = None, backbone: str | None = None, split: str = "test"
+        self,
+        task: str,
+        k_shot: int | str | None = None,
+        backbone: str | None = None,
+        split: str = "test",
+        order_by: str = "mean",
     ) -> Any:
-        """The task's leaderboard as a pandas DataFrame (one row per method, best first); the metric's
-        name is in `frame.attrs["metric"]`. `split="dev"` ranks by the study protocol's dev split."""
+        """The task's leaderboard as a pandas DataFrame: one row per method and configuration (K and the
+        settings in `config`; `k_shot="full"`: only the runs on the full training set), seeds pooled,
+        ranked by the mean over seeds (`order_by="best"`: by the best run), with the 95% interval
+        (`ci_low`, `ci_high`) and `tied_with_top` (not separable from rank 1). The metric's name and
+        what the interval and tie test are: `frame.attrs`. `split="dev"`: by the protocol's dev split."""
         import pandas as pd
 
-        board = self.leaderboard_raw(task, k_shot, backbone, split)
+        board = self.leaderboard_raw(task, k_shot, backbone, split, order_by)
         frame = pd.DataFrame(
             [row.model_dump() for row in board.rows], columns=list(LeaderboardRowOut.model_fields)
         )
         frame.attrs.update(
-            task=board.task, metric=board.metric, metric_direction=board.metric_direction, split=board.split
+            task=board.task,
+            metric=board.metric,
+            metric_direction=board.metric_direction,
+            split=board.split,
+            order_by=board.order_by,
+            interval=board.interval,
+            tie_test=board.tie_test,
         )
         return frame
 
     def leaderboard_raw(
-        self, task: str, k_shot: int | None = None, backbone: str | None = None, split: str = "test"
+        self,
+        task: str,
+        k_shot: int | str | None = None,
+        backbone: str | None = None,
+        split: str = "test",
+        order_by: str = "mean",
     ) -> LeaderboardOut:
         return LeaderboardOut.model_validate(
-            self._get(f"/v1/tasks/{task}/leaderboard", k_shot=k_shot, backbone=backbone, split=split)
+            self._get(
+                f"/v1/tasks/{task}/leaderboard",
+                k_shot=k_shot,
+                backbone=backbone,
+                split=split,
+                order_by=order_by,
+            )
         )
 
     def leaderboard_by_k(
-        self, task: str, backbone: str | None = None, split: str = "test"
+        self, task: str, backbone: str | None = None, split: str = "test", order_by: str = "mean"
     ) -> list[LeaderboardOut]:
         """The task's leaderboard for each K its jobs used, K ascending (k_shot None: the full training
         set, last); [] while no job has succeeded. `split="dev"` ranks by the protocol's dev split."""
-        found = self._get(f"/v1/tasks/{task}/leaderboard/by-k", backbone=backbone, split=split)
+        found = self._get(
+            f"/v1/tasks/{task}/leaderboard/by-k", backbone=backbone, split=split, order_by=order_by
+        )
         return [LeaderboardOut.model_validate(board) for board in found]
 
     def plot_leaderboard(
@@ -426,7 +453,7 @@ class PeltClient:
         task: str,
         path: str | Path | None = None,
         view: str = "pareto",
-        k_shot: int | None = None,
+        k_shot: int | str | None = None,
         backbone: str | None = None,
         *,
         format: str | None = None,

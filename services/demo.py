@@ -17,7 +17,6 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -76,17 +75,6 @@ def example_data_command(folder: Path, validation_size: int) -> None:
     )
 
 
-def echo_leaderboard(board: Any, title: str) -> None:
-    """Print a leaderboard (`services.api.schemas.LeaderboardOut`) as a table."""
-    click.echo(f"\nleaderboard: {title}, dev {board.metric}")
-    click.echo(f"{'rank':<6}{'method':<12}{board.metric:>10}{'% params':>10}{'train s':>9}")
-    for row in board.rows:
-        click.echo(
-            f"{row.rank:<6}{row.method:<12}{row.best:>10.4f}{row.trainable_percent:>10.3f}"
-            f"{row.median_train_seconds:>9.1f}"
-        )
-
-
 @click.command("demo")
 @click.option("--methods", default=",".join(DEMO_METHODS), show_default=True, help="Comma-separated methods.")
 @click.option(
@@ -108,6 +96,7 @@ def demo_command(
     the best delta by task name and classify a few sentences."""
     from services.api.server import ApiServer
     from services.client import PeltClient
+    from services.commands.deltas import echo_board
     from services.filemodes import private_files
     from services.settings import get_settings
 
@@ -159,7 +148,8 @@ def demo_command(
         for job in failed:
             click.echo(f"job {job.id} ({job.method}) {job.status}: {job.last_error}", err=True)
         board = client.leaderboard_raw(task.name, k_shot=k_shot)
-        echo_leaderboard(board, f"{task.name}, K={k_shot}, {epochs:g} epochs")
+        click.echo("\nleaderboard:")
+        echo_board(board, f"{task.name}, {epochs:g} epochs, scored on {validation_size} dev rows")
         if not board.rows:
             raise click.ClickException("no job succeeded; see the errors above")
         model = client.pull(task.name)

@@ -393,16 +393,22 @@ class PeltOperations:
         return self.registry.get_result(job_id)
 
     def leaderboard(
-        self, task: str, k_shot: int | None = None, backbone: str | None = None, split: str = "test"
+        self,
+        task: str,
+        k_shot: int | str | None = None,
+        backbone: str | None = None,
+        split: str = "test",
+        order_by: str = "mean",
     ) -> list[LeaderboardRow]:
-        """The task's methods ranked on `split` ("test": the evaluation split; "dev": the protocol's)."""
-        return self.registry.leaderboard(task, k_shot, backbone=backbone, split=split)
+        """The task's methods and configurations ranked on `split` ("test": the evaluation split; "dev":
+        the protocol's) by `order_by` ("mean" over seeds, or the "best" run)."""
+        return self.registry.leaderboard(task, k_shot, backbone=backbone, split=split, order_by=order_by)
 
     def leaderboard_by_k(
-        self, task: str, backbone: str | None = None, split: str = "test"
+        self, task: str, backbone: str | None = None, split: str = "test", order_by: str = "mean"
     ) -> dict[int | None, list[LeaderboardRow]]:
         """The leaderboard of each K the task's succeeded jobs used (None: the full training set, last)."""
-        return self.registry.leaderboard_by_k(task, backbone=backbone, split=split)
+        return self.registry.leaderboard_by_k(task, backbone=backbone, split=split, order_by=order_by)
 
     def audit_events(self, *, limit: int = 100, offset: int = 0) -> list[AuditEventRecord]:
         return self.registry.audit_events(limit=limit, offset=offset)

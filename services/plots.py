@@ -2,11 +2,13 @@
 renderers of the same `Figure`: SVG written here (no dependency; every text escaped; no script, style or
 external reference: safe inline in a page) and PNG through matplotlib (imported on first use).
 
-`pareto_figure(board)`: the metric (mean ± std over seeds) against trainable parameters (% of the backbone,
-log axis), one point per method, the Pareto frontier (the best metric for at most that many parameters, in
+`pareto_figure(board)`: the metric (mean over seeds, the 95% interval as an error bar) against trainable
+parameters (% of the backbone, log axis), one point per leaderboard row (a method in one configuration; a
+method's points share its color), the Pareto frontier (the best mean for at most that many parameters, in
 the metric's direction) a step line over its highlighted points. `metric_vs_k_figure(boards)`: the metric
-against K (log axis, the full training set last), a line and a ± std band per method;
-`metric_vs_k_from_values` draws it from plain numbers (the study report's averages across tasks).
+against K (log axis, the full training set last), a line per method through its top row at each K with the
+interval as a band; `metric_vs_k_from_values` draws it from plain numbers (the study report's averages
+across tasks, ± their std over seeds).
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ PNG_LEGEND_ENTRIES = 16  # methods named in a PNG's legend (the SVG's legend sto
 
 @dataclass(frozen=True)
 class Point:
-    """One mark: `x` is the trainable % (Pareto) or K (metric vs K); `detail` is its hover text."""
+    """One mark: `x` is the trainable % (Pareto) or K (metric vs K); `error` the half-width of its error
+    bar or band (0: none; the figure's y label says what it is); `detail` is its hover text."""
 
     method: str
     x: float
     mean: float
-    std: float
+    error: float
     detail: str
     on_frontier: bool = False
     full_data: bool = False  # metric vs K: the runs on the full training set
@@ -80,30 +83,55 @@ class Figure:
 
 
 def pareto_figure(board: Any, backbone: str | None = None) -> Figure:
-    """The metric against trainable parameters, one point per method of `board` (a LeaderboardOut)."""
-    scope = "all K" if board.k_shot is None else f"K={board.k_shot}"
+    """The metric against trainable parameters, one point per row of `board` (a LeaderboardOut)."""
+    scope = {None: "all K", "full": "the full training set"}.get(board.k_shot, f"K={board.k_shot}")
     points = []
     for row in board.rows:
-        _check_finite(row.method, row.mean, row.std, row.trainable_percent)
+        _check_finite(row.method, row.mean, _half_width(row), row.trainable_percent)
         detail = (
-            f"{row.method} ({scope})\n{board.metric} {row.mean:.4f} ± {row.std:.4f} (best {row.best:.4f}, "
+            f"{_row_name(row)}\n{board.metric} {_mean_text(row)} (best {row.best:.4f}, "
             f"{_count(row.runs, 'run')})\ntrainable {row.trainable_percent:.4g}% ({row.trainable_params:,} parameters)"
         )
-        points.append(Point(row.method, max(row.trainable_percent, MIN_PERCENT), row.mean, row.std, detail))
-    on_frontier = pareto_frontier([(p.method, p.x, p.mean) for p in points], board.metric_direction)
+        x = max(row.trainable_percent, MIN_PERCENT)
+        points.append((row.config_id, Point(row.method, x, row.mean, _half_width(row), detail)))
+    on_frontier = pareto_frontier([(key, p.x, p.mean) for key, p in points], board.metric_direction)
     frontier_note = "\non the Pareto frontier"
     marked = [
-        replace(p, on_frontier=True, detail=p.detail + frontier_note) if p.method in on_frontier else p
-        for p in points
+        replace(p, on_frontier=True, detail=p.detail + frontier_note) if key in on_frontier else p
+        for key, p in points
     ]
+    by_method: dict[str, list[Point]] = {}
+    for point in marked:
+        by_method.setdefault(point.method, []).append(point)
     return Figure(
         "pareto",
         f"{board.task}: {board.metric} against trainable parameters",
         _subtitle(scope, board.metric_direction, backbone),
         "trainable parameters (% of the backbone, log scale)",
-        f"{board.metric} (mean ± std over seeds)",
-        tuple(Series(p.method, (p,)) for p in sorted(marked, key=lambda p: p.method)),
+        f"{board.metric} (mean over seeds, 95% interval)",
+        tuple(
+            Series(method, tuple(sorted(by_method[method], key=lambda p: (p.x, p.mean))))
+            for method in sorted(by_method)
+        ),
     )
+
+
+def _row_name(row: Any) -> str:
+    """A leaderboard row as a reader tells it apart: method, K and the settings that differ."""
+    k = "the full training set" if row.k_shot is None else f"K={row.k_shot}"
+    settings = ", ".join(f"{name}={value}" for name, value in row.config.items())
+    return f"{row.method} ({k}{', ' + settings if settings else ''})"
+
+
+def _mean_text(row: Any) -> str:
+    if row.ci_low is None:
+        return f"{row.mean:.4f} (1 seed: no interval)"
+    return f"mean {row.mean:.4f}, 95% interval {row.ci_low:.4f} to {row.ci_high:.4f} ({row.seeds} seeds)"
+
+
+def _half_width(row: Any) -> float:
+    """The row's interval as an error bar's half-width (0 with one seed: no bar)."""
+    return 0.0 if row.ci_high is None else row.ci_high - row.mean
 
 
 def pareto_frontier(points: Iterable[tuple[str, float, float]], direction: str) -> set[str]:
@@ -126,17 +154,26 @@ def pareto_frontier(points: Iterable[tuple[str, float, float]], direction: str) 
 
 
 def metric_vs_k_figure(boards: Sequence[Any], backbone: str | None = None) -> Figure:
-    """The metric against K, one line per method, from one board per K (`GET .../leaderboard/by-k`;
-    k_shot None: the full training set). A task without results: pass its (empty) leaderboard."""
+    """The metric against K, one line per method through its top row at each K (mean over seeds, the
+    95% interval as a band), from one board per K (`GET .../leaderboard/by-k`; k_shot None: the full
+    training set). A task without results: pass its (empty) leaderboard."""
     if not boards:
         raise ValueError("no leaderboard to plot: pass at least the task's (empty) leaderboard")
     values: dict[str, dict[int | None, tuple[float, float, int]]] = {}
     for board in boards:
-        for row in board.rows:
-            values.setdefault(row.method, {})[board.k_shot] = (row.mean, row.std, row.runs)
+        for row in board.rows:  # best first: a method's first row is its top configuration at this K
+            values.setdefault(row.method, {}).setdefault(
+                board.k_shot, (row.mean, _half_width(row), row.seeds)
+            )
     first = boards[0]
     return metric_vs_k_from_values(
-        first.task, first.metric, first.metric_direction, values, backbone=backbone
+        first.task,
+        first.metric,
+        first.metric_direction,
+        values,
+        backbone=backbone,
+        spread="each method's top configuration per K: mean over seeds, 95% interval",
+        count="seed",
     )
 
 
@@ -148,8 +185,11 @@ def metric_vs_k_from_values(
     *,
     backbone: str | None = None,
     title: str | None = None,
+    spread: str = "mean ± std over seeds",
+    count: str = "run",
 ) -> Figure:
-    """The metric-vs-K view from {method: {K: (mean, std, runs)}} (K None: the full training set)."""
+    """The metric-vs-K view from {method: {K: (mean, half-width of the band, count)}} (K None: the full
+    training set); `spread` says what the band is, `count` what was counted."""
     ks = sorted({k for cells in values.values() for k in cells if k is not None})
     full_x = ks[-1] * 4.0 if ks else 1.0
     ticks = tuple((float(k), str(k)) for k in ks)
@@ -158,20 +198,20 @@ def metric_vs_k_from_values(
     series = []
     for method in sorted(values):
         points = []
-        for k, (mean, std, runs) in sorted(
+        for k, (mean, error, number) in sorted(
             values[method].items(), key=lambda kv: (kv[0] is None, kv[0] or 0)
         ):
-            _check_finite(method, mean, std)
+            _check_finite(method, mean, error)
             where = "the full training set" if k is None else f"K={k}"
-            detail = f"{method} at {where}\n{metric} {mean:.4f} ± {std:.4f} ({_count(runs, 'run')})"
+            detail = f"{method} at {where}\n{metric} {mean:.4f} ± {error:.4f} ({_count(number, count)})"
             points.append(
-                Point(method, full_x if k is None else float(k), mean, std, detail, full_data=k is None)
+                Point(method, full_x if k is None else float(k), mean, error, detail, full_data=k is None)
             )
         series.append(Series(method, tuple(points)))
     return Figure(
         "metric-vs-k",
         title or f"{task}: {metric} against K",
-        _subtitle("mean ± std over seeds", direction, backbone),
+        _subtitle(spread, direction, backbone),
         "K, training rows (log scale)",
         metric,
         tuple(series),
@@ -207,7 +247,7 @@ class _Axes:
 def _axes(figure: Figure) -> _Axes:
     points = [p for s in figure.series for p in s.points]
     xs = [p.x for p in points] or [1.0]
-    lows, highs = [p.mean - p.std for p in points] or [0.0], [p.mean + p.std for p in points] or [1.0]
+    lows, highs = [p.mean - p.error for p in points] or [0.0], [p.mean + p.error for p in points] or [1.0]
     pad = 2.0 if figure.view == "pareto" else 1.6
     x_range = (min(xs) / pad, max(xs) * pad)
     y_lo, y_hi = min(lows), max(highs)
@@ -316,7 +356,9 @@ def _svg_series(figure: Figure, at: Any) -> list[str]:
     for series in figure.series:
         color, points, inner = colors[series.method], series.points, []
         if figure.view == "metric-vs-k":
-            band = [at(p.x, p.mean + p.std) for p in points] + [at(p.x, p.mean - p.std) for p in points[::-1]]
+            band = [at(p.x, p.mean + p.error) for p in points] + [
+                at(p.x, p.mean - p.error) for p in points[::-1]
+            ]
             inner.append(_el("polygon", points=_coords(band), fill=color, fill_opacity=0.15))
             measured = [p for p in points if not p.full_data]
             to_full = measured[-1:] + [p for p in points if p.full_data]  # dashed: not a K of its own
@@ -326,8 +368,8 @@ def _svg_series(figure: Figure, at: Any) -> list[str]:
                     style = {"stroke": color, "stroke_width": 2, "stroke_dasharray": dashes}
                     inner.append(_el("polyline", points=line, fill="none", **style))
         for p in points:
-            (x, y), top, bottom = at(p.x, p.mean), at(p.x, p.mean + p.std)[1], at(p.x, p.mean - p.std)[1]
-            if figure.view == "pareto" and p.std > 0:
+            (x, y), top, bottom = at(p.x, p.mean), at(p.x, p.mean + p.error)[1], at(p.x, p.mean - p.error)[1]
+            if figure.view == "pareto" and p.error > 0:
                 bar = (
                     f"M{x:.1f} {top:.1f} V{bottom:.1f} M{x - 4:.1f} {top:.1f} h8 M{x - 4:.1f} {bottom:.1f} h8"
                 )
@@ -434,16 +476,16 @@ def _draw_png(ax: Any, figure: Figure, axes: _Axes) -> None:
     colors = _colors(figure)
     for series in figure.series:
         color, pts = colors[series.method], series.points
-        xs, means, stds = [p.x for p in pts], [p.mean for p in pts], [p.std for p in pts]
+        xs, means, errors = [p.x for p in pts], [p.mean for p in pts], [p.error for p in pts]
         label = _plain(series.method)
         if figure.view == "pareto":
-            ax.errorbar(xs, means, yerr=stds, fmt="o", color=color, capsize=3, markersize=7, label=label)
+            ax.errorbar(xs, means, yerr=errors, fmt="o", color=color, capsize=3, markersize=7, label=label)
         else:
             measured = [p for p in pts if not p.full_data]
             ax.plot([p.x for p in measured], [p.mean for p in measured], "-o", color=color, label=label)
             if measured and len(measured) < len(pts):
                 ax.plot([measured[-1].x, pts[-1].x], [measured[-1].mean, pts[-1].mean], ":o", color=color)
-            lows, highs = [p.mean - p.std for p in pts], [p.mean + p.std for p in pts]
+            lows, highs = [p.mean - p.error for p in pts], [p.mean + p.error for p in pts]
             ax.fill_between(xs, lows, highs, color=color, alpha=0.15, linewidth=0)
     frontier = figure.frontier
     if frontier:
@@ -492,7 +534,7 @@ def format_of(path: str | Path) -> str:
     return suffix
 
 
-def check_view(view: str, k_shot: int | None = None) -> str:
+def check_view(view: str, k_shot: int | str | None = None) -> str:
     """The view, checked: "pareto" (one K or all) or "metric-vs-k" (every K; k_shot must be None)."""
     if view not in VIEWS:
         raise ValueError(f"view must be one of {', '.join(VIEWS)}, got {view!r}")

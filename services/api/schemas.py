@@ -23,6 +23,7 @@ from pelt_core.vocabulary import (
     METRIC_HELP,
     PROBLEM_TYPES,
 )
+from services.registry.leaderboard import INTERVAL, TIE_TEST
 
 ID = Field(ge=1, le=INT32_MAX)
 NAME = Field(min_length=1, max_length=100)
@@ -347,18 +348,32 @@ class AuditEventOut(Response):
 class LeaderboardRowOut(Response):
     rank: int
     method: str
+    config_id: str = Field(description="12 hex digits naming the method and configuration of the row")
+    k_shot: int | None = Field(description="the configuration's K (null: the full training set)")
+    backbone: str | None
+    config: dict[str, Any] = Field(
+        description="the settings in which this row differs from the same method's other rows (empty: "
+        "the method has one configuration on this board)"
+    )
+    mean: float = Field(description="the mean over seeds (a seed run twice counts once, at its mean)")
+    std: float | None = Field(description="the sample standard deviation over seeds; null with one seed")
+    ci_low: float | None = Field(description="the 95% Student-t interval of the mean; null with one seed")
+    ci_high: float | None
+    tied_with_top: bool | None = Field(
+        description="not separable from rank 1 by Welch's t-test at p >= 0.05 (rank 1 itself: true); "
+        "null when this row or rank 1 has one seed"
+    )
     best: float
-    mean: float
-    std: float
     runs: int
     seeds: int
+    seed_values: list[float] = Field(description="each seed's value, seeds ascending")
     trainable_params: int
     trainable_percent: float
     median_train_seconds: float
     best_job_id: int
     best_delta_uri: str | None
     best_delta_sha256: str | None
-    k_values: list[int | None]
+    k_values: list[int | None] = Field(description="[k_shot], for readers of one-row-per-method boards")
     best_method_fingerprint: str | None = Field(description="the preset version of the best run")
     method_fingerprints: list[str] = Field(description="the preset versions among the runs, oldest job first")
 
@@ -367,12 +382,20 @@ class LeaderboardOut(Response):
     task: str
     metric: str
     metric_direction: str
-    k_shot: int | None
+    k_shot: int | Literal["full"] | None = Field(
+        description="the K the rows were filtered to ('full': the full training set); null: every K "
+        "(in /leaderboard/by-k, null is the board of the full training set)"
+    )
     split: Literal["test", "dev"] = Field(
         default="test",
         description="what the rows rank by: the metric on the task's evaluation split (test; under the "
         "study protocol its test set) or on the protocol's held-out dev split (dev: only jobs that had one)",
     )
+    order_by: Literal["mean", "best"] = Field(
+        default="mean", description="rows ranked by their mean over seeds or by their best run"
+    )
+    interval: str = Field(default=INTERVAL, description="what ci_low and ci_high are")
+    tie_test: str = Field(default=TIE_TEST, description="what tied_with_top means")
     rows: list[LeaderboardRowOut]
 
 

@@ -7,20 +7,48 @@ from pathlib import Path
 import click
 
 from pelt_core.vocabulary import COMPOSE_OPERATIONS
+from services.api.schemas import LeaderboardOut
 from services.client import PeltClient
 from services.commands.common import client_errors, parse_set_options, print_table
 from services.plots import VIEWS, check_view, format_of
+from services.registry.leaderboard import FULL_SET
+
+
+class KFilter(click.ParamType):
+    """`--k-shot`: a K of 1 or more, or "full" (the runs on the full training set)."""
+
+    name = "K|full"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if value == FULL_SET or isinstance(value, int):
+            return value
+        try:
+            k = int(str(value))
+        except ValueError:
+            k = 0
+        if k < 1:
+            self.fail(f"{value!r} is not a K of 1 or more, nor 'full' (the full training set)", param, ctx)
+        return k
 
 
 @click.command("leaderboard")
 @click.argument("task")
-@click.option("--k-shot", type=int, default=None, help="only runs with this K")
+@click.option(
+    "--k-shot", type=KFilter(), default=None, help="only runs with this K ('full': on the full training set)"
+)
 @click.option(
     "--split",
     type=click.Choice(["test", "dev"]),
     default="test",
     show_default=True,
     help="rank by the metric on the task's evaluation split, or on the study protocol's dev split",
+)
+@click.option(
+    "--order-by",
+    type=click.Choice(["mean", "best"]),
+    default="mean",
+    show_default=True,
+    help="rank by the mean over seeds, or by each row's best run",
 )
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.option(
@@ -37,39 +65,84 @@ from services.plots import VIEWS, check_view, format_of
 )
 @client_errors
 def leaderboard_command(
-    task: str, k_shot: int | None, split: str, as_json: bool, plot: str | None, view: str | None
+    task: str,
+    k_shot: int | str | None,
+    split: str,
+    order_by: str,
+    as_json: bool,
+    plot: str | None,
+    view: str | None,
 ) -> None:
-    """The methods on a task, best first: best and mean ± std of its metric, trainable %, runs; with
-    --plot, drawn into an SVG or PNG file instead."""
+    """The methods on a task, one row per method and configuration (K and the settings that differ),
+    seeds pooled: the mean with its 95% interval, whether it is separable from the top, the best run,
+    trainable %; with --plot, drawn into an SVG or PNG file instead."""
     if plot is not None:
-        if split != "test":
-            raise click.UsageError("--plot draws the test split's leaderboard: leave out --split dev")
+        if split != "test" or order_by != "mean":
+            raise click.UsageError(
+                "--plot draws the test split's leaderboard: leave out --split and --order-by"
+            )
         _plot(task, plot, view or "pareto", k_shot, as_json)
         return
     if view is not None:
         raise click.UsageError("--view draws a plot: add --plot FILE (.svg or .png)")
     with PeltClient() as client:
-        board = client.leaderboard_raw(task, k_shot, split=split)
+        board = client.leaderboard_raw(task, k_shot, split=split, order_by=order_by)
     if as_json:
         click.echo(board.model_dump_json(indent=2))
         return
+    echo_board(board)
+
+
+def echo_board(board: LeaderboardOut, title: str | None = None) -> None:
+    """A leaderboard as a table with a header that says how it ranks and what its columns mean."""
+    direction = "higher" if board.metric_direction == "max" else "lower"
+    where = "" if board.k_shot is None else f", K={board.k_shot}"
+    split = ", on the dev split" if board.split == "dev" else ""
+    ranked = "the mean over seeds" if board.order_by == "mean" else "the best run"
     click.echo(
-        f"{task}: {board.metric} ({'higher' if board.metric_direction == 'max' else 'lower'} is better)"
-        f"{'' if k_shot is None else f', K={k_shot}'}{', on the dev split' if split == 'dev' else ''}"
+        f"{title or board.task}: {board.metric} ({direction} is better){where}{split}; ranked by {ranked}"
     )
     rows = [
         {
-            **r.model_dump(),
-            "mean ± std": f"{r.mean:.4f} ± {r.std:.4f}",
-            "% params": f"{r.trainable_percent:.3f}",
-            "train s": f"{r.median_train_seconds:.1f}",
+            **row.model_dump(),
+            "K": "full" if row.k_shot is None else row.k_shot,
+            "config": config_text(row.config),
+            "95% interval": "1 seed" if row.ci_low is None else f"{row.ci_low:.4f} to {row.ci_high:.4f}",
+            "vs top": tie_text(row.tied_with_top, row.rank),
+            "% params": f"{row.trainable_percent:.3f}",
+            "train s": f"{row.median_train_seconds:.1f}",
         }
-        for r in board.rows
+        for row in board.rows
     ]
-    print_table(rows, ["rank", "method", "best", "mean ± std", "runs", "% params", "train s", "best_job_id"])
+    columns = ["rank", "method", "K", "config", "mean", "95% interval", "seeds", "vs top", "best"]
+    print_table(rows, [*columns, "% params", "train s", "best_job_id"])
+    if board.rows:
+        click.echo(
+            "95% interval: Student-t over seeds. vs top: tied = not separable from rank 1 "
+            "(Welch's t-test, p >= 0.05); '?' = a side has one seed"
+        )
 
 
-def _plot(task: str, path: str, view: str, k_shot: int | None, as_json: bool) -> None:
+def config_text(config: dict[str, object]) -> str:
+    """A row's distinguishing settings as `name=value` pairs ("" when the method has one configuration)."""
+    return " ".join(f"{name}={_setting(value)}" for name, value in config.items())
+
+
+def _setting(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return ",".join(str(item) for item in value)
+    return str(value)
+
+
+def tie_text(tied_with_top: bool | None, rank: int) -> str:
+    if rank == 1:
+        return "top"
+    return {True: "tied", False: "separable", None: "?"}[tied_with_top]
+
+
+def _plot(task: str, path: str, view: str, k_shot: int | str | None, as_json: bool) -> None:
     """`--plot`: the view drawn by the service into `path`; bad options are refused before any request."""
     if as_json:
         raise click.UsageError("--plot and --json do not go together")

@@ -6,9 +6,10 @@ its job is left out of the leaderboard the aliases follow, so the best of the ot
 its method's `best-<method>`.
 
 Aliases are never written from a worker's own view: `sync_aliases(task)` reads the registry's leaderboard
-after the result row has committed, points `best-<method>` at each method's best job and `best` at the best
-of all (ties: fewer trainable parameters, then the older job: an alias moves only when a new result beats
-the current one), then reads again and repeats until what it read is what it wrote, so concurrent syncs
+after the result row has committed, points `best` at the best run of the leaderboard's top row (the
+configuration with the best mean over seeds) and `best-<method>` at the best run of that method's top row
+(ties: fewer trainable parameters, then the older job: an alias moves only when a new result beats the
+current one), then reads again and repeats until what it read is what it wrote, so concurrent syncs
 converge on the last committed state. It is idempotent: a crash between the result row and the alias move
 is repaired by any later sync (the next completion on the task, `reconcile(task)` at start-up).
 """
@@ -111,11 +112,11 @@ class AliasMixin(StoreBase):
         left_out = [job_id for job_id in archived.values() if job_id is not None]
         rows = registry.leaderboard(task, exclude_job_ids=left_out)
         desired: dict[str, str] = {}
-        for row in rows:  # best first
+        for row in rows:  # the top row first: each alias names the best run of the first row it can
             version = self._recorded_version(registry, model, row.best_job_id)
             if version is None or version in archived:
                 continue
-            desired[method_alias(row.method)] = version
+            desired.setdefault(method_alias(row.method), version)
             desired.setdefault(BEST, version)
         return desired
 

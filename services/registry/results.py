@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import false, func, select
 from sqlalchemy.orm import Session
@@ -11,8 +11,19 @@ from sqlalchemy.orm import Session
 from services.registry import presets
 from services.registry.core import RegistryCore
 from services.registry.errors import RegistryValidationError
-from services.registry.leaderboard import SPLITS, LeaderboardRow, OrderBy, Run, Split, rank_by_k, rank_methods
-from services.registry.models import Job, JobEvent, JobStatus, Method, Result
+from services.registry.leaderboard import (
+    FULL_SET,
+    ORDERS,
+    SPLITS,
+    LeaderboardRow,
+    OrderBy,
+    Run,
+    Split,
+    rank_by_k,
+    rank_methods,
+    run_settings,
+)
+from services.registry.models import Backbone, Job, JobEvent, JobStatus, Method, Result
 from services.registry.records import JobEventRecord, JobRecord, LossHistoryRecord, ResultRecord
 from services.registry.rows import backbone_filter_ids, find_job, find_task
 from services.registry.validation import check_int
@@ -114,35 +125,39 @@ class JobResults(RegistryCore):
     def leaderboard(
         self,
         task: str,
-        k_shot: int | None = None,
+        k_shot: int | Literal["full"] | None = None,
         *,
         backbone: str | None = None,
-        order_by: OrderBy = "best",
+        order_by: OrderBy = "mean",
         split: Split = "test",
         exclude_job_ids: Iterable[int] = (),
     ) -> list[LeaderboardRow]:
-        """One row per method over the task's succeeded jobs (only K = `k_shot` when given; all runs,
-        whatever their K, when None): best and mean ± std of the primary metric, run count, trainable
-        percentage, median train time and the job and delta behind the best. Best first by the
-        metric's direction; ties go to fewer trainable parameters. `split`: rank by the metric on the
-        task's evaluation split ("test") or on the study protocol's dev split ("dev": only jobs that had
-        one). `exclude_job_ids`: jobs left out (the delta store's archived versions, for its aliases)."""
-        if k_shot is not None:
+        """One row per method and configuration over the task's succeeded jobs (only K = `k_shot` when
+        given, "full": only the runs on the full training set; every K, each its own rows, when None),
+        seeds pooled: mean, std and 95% interval over seeds, whether it is separable from the top row,
+        the best run and its delta, trainable percentage and median train time (how: the module
+        services.registry.leaderboard). Ranked by the mean over seeds (`order_by="best"`: by the best
+        run) in the metric's direction; ties go to fewer trainable parameters. `split`: rank by the metric on the task's evaluation split ("test") or on
+        the study protocol's dev split ("dev": only jobs that had one). `exclude_job_ids`: jobs left out
+        (the delta store's archived versions, for its aliases)."""
+        if k_shot is not None and k_shot != FULL_SET:
             check_int(k_shot, "k_shot", minimum=1)
+        _check_order(order_by)
         runs, direction = self._succeeded_runs(task, k_shot, backbone, split)
         left_out = set(exclude_job_ids)
         return rank_methods([run for run in runs if run.job_id not in left_out], direction, order_by)
 
     def leaderboard_by_k(
-        self, task: str, *, backbone: str | None = None, order_by: OrderBy = "best", split: Split = "test"
+        self, task: str, *, backbone: str | None = None, order_by: OrderBy = "mean", split: Split = "test"
     ) -> dict[int | None, list[LeaderboardRow]]:
         """The task's leaderboard for each K its succeeded jobs used, in one read: K ascending, None (the
         full training set) last; {} while no job has succeeded."""
+        _check_order(order_by)
         runs, direction = self._succeeded_runs(task, None, backbone, split)
         return rank_by_k(runs, direction, order_by)
 
     def _succeeded_runs(
-        self, task: str, k_shot: int | None, backbone: str | None, split: Split
+        self, task: str, k_shot: int | Literal["full"] | None, backbone: str | None, split: Split
     ) -> tuple[list[Run], str]:
         """The task's succeeded jobs as leaderboard runs (only K = `k_shot` when given; their metric on
         `split`) and its metric's direction; an unknown task or backbone raises its registry error."""
@@ -164,19 +179,34 @@ class JobResults(RegistryCore):
                     Result.delta_uri,
                     Result.delta_sha256,
                     Job.method_fingerprint,
+                    Backbone.name,
+                    Job.train_config,
+                    Job.method_spec,
                 )
                 .select_from(Result)
                 .join(Job, Result.job_id == Job.id)
                 .join(Method, Job.method_id == Method.id)
+                .join(Backbone, Job.backbone_id == Backbone.id)
                 .where(Job.task_id == task_row.id, Job.status == JobStatus.SUCCEEDED.value)
             )
             if split == "dev":
                 query = query.where(Result.dev_primary_metric.is_not(None))
-            if k_shot is not None:
+            if k_shot == FULL_SET:
+                query = query.where(Job.k_shot.is_(None))
+            elif k_shot is not None:
                 query = query.where(Job.k_shot == k_shot)
             if backbone is not None:
                 query = _on_backbone(query, backbone_filter_ids(session, backbone))
-            return [Run(*row) for row in session.execute(query)], task_row.metric_direction
+            runs = [
+                Run(*fields, backbone=backbone_name, settings=run_settings(train_config, method_spec))
+                for *fields, backbone_name, train_config, method_spec in session.execute(query)
+            ]
+            return runs, task_row.metric_direction
+
+
+def _check_order(order_by: str) -> None:
+    if order_by not in ORDERS:
+        raise RegistryValidationError("order_by", f"must be one of {', '.join(ORDERS)}, got {order_by!r}")
 
 
 def _on_backbone(query: Any, backbone_ids: list[int]) -> Any:

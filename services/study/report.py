@@ -13,17 +13,27 @@ from pathlib import Path
 from typing import Any
 
 from services import plots
+from services.registry.leaderboard import seed_statistics
 from services.study.paper import MIXTURES, PAPER_METHODS, SINGLE_METHODS, paper_value
 from services.study.plan import StudyPlan, StudyRun
 
 REPORT_FILES = ("report.md", "report.json", "metric-vs-k.svg")
 
 
-def _stats(values: Sequence[float]) -> dict[str, float | int]:
+def _stats(cell: Sequence[StudyRun]) -> dict[str, float | int | None]:
+    """A cell's test score ×100 pooled over seeds as the leaderboard pools a row (a seed run twice counts
+    once): mean, std and the 95% Student-t interval over seeds (None with one seed)."""
+    by_seed: dict[int, list[float]] = {}
+    for run in cell:
+        by_seed.setdefault(run.seed, []).append(100 * run.test)
+    summary = seed_statistics(by_seed)
     return {
-        "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "runs": len(values),
+        "mean": summary.mean,
+        "std": summary.std,
+        "ci_low": summary.ci_low,
+        "ci_high": summary.ci_high,
+        "seeds": summary.seeds,
+        "runs": len(cell),
     }
 
 
@@ -45,11 +55,7 @@ def summarize(
             for task in plan.tasks:
                 cell = sorted(by_cell.get((k, method, task), []), key=lambda r: r.seed)
                 tasks[task] = {
-                    **(
-                        _stats([100 * r.test for r in cell])
-                        if cell
-                        else {"mean": None, "std": None, "runs": 0}
-                    ),
+                    **(_stats(cell) if cell else {"mean": None, "std": None, "seeds": 0, "runs": 0}),
                     "dev": statistics.fmean(100 * r.dev for r in cell if r.dev is not None)
                     if any(r.dev is not None for r in cell)
                     else None,
@@ -137,7 +143,8 @@ def _claim(rows: dict[str, Any]) -> dict[str, Any] | None:
 def _cell(stats: dict[str, Any], digits: int = 1) -> str:
     if stats.get("mean") is None:
         return "—"
-    text = f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+    spread = "(1 seed)" if stats.get("std") is None else f"± {stats['std']:.{digits}f}"
+    text = f"{stats['mean']:.{digits}f} {spread}"
     return text + (f" ({stats['paper']:.1f})" if stats.get("paper") is not None else "")
 
 

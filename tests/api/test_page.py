@@ -272,6 +272,13 @@ def test_the_page_shows_the_leaderboard_plots_and_deltas_once_a_token_is_entered
     page.locator("#leaderboard tbody tr").nth(len(METHODS) - 1).wait_for()
     methods = page.locator("#leaderboard tbody td.method").all_inner_texts()
     assert sorted(methods) == sorted(METHODS)
+    ties = page.locator("#leaderboard tbody td.tie").all_inner_texts()
+    assert ties == ["top", "?"]  # one seed each: no interval, nothing to test against the top
+    assert page.locator("#leaderboard tbody td.interval").all_inner_texts() == ["1 seed", "1 seed"]
+    assert "Student-t" in page.locator("#leaderboard-note").inner_text()
+    assert "full" in page.locator("#k-filter option").all_inner_texts()[-1]  # the full training set
+    page.select_option("#order-by", "best")
+    page.locator("#leaderboard tbody tr").nth(len(METHODS) - 1).wait_for()
     page.locator("#pareto-plot svg").wait_for()
     points = page.locator("#pareto-plot svg circle.point")
     assert sorted(points.evaluate_all("nodes => nodes.map(n => n.dataset.method)")) == sorted(METHODS)

@@ -18,22 +18,41 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HOSTILE = '<script>alert("x")</script>&\'"$x^$'
 
 
-def row(method: str, mean: float, percent: float, *, std: float = 0.01, runs: int = 3) -> LeaderboardRowOut:
+def row(
+    method: str,
+    mean: float,
+    percent: float,
+    *,
+    half: float = 0.01,
+    seeds: int = 3,
+    config: dict | None = None,
+    k_shot: int | None = None,
+) -> LeaderboardRowOut:
+    """A leaderboard row: `half` is its 95% interval's half-width (none with one seed)."""
+    one = seeds == 1
     return LeaderboardRowOut(
         rank=1,
         method=method,
-        best=mean + std,
+        config_id=f"{abs(hash((method, str(config), k_shot))):012x}"[:12],
+        k_shot=k_shot,
+        backbone="tiny-bert",
+        config=config or {},
         mean=mean,
-        std=std,
-        runs=runs,
-        seeds=runs,
+        std=None if one else half,
+        ci_low=None if one else mean - half,
+        ci_high=None if one else mean + half,
+        tied_with_top=True,
+        best=mean + (0 if one else half),
+        runs=seeds,
+        seeds=seeds,
+        seed_values=[mean] * seeds,
         trainable_params=round(percent * 1000),
         trainable_percent=percent,
         median_train_seconds=1.0,
         best_job_id=1,
         best_delta_uri=None,
         best_delta_sha256=None,
-        k_values=[None],
+        k_values=[k_shot],
         best_method_fingerprint=None,
         method_fingerprints=[],
     )
@@ -101,7 +120,7 @@ def test_the_frontier_keeps_every_point_of_a_tie_and_drops_a_costlier_equal():
 
 
 def test_a_single_method_is_its_own_frontier_in_both_renderers():
-    figure = plots.pareto_figure(board([row("lora", 0.8, 0.3, std=0.0, runs=1)]))
+    figure = plots.pareto_figure(board([row("lora", 0.8, 0.3, seeds=1)]))
     root = parse(plots.render_svg(figure))
     assert [e.get("data-method") for e in points(root)] == ["lora"] and frontier_methods(root) == {"lora"}
     assert plots.render_png(figure).startswith(PNG_SIGNATURE)
@@ -111,11 +130,46 @@ def test_each_point_carries_its_numbers_as_hover_text():
     root = parse(plots.render_svg(plots.pareto_figure(board(RANKED))))
     (lora,) = [e for e in points(root) if e.get("data-method") == "lora"]
     hover = lora.find(f"{SVG}title").text
-    assert "accuracy 0.8000 ± 0.0100" in hover and "3 runs" in hover and "0.3% (300 parameters)" in hover
+    assert "accuracy mean 0.8000, 95% interval 0.7900 to 0.8100 (3 seeds)" in hover and "3 runs" in hover
+    assert "0.3% (300 parameters)" in hover
     assert "on the Pareto frontier" in hover
     description = root.find(f"{SVG}desc").text
     assert root.get("aria-labelledby") == "pelt-pareto-title pelt-pareto-desc"
     assert "bitfit" in description and "houlsby" in description
+
+
+def test_each_configuration_of_a_method_is_its_own_point_with_its_interval_as_the_error_bar():
+    rows = [
+        row("lora", 0.80, 0.3, config={"learning_rate": 0.005}),
+        row("lora", 0.84, 0.6, config={"learning_rate": 0.001}, half=0.02),
+        row("bitfit", 0.75, 0.1, seeds=1),
+    ]
+    figure = plots.pareto_figure(board(rows))
+    (lora,) = [series for series in figure.series if series.method == "lora"]
+    assert [(p.x, p.mean, p.error) for p in lora.points] == [
+        (0.3, 0.80, pytest.approx(0.01)),
+        (0.6, 0.84, pytest.approx(0.02)),
+    ]
+    assert "learning_rate=0.005" in lora.points[0].detail and "learning_rate=0.001" in lora.points[1].detail
+    (bitfit,) = [series for series in figure.series if series.method == "bitfit"]
+    assert bitfit.points[0].error == 0 and "1 seed: no interval" in bitfit.points[0].detail
+    root = parse(plots.render_svg(figure))
+    assert sorted(e.get("data-method") for e in points(root)) == ["bitfit", "lora", "lora"]
+    assert len(frontier_methods(root)) == 2 and sum("frontier" in e.get("class") for e in points(root)) == 3
+    assert "95% interval" in figure.y_label
+    assert plots.render_png(figure).startswith(PNG_SIGNATURE)
+
+
+def test_metric_vs_k_follows_each_methods_top_configuration_at_each_k():
+    boards = [
+        board([row("lora", 0.7, 0.3, config={"r": 8}), row("lora", 0.6, 0.3, config={"r": 2})], k_shot=100),
+        board([row("lora", 0.8, 0.3, config={"r": 2}, seeds=1)], k_shot=1000),
+    ]
+    (lora,) = plots.metric_vs_k_figure(boards).series
+    assert [(p.x, p.mean, p.error) for p in lora.points] == [
+        (100.0, 0.7, pytest.approx(0.01)),
+        (1000.0, 0.8, 0.0),
+    ]
 
 
 @pytest.mark.parametrize("view", plots.VIEWS)
@@ -182,7 +236,7 @@ def test_metric_vs_k_has_a_line_per_method_a_point_per_k_and_the_full_data_point
     assert sorted(e.get("data-method") for e in points(root)) == ["bitfit", "bitfit", "lora", "lora", "lora"]
     groups = [g.get("data-method") for g in root.iter(f"{SVG}g") if g.get("class") == "series"]
     assert groups == ["bitfit", "lora"]
-    assert len(root.findall(f".//{SVG}polygon")) == 2  # a ± std band per method
+    assert len(root.findall(f".//{SVG}polygon")) == 2  # an interval band per method
     assert "full" in [e.text for e in root.iter(f"{SVG}text")]
     assert plots.render_png(figure).startswith(PNG_SIGNATURE)
 

@@ -1,9 +1,12 @@
-"""The leaderboard's plots through the service: GET /v1/tasks/{name}/leaderboard/by-k, the SVG and PNG plot
-routes (read scope, a token like every data call, inert SVG headers), `PeltClient.plot_leaderboard` and
-`pelt leaderboard --plot`, over results recorded in the registry (no training)."""
+"""The leaderboard and its plots through the service, over results recorded in the registry (no training):
+rows per method and configuration with intervals and ties (API, client, `pelt leaderboard`), GET
+/v1/tasks/{name}/leaderboard/by-k, the SVG and PNG plot routes (read scope, a token like every data call,
+inert SVG headers), `PeltClient.plot_leaderboard` and `pelt leaderboard --plot`."""
 
 from __future__ import annotations
 
+import math
+import statistics
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -11,11 +14,13 @@ from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
 from services.commands import deltas
+from services.registry.leaderboard import INTERVAL, TIE_TEST
 from tests.api.conftest import BACKBONE, Api
 from tests.api.helpers import refused
 
 SVG = "{http://www.w3.org/2000/svg}"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+T_975_1 = 12.706204736174698  # Student's t, 97.5th percentile, 1 degree of freedom (2 seeds)
 PLOTS = ("pareto.svg", "pareto.png", "metric-vs-k.svg", "metric-vs-k.png")
 # method: (trainable params of 100,000, {K: accuracy per seed})
 RESULTS = {
@@ -53,6 +58,64 @@ def points(svg: str) -> list[ET.Element]:
     return [e for e in root.iter(f"{SVG}circle") if "point" in e.get("class", "").split()]
 
 
+def test_the_leaderboard_has_a_row_per_method_and_k_ranked_by_mean_with_intervals_and_ties(client, trained):
+    board = client.leaderboard_raw(trained)
+    assert (board.order_by, board.interval, board.tie_test) == ("mean", INTERVAL, TIE_TEST)
+    assert [(row.method, row.k_shot) for row in board.rows] == [
+        ("lora", None),
+        ("bitfit", None),
+        ("lora", 64),
+        ("bitfit", 64),
+        ("prefix", 64),
+        ("lora", 16),
+        ("bitfit", 16),
+        ("prefix", 16),
+    ]
+    top, last = board.rows[0], board.rows[-1]
+    half = T_975_1 * statistics.stdev([0.86, 0.88]) / math.sqrt(2)
+    assert (top.mean, top.seeds, top.ci_low, top.ci_high) == (
+        pytest.approx(0.87),
+        2,
+        pytest.approx(0.87 - half),
+        pytest.approx(0.87 + half),
+    )
+    assert (top.tied_with_top, last.tied_with_top) == (True, False)
+    assert all(row.config == {} for row in board.rows)  # one configuration per method and K
+
+
+def test_the_leaderboard_ranks_by_best_on_request_and_filters_the_full_set(client, trained):
+    by_best = client.leaderboard(trained, k_shot=64, order_by="best")
+    assert list(by_best["method"]) == ["lora", "bitfit", "prefix"] and by_best.attrs["order_by"] == "best"
+    full = client.leaderboard_raw(trained, k_shot="full")
+    assert full.k_shot == "full" and [(r.method, r.k_shot) for r in full.rows] == [
+        ("lora", None),
+        ("bitfit", None),
+    ]
+    http = client.http
+    for params, field in (({"order_by": "median"}, "order_by"), ({"k_shot": "fuller"}, "k_shot")):
+        response = http.get(f"/v1/tasks/{trained}/leaderboard", params=params)
+        assert response.status_code == 422 and field in response.text, response.text
+
+
+def test_pelt_leaderboard_prints_k_config_interval_and_ties(api, trained, monkeypatch):
+    monkeypatch.setattr(deltas, "PeltClient", api.client)
+    result = CliRunner().invoke(deltas.leaderboard_command, [trained])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "ranked by the mean over seeds" in lines[0]
+    assert lines[1].split()[:4] == ["rank", "method", "K", "config"]
+    assert lines[2].split()[:3] == ["1", "lora", "full"] and "top" in lines[2]
+    assert lines[-2].split()[:3] == ["8", "prefix", "16"] and "separable" in lines[-2]
+    assert "Welch" in lines[-1]
+    result = CliRunner().invoke(
+        deltas.leaderboard_command, [trained, "--k-shot", "full", "--order-by", "best"]
+    )
+    assert result.exit_code == 0 and "ranked by the best run" in result.output, result.output
+    assert [line.split()[1] for line in result.output.splitlines()[2:4]] == ["lora", "bitfit"]
+    result = CliRunner().invoke(deltas.leaderboard_command, [trained, "--k-shot", "0"])
+    assert result.exit_code == 2 and "nor 'full'" in result.output
+
+
 def test_the_leaderboard_by_k_has_one_board_per_k_with_the_full_training_set_last(client, trained):
     boards = client.leaderboard_by_k(trained)
     assert [board.k_shot for board in boards] == [16, 64, None]
@@ -71,8 +134,8 @@ def test_the_pareto_svg_has_a_point_per_method_the_frontier_and_inert_headers(ap
     assert response.headers["content-type"] == "image/svg+xml"
     assert response.headers["content-security-policy"] == "default-src 'none'; style-src 'unsafe-inline'"
     assert response.headers["x-content-type-options"] == "nosniff"
-    marks = points(response.text)
-    assert sorted(e.get("data-method") for e in marks) == ["bitfit", "lora", "prefix"]
+    marks = points(response.text)  # every K: a point per method and K
+    assert sorted(e.get("data-method") for e in marks) == ["bitfit"] * 3 + ["lora"] * 3 + ["prefix"] * 2
     assert {e.get("data-method") for e in marks if "frontier" in e.get("class")} == {"bitfit", "lora"}
     assert "all K" in response.text
 
@@ -127,7 +190,7 @@ def test_unknown_tasks_formats_and_bad_k_are_refused(api, client, trained):
 
 def test_the_client_writes_the_plot_in_the_format_of_the_suffix(client, trained, tmp_path):
     svg = client.plot_leaderboard(trained, tmp_path / "pareto.svg")
-    assert (tmp_path / "pareto.svg").read_text() == svg and len(points(svg)) == 3
+    assert (tmp_path / "pareto.svg").read_text() == svg and len(points(svg)) == 8
     png = client.plot_leaderboard(trained, tmp_path / "by-k.png", view="metric-vs-k")
     assert (tmp_path / "by-k.png").read_bytes() == png and png.startswith(PNG_SIGNATURE)
     assert client.plot_leaderboard(trained, format="png").startswith(PNG_SIGNATURE)

@@ -25,7 +25,8 @@
     name: null, // the token's name: a write token cancels only the jobs it submitted
     task: null, // the name in view
     deltasOnly: false, // the view shows only the delta versions of a name (no task behind it)
-    kShot: "", // the leaderboard's K filter ("" = every K)
+    kShot: "", // the leaderboard's K filter ("" = every K, "full" = the full training set)
+    orderBy: "mean", // the leaderboard's ranking: "mean" over seeds or "best" run
     sweep: "", // the jobs' sweep filter ("" = every job)
     generation: 0, // bumps on every change of view: answers for an older view are dropped
     pollTimer: null,
@@ -279,38 +280,65 @@
   // --- leaderboard and plots ------------------------------------------------------------------------
 
   async function loadLeaderboard(generation) {
-    const query = state.kShot ? `?k_shot=${enc(state.kShot)}` : "";
-    const board = await getJson(`/v1/tasks/${enc(state.task)}/leaderboard${query}`);
+    const query = new URLSearchParams({ order_by: state.orderBy });
+    if (state.kShot) query.set("k_shot", state.kShot);
+    const board = await getJson(`/v1/tasks/${enc(state.task)}/leaderboard?${query}`);
     if (generation !== state.generation) return;
-    byId("leaderboard-metric").textContent = `${board.metric} mean ± std`;
+    byId("leaderboard-metric").textContent = `${board.metric} mean`;
     byId("leaderboard").tBodies[0].replaceChildren(...board.rows.map(leaderboardRow));
     byId("leaderboard-empty").hidden = board.rows.length > 0;
+    byId("leaderboard-note").hidden = board.rows.length === 0;
+    byId("leaderboard-note").textContent =
+      `Each row is a method in one configuration (K and the settings that differ), its seeds pooled. ` +
+      `Interval: ${board.interval}. vs top: ${board.tie_test}; "?" when a side has one seed.`;
     if (!state.kShot) fillKFilter(board.rows);
   }
 
   function leaderboardRow(row) {
     const tr = document.createElement("tr");
     tr.dataset.method = row.method;
+    tr.dataset.config = row.config_id;
+    const interval = row.ci_low === null ? "1 seed" : `${formatMetric(row.ci_low)} to ${formatMetric(row.ci_high)}`;
     tr.append(
       element("td", String(row.rank)),
       element("td", row.method, "method"),
-      element("td", row.k_values.map(kLabel).join(", ")),
-      element("td", `${formatMetric(row.mean)} ± ${formatMetric(row.std)}`),
+      element("td", kLabel(row.k_shot)),
+      element("td", configText(row.config), "config"),
+      element("td", formatMetric(row.mean)),
+      element("td", interval, "interval"),
+      element("td", tieText(row), "tie"),
       element("td", formatMetric(row.best)),
-      element("td", `${row.runs} (${row.seeds} seed${row.seeds === 1 ? "" : "s"})`),
+      element("td", `${row.seeds} (${row.runs} run${row.runs === 1 ? "" : "s"})`),
       element("td", formatPercent(row.trainable_percent)),
       element("td", formatSeconds(row.median_train_seconds)),
     );
     return tr;
   }
 
+  function configText(config) {
+    return Object.entries(config)
+      .map(([name, value]) => `${name}=${Array.isArray(value) ? value.join(",") : value}`)
+      .join(" ");
+  }
+
+  function tieText(row) {
+    if (row.rank === 1) return "top";
+    if (row.tied_with_top === null) return "?";
+    return row.tied_with_top ? "tied" : "separable";
+  }
+
   function fillKFilter(rows) {
     const values = new Set();
-    for (const row of rows) for (const k of row.k_values) if (k !== null) values.add(k);
+    let full = false;
+    for (const row of rows) {
+      if (row.k_shot === null) full = true;
+      else values.add(row.k_shot);
+    }
     const select = byId("k-filter");
     resetSelect(select, "all K");
     for (const k of [...values].sort((a, b) => a - b)) select.append(option(String(k), `K = ${k}`));
-    select.disabled = values.size === 0;
+    if (full) select.append(option("full", "full training set"));
+    select.disabled = values.size === 0 && !full;
   }
 
   async function loadPlots(generation) {
@@ -701,7 +729,7 @@
   }
 
   function kLabel(k) {
-    return k === null || k === undefined ? "all" : String(k);
+    return k === null || k === undefined ? "full" : String(k); // null: the full training set
   }
 
   function formatMetric(value) {
@@ -733,6 +761,10 @@
       state.kShot = event.target.value;
       const generation = state.generation;
       Promise.all([loadLeaderboard(generation), loadPlots(generation)]).catch(reportError);
+    });
+    byId("order-by").addEventListener("change", (event) => {
+      state.orderBy = event.target.value;
+      loadLeaderboard(state.generation).catch(reportError);
     });
     byId("sweep-filter").addEventListener("change", (event) => {
       state.sweep = event.target.value;
