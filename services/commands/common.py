@@ -15,16 +15,16 @@ from services.client import PeltAPIError
 
 
 def client_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """A refused request ends the command with the service's message (exit status 1)."""
+    """A refused request ends the command with the service's message (exit status 1), printed on one line
+    (`printable`: a message that quotes stored or uploaded text cannot forge a line or restyle the terminal)."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
         except PeltAPIError as exc:
-            raise click.ClickException(
-                f"{exc.message} (HTTP {exc.status})" if exc.status else exc.message
-            ) from None
+            message = printable(exc.message)
+            raise click.ClickException(f"{message} (HTTP {exc.status})" if exc.status else message) from None
 
     return wrapper
 
@@ -95,6 +95,32 @@ def parse_ints(text: str | None, option: str, allow_full: bool = False) -> list[
             accepted = "an integer or 'full' (the whole training set)" if allow_full else "an integer"
             raise click.BadParameter(f"{part!r} is not {accepted}", param_hint=option) from None
     return out
+
+
+class KShot(click.ParamType):
+    """`--k-shot`: a K of 1 or more, or "full", the whole training set (as `full_value`: None where a job
+    takes it, "full" where a leaderboard filters by it); "all" and its kind are refused naming "full"."""
+
+    name = "K|full"
+
+    def __init__(self, full_value: str | None = None) -> None:
+        self.full_value = full_value
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        text = str(value).strip().lower()
+        if text == "full":
+            return self.full_value
+        try:
+            k = int(text)
+        except ValueError:
+            k = 0
+        if k >= 1:
+            return k
+        if text in ("all", "none", "max", "*"):
+            self.fail(f"{value!r} is not a K value: write 'full' for the whole training set", param, ctx)
+        self.fail(f"{value!r} is not a K of 1 or more, nor 'full' (the whole training set)", param, ctx)
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

@@ -9,32 +9,18 @@ import click
 from pelt_core.vocabulary import COMPOSE_OPERATIONS
 from services.api.schemas import LeaderboardOut
 from services.client import PeltClient
-from services.commands.common import client_errors, parse_set_options, print_table
+from services.commands.common import KShot, client_errors, parse_set_options, print_table
 from services.plots import VIEWS, check_view, format_of
 from services.registry.leaderboard import FULL_SET
-
-
-class KFilter(click.ParamType):
-    """`--k-shot`: a K of 1 or more, or "full" (the runs on the full training set)."""
-
-    name = "K|full"
-
-    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
-        if value == FULL_SET or isinstance(value, int):
-            return value
-        try:
-            k = int(str(value))
-        except ValueError:
-            k = 0
-        if k < 1:
-            self.fail(f"{value!r} is not a K of 1 or more, nor 'full' (the full training set)", param, ctx)
-        return k
 
 
 @click.command("leaderboard")
 @click.argument("task")
 @click.option(
-    "--k-shot", type=KFilter(), default=None, help="only runs with this K ('full': on the full training set)"
+    "--k-shot",
+    type=KShot(FULL_SET),
+    default=None,
+    help="only runs with this K ('full': on the full training set)",
 )
 @click.option(
     "--split",
@@ -189,11 +175,13 @@ def pull_command(
 def export_pulled_peft(client: PeltClient, info, folder: Path) -> Path:
     """The pulled LoRA delta written as a PEFT adapter folder (`folder/peft`, loaded by
     `peft.PeftModel.from_pretrained` over the base model; its head beside it); a delta PEFT cannot load (not
-    plain LoRA, or a multi-task bundle) is a click error naming why."""
+    plain LoRA, or a multi-task bundle) is a click error naming why. `folder` holds the version as `pull`
+    downloaded it (sha256-checked): it is loaded from there, not downloaded again."""
     from pelt_core.delta import DeltaError, export_peft_lora
+    from pelt_core.pulled import load_pulled
 
     try:
-        pulled = client.pull(info.task, version=info.version, device="cpu")
+        pulled = load_pulled(info, folder, lambda manifest: client._backbone(manifest, None, "cpu"))
         return export_peft_lora(pulled.delta, pulled.backbone, folder / "peft")
     except DeltaError as exc:
         raise click.ClickException(

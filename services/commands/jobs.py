@@ -9,7 +9,14 @@ import click
 
 from services.api.schemas import DEFAULT_BACKBONE, JOB_DEVICES
 from services.client import PeltClient
-from services.commands.common import client_errors, parse_ints, parse_set_options, print_table, printable
+from services.commands.common import (
+    KShot,
+    client_errors,
+    parse_ints,
+    parse_set_options,
+    print_table,
+    printable,
+)
 
 MAX_WATCH_ERROR_CHARS = 200  # of a failed job's error, on its line of `pelt watch`
 
@@ -27,7 +34,12 @@ device_option = click.option(
 @click.argument("method")
 @click.option("--backbone", default=DEFAULT_BACKBONE, show_default=True)
 @click.option("--seed", default=0, show_default=True)
-@click.option("--k-shot", type=int, default=None, help="K training examples (default: the full training set)")
+@click.option(
+    "--k-shot",
+    type=KShot(),
+    default=None,
+    help="K training examples (default, or 'full': the full training set)",
+)
 @click.option(
     "--set",
     "assignments",

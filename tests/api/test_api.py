@@ -526,6 +526,25 @@ def test_a_sweeps_k_takes_full_for_the_whole_training_set_and_refuses_all_naming
     assert sorted(job.k_shot or 0 for job in api.registry.list_jobs()) == [0, 16]
 
 
+def test_pelt_submits_k_takes_full_for_the_whole_training_set_and_refuses_all_naming_full(
+    api, toy_task, monkeypatch
+):
+    from click.testing import CliRunner
+
+    from services.commands import jobs
+
+    monkeypatch.setattr(jobs, "PeltClient", api.client)
+    arguments = [toy_task, "lora", "--backbone", BACKBONE]
+    for spelling, words in (("all", "write 'full' for the whole training set"), ("0", "nor 'full'")):
+        refused_k = CliRunner().invoke(jobs.submit_command, [*arguments, "--k-shot", spelling])
+        assert refused_k.exit_code == 2 and words in refused_k.output, refused_k.output
+    assert api.registry.list_jobs() == []
+    for spelling in ("full", "16"):
+        submitted = CliRunner().invoke(jobs.submit_command, [*arguments, "--k-shot", spelling])
+        assert submitted.exit_code == 0, submitted.output
+    assert [job.k_shot for job in api.registry.list_jobs()] == [None, 16]
+
+
 def test_a_sweep_with_one_bad_method_queues_nothing(client, toy_task, api):
     refused(lambda: client.sweep(toy_task, ["lora", "nope"], backbone=BACKBONE), 404, "method")
     assert api.registry.list_jobs() == []

@@ -140,10 +140,24 @@ def test_pelt_pull_peft_writes_a_pulled_lora_as_a_peft_adapter_and_refuses_what_
 
     from services.commands import deltas
 
-    monkeypatch.setattr(deltas, "PeltClient", api.client)
+    downloads = []
+
+    def counting_client():
+        client = api.client()
+        request = client._request
+
+        def counted(method, path, **options):
+            downloads.extend([path] if path.endswith("/deltas/download") else [])
+            return request(method, path, **options)
+
+        client._request = counted
+        return client
+
+    monkeypatch.setattr(deltas, "PeltClient", counting_client)
     out = tmp_path / "pulled"
     answer = CliRunner().invoke(deltas.pull_command, ["toy", "--version", "1", "-o", str(out), "--peft"])
     assert answer.exit_code == 0, answer.output
+    assert downloads == ["/v1/tasks/toy/deltas/download"]  # the PEFT export reads what pull downloaded
     assert f"PEFT adapter -> {out / 'peft'}" in answer.output
     assert {"adapter_config.json", "adapter_model.safetensors", "head.safetensors"} <= {
         p.name for p in (out / "peft").iterdir()

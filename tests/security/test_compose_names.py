@@ -132,6 +132,24 @@ def test_a_jobs_stored_error_cannot_forge_a_line_in_pelt_watch(capsys):
     assert lines == [f"job 7 lora: failed: RuntimeError: boom\\n{FORGED_LINE}\\r\\x1b[2K\\u2028\\u202e"]
 
 
+def test_a_refused_requests_message_cannot_forge_a_line_in_any_pelt_command():
+    import click
+
+    from services.client import PeltAPIError
+    from services.commands.common import client_errors
+
+    @click.command()
+    @client_errors
+    def refused_command() -> None:  # a service quoting uploaded text (a column name, a label) in its refusal
+        raise PeltAPIError(422, f"label field 'x\n{FORGED_LINE}\r\x1b[2K\u2028\u202e' is not a column")
+
+    result = CliRunner().invoke(refused_command, [])
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        f"Error: label field 'x\\n{FORGED_LINE}\\r\\x1b[2K\\u2028\\u202e' is not a column (HTTP 422)"
+    ]
+
+
 def test_the_store_names_new_things_by_the_registrys_rule_for_task_names():
     from services.delta_store.values import NEW_NAME_PATTERN
     from services.registry.validation import NAME_PATTERN
