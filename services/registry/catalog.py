@@ -158,7 +158,9 @@ class Catalog(RegistryCore):
                 if not replace:
                     raise AlreadyExistsError(
                         "name",
-                        f"method {name!r} already exists with a different spec; pass replace=True to change it",
+                        f"method {name!r} already exists with a different spec; to change it, register it "
+                        "with replace (`pelt method register --replace`, `replace=True` in Python, "
+                        '"replace": true in POST /v1/methods)',
                     )
                 existing.spec = normalized
                 existing.description = normalized.get("description", "")

@@ -95,6 +95,7 @@ def test_pelt_method_register_changes_a_registered_spec_only_with_replace(cli, a
     refused = cli("method", "register", str(changed))
     assert refused.exit_code == 1
     assert "already exists with a different spec" in refused.output and "(HTTP 409)" in refused.output
+    assert "pelt method register --replace" in refused.output  # what to type, in every interface's words
     assert api.registry.get_method("tiny_lora").spec["modules"]["q"]["size"] == 2
 
     replaced = cli("method", "register", str(changed), "--replace")
