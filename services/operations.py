@@ -44,6 +44,7 @@ from services.registry import (
     Registry,
     RegistryValidationError,
     ResultRecord,
+    SearchRecord,
     SweepRecord,
     TaskRecord,
     UnknownBackboneError,
@@ -351,6 +352,23 @@ class PeltOperations:
 
     def get_sweep(self, sweep_id: int) -> SweepRecord:
         return self.registry.get_sweep(sweep_id)
+
+    # --- method searches ---------------------------------------------------------------------------
+
+    def create_search(self, task: str, budget: float, **options: Any) -> SearchRecord:
+        """Plan a method search and queue its first rung (services/registry/searches.py)."""
+        return self.registry.create_search(task, budget, **options)
+
+    def get_search(self, search_id: int) -> SearchRecord:
+        return self.registry.get_search(search_id)
+
+    def list_searches(
+        self, *, task: str | None = None, status: str | None = None, limit: int = 100, offset: int = 0
+    ) -> list[SearchRecord]:
+        return self.registry.list_searches(task=task, status=status, limit=limit, offset=offset)
+
+    def cancel_search(self, search_id: int, *, own_only: bool = False) -> SearchRecord:
+        return self.registry.cancel_search(search_id, own_only=own_only)
 
     def list_jobs(
         self,

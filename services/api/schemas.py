@@ -138,6 +138,77 @@ class SweepIn(Request):
     )
 
 
+class SearchIn(Request):
+    task: str = NAME
+    budget: float = Field(
+        gt=0, le=10_000, description="full-job equivalents: one job at the search's full epochs on K rows"
+    )
+    methods: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=SWEEP_LIST_LENGTH,
+        description="the methods to search over (default: bitfit, lora, pfeiffer, prefix, unipelt)",
+    )
+    backbone: str = Field(default=DEFAULT_BACKBONE, min_length=1, max_length=100)
+    k_shot: KShot | None = Field(default=None, description="default: min(500, half the training rows)")
+    dev_rows: int | None = Field(
+        default=None,
+        ge=1,
+        le=INT32_MAX,
+        description="the dev split rungs rank by; default: min(500, rows left)",
+    )
+    hyperparameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fixed for every job and left out of the search space (epochs: the full epochs)",
+    )
+    seeds: int = Field(default=3, ge=2, le=10, description="seeds of each survivor of the last rung")
+    seed: int = Field(default=0, ge=0, le=INT32_MAX, description="draws the configurations")
+    idempotency_key: str | None = Field(default=None, max_length=200)
+
+
+class SearchTrialOut(Response):
+    configuration: int
+    method: str
+    hyperparameters: dict[str, Any]
+    rung: int
+    epochs: float
+    seed: int
+    job_id: int
+    status: str
+    dev: float | None = Field(description="the dev split's primary metric: what the rungs rank by")
+    test: float | None = Field(description="the evaluation split's primary metric")
+    cost: float = Field(description="full-job equivalents")
+    finished_at: datetime | None
+
+
+class SearchOut(Response):
+    id: int
+    task: str
+    backbone: str
+    status: Literal["running", "succeeded", "failed", "cancelled"]
+    budget: float
+    k_shot: int
+    dev_rows: int
+    methods: list[str]
+    hyperparameters: dict[str, Any]
+    schedule: dict[str, Any] = Field(description="the rungs: configurations, seeds and epochs of each")
+    space: dict[str, Any] = Field(description="per method: each hyperparameter and what it is drawn from")
+    configurations: int
+    rung: int
+    planned_cost: float
+    spent: float
+    chosen: dict[str, Any] | None = Field(
+        description="once succeeded: the configuration with the best mean dev score over the last rung's "
+        "seeds, its test mean and 95% interval, its jobs and its leaderboard row (config_id)"
+    )
+    last_error: str | None
+    submitted_by: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    trials: list[SearchTrialOut]
+    best_so_far: list[dict[str, float]] = Field(description="the best dev score against the budget spent")
+
+
 class ComposeIn(Request):
     op: Literal[COMPOSE_OPERATIONS]
     sources: list[str] | dict[str, str] = Field(

@@ -9,6 +9,7 @@
 - `deltas`: `pelt leaderboard`, `pull`, `compose`, `versions list|archive`;
 - `admin`: `pelt token create|list|revoke` (run next to the registry: tokens are made and revoked there,
   never over the API; each has a scope: read, write or admin) and `pelt audit`;
+- `search`: `pelt search TASK --budget N` (a budget-aware method search), `show`, `list`, `cancel`;
 - `study`: `pelt study`, UniPELT's low-resource study through the service (`services.study`);
 - `common`: what they share (the service's refusals as click errors, `--set` parsing, tables).
 
@@ -29,6 +30,7 @@ from services.commands.jobs import (
     watch_command,
 )
 from services.commands.methods import method_group
+from services.commands.search import search_group
 from services.commands.serve import serve_command
 from services.commands.study import study_command
 from services.commands.tasks import task_group
@@ -40,6 +42,7 @@ SERVICE_COMMANDS = [
     backbone_group,
     submit_command,
     sweep_command,
+    search_group,
     jobs_command,
     watch_command,
     cancel_command,

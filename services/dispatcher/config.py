@@ -40,6 +40,7 @@ class DispatcherConfig:
         10.0  # no new worker on a node for this long after one died or failed there
     )
     reap_seconds: float = 5.0  # how often expired leases are taken back (also when the queue is empty)
+    search_seconds: float = 2.0  # how often running method searches are advanced (a rung that ended)
     # One dispatcher leads a namespace (services/dispatcher/leadership.py): it renews its hold every third of
     # this; a standby asks every standby_poll_seconds and takes over this long after the leader stopped.
     leader_seconds: float = 15.0

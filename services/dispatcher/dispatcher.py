@@ -73,6 +73,7 @@ class Dispatcher:
         self.specs = JobSpecs(self.registry)
         self._cancels_at = 0.0
         self._reaped_at = 0.0
+        self._searched_at = 0.0
         self._warned_no_gpu = False
         self.lock = LeaderLock(self.registry, self.config.namespace, self.config.leader_seconds)
         self._reconciled = False
@@ -219,13 +220,29 @@ class Dispatcher:
 
     def step(self, wait: float = 0.0) -> None:
         """Collect finished jobs and started workers (waiting up to `wait` s for one), push cancel
-        requests, take back expired leases, then hand queued jobs to idle workers."""
+        requests, take back expired leases, advance method searches, then hand queued jobs to idle workers."""
         self._collect(wait)
         self._watch_adopted()
         self._refresh_nodes()
         self._push_cancels()
         self._reap()
+        self._advance_searches()
         self._assign()
+
+    def _advance_searches(self) -> None:
+        """On a timer: the method searches whose rung ended queue their next rung (or choose): a search
+        needs no process of its own, and a restarted dispatcher picks it up from the registry."""
+        now = time.monotonic()
+        if now - self._searched_at < self.config.search_seconds:
+            return
+        self._searched_at = now
+        try:
+            changed = self.registry.advance_searches()
+        except Exception:  # the dispatcher's jobs go on; the next round tries again
+            log.exception("advancing the method searches failed")
+            return
+        if changed:
+            log.info("searches advanced: %s", changed)
 
     def _reap(self) -> None:
         """Claims take back expired leases, but no claim runs while the queue is empty: do it on a timer."""

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         TaskRecord,
     )
     from services.registry.registry import Registry
+    from services.registry.searches import SearchRecord, SearchTrialRecord, UnknownSearchError
 
 _HOMES = {
     "AlreadyExistsError": "services.registry.errors",
@@ -77,11 +78,14 @@ _HOMES = {
     "RegistryValidationError": "services.registry.errors",
     "ResultRecord": "services.registry.records",
     "SchemaOutOfDateError": "services.registry.errors",
+    "SearchRecord": "services.registry.searches",
+    "SearchTrialRecord": "services.registry.searches",
     "SweepRecord": "services.registry.records",
     "TaskRecord": "services.registry.records",
     "UnknownBackboneError": "services.registry.errors",
     "UnknownJobError": "services.registry.errors",
     "UnknownMethodError": "services.registry.errors",
+    "UnknownSearchError": "services.registry.searches",
     "UnknownSweepError": "services.registry.errors",
     "UnknownTaskError": "services.registry.errors",
     "acting_as": "services.registry.actor",
@@ -116,11 +120,14 @@ __all__ = [
     "RegistryValidationError",
     "ResultRecord",
     "SchemaOutOfDateError",
+    "SearchRecord",
+    "SearchTrialRecord",
     "SweepRecord",
     "TaskRecord",
     "UnknownBackboneError",
     "UnknownJobError",
     "UnknownMethodError",
+    "UnknownSearchError",
     "UnknownSweepError",
     "UnknownTaskError",
     "acting_as",

@@ -52,6 +52,7 @@ class JobStatus(enum.StrEnum):
 
 
 TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+SEARCH_STATUSES = ("running", "succeeded", "failed", "cancelled")  # running → one of the other three
 SOURCE_KINDS = ("files", "datasets")
 TOKEN_SCOPES = ("read", "write", "admin")  # each scope includes the ones before it
 JOB_DEVICES = ("any", "cpu", "gpu")  # what a job needs to run on; `any`: either
@@ -354,9 +355,62 @@ class AuditEvent(Base):
     detail: Mapped[dict[str, Any]]
 
 
+class Search(Base):
+    """A budget-aware method search on one task (services/registry/searches.py): the successive-halving
+    schedule its budget bought, the configurations it draws, and, once it ended, what it chose. Its jobs
+    and their rungs are its `SearchTrial` rows; its state is all here, so a restarted service resumes it."""
+
+    __tablename__ = "searches"
+    __table_args__ = (
+        CheckConstraint(_in("status", SEARCH_STATUSES), name="status"),
+        *idempotency_key_scopes("searches"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    task_id: Mapped[int] = mapped_column(ForeignKey("tasks.id"), index=True)
+    backbone_id: Mapped[int] = mapped_column(ForeignKey("backbones.id"))
+    status: Mapped[str] = mapped_column(String(16), default="running", index=True)
+    budget: Mapped[float] = mapped_column(Float)  # full-job equivalents
+    k_shot: Mapped[int] = mapped_column(Integer)
+    dev_rows: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(Integer)  # draws the configurations
+    methods: Mapped[list[Any]]
+    hyperparameters: Mapped[dict[str, Any]]  # fixed for every job, as given
+    schedule: Mapped[dict[str, Any]]  # search_plan.Schedule.to_dict()
+    space: Mapped[dict[str, Any]]  # method -> {hyperparameter: what it is drawn from}
+    configurations: Mapped[list[Any]]  # [{index, method, hyperparameters}] drawn at the start
+    chosen: Mapped[dict[str, Any] | None]  # the answer, once it succeeded
+    last_error: Mapped[str | None] = mapped_column(Text)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))  # unique per submitter
+    submitted_by: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+
+    task: Mapped[Task] = relationship()
+    backbone: Mapped[Backbone] = relationship()
+
+
+class SearchTrial(Base):
+    """One job of a search: a configuration at a rung (the last rung: one row per seed)."""
+
+    __tablename__ = "search_trials"
+    __table_args__ = (UniqueConstraint("search_id", "configuration", "rung", "seed"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    search_id: Mapped[int] = mapped_column(ForeignKey("searches.id", ondelete="CASCADE"), index=True)
+    configuration: Mapped[int] = mapped_column(Integer)  # its index in Search.configurations
+    rung: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(Integer)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), unique=True)
+
+    job: Mapped[Job] = relationship()
+
+
 __all__ = [
     "DEFAULT_JOB_DEVICE",
     "JOB_DEVICES",
+    "SEARCH_STATUSES",
     "SOURCE_KINDS",
     "TERMINAL_STATUSES",
     "TOKEN_SCOPES",
@@ -370,6 +424,8 @@ __all__ = [
     "JobStatus",
     "Method",
     "Result",
+    "Search",
+    "SearchTrial",
     "Sweep",
     "Task",
     "UTCDateTime",

@@ -9,6 +9,7 @@ It is put together from one part per subject, each a module of its own:
     results.py     JobResults: jobs, counts, events, results and leaderboards
     tokens.py      TokensAndAudit: API tokens and the audit trail
     leadership.py  Leadership: which dispatcher leads a Ray namespace (the others stand by)
+    searches.py    Searches: budget-aware method searches (successive halving over the queue)
     rows.py        the row-level helpers they share (look-ups, get-or-create, queue_jobs, transition)
 
 Job lifecycle (every status change writes a job event in the same transaction):
@@ -30,11 +31,12 @@ from services.registry.catalog import Catalog
 from services.registry.leadership import Leadership
 from services.registry.queue import JobQueue
 from services.registry.results import JobResults
+from services.registry.searches import Searches
 from services.registry.submitting import Submissions
 from services.registry.tokens import TokensAndAudit
 
 
-class Registry(Catalog, Submissions, JobQueue, JobResults, TokensAndAudit, Leadership):
+class Registry(Catalog, Submissions, JobQueue, JobResults, Searches, TokensAndAudit, Leadership):
     """Tasks, methods, backbones, the durable job queue, results and leaderboards.
 
     `Registry(url)` opens (and owns) an engine; `Registry(engine)` uses the caller's. Start-up refuses

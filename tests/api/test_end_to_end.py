@@ -143,3 +143,32 @@ def test_a_running_job_cancelled_over_http_stops_and_is_not_retried(server, tiny
     (final,) = client.wait([job.id], timeout=120, poll_seconds=0.2, progress=False)
     assert final.status == "cancelled" and final.attempts == 1
     assert os.environ.get("PELT_API_TOKEN") is None  # the CLI's environment did not leak
+
+
+def test_pelt_search_runs_its_rungs_through_the_dispatcher_and_answers_with_an_interval(server, toy_files):
+    client = PeltClient(server.url, token=server.token, settings=server.settings)
+    client.register_task("toy-search", toy_files["train"], toy_files["validation"], text_fields=["sentence"])
+    out = cli(
+        server,
+        "search",
+        "toy-search",
+        "--budget",
+        "4",
+        "--methods",
+        "lora,bitfit",
+        "--backbone",
+        BACKBONE,
+        "--set",
+        "epochs=1",
+        "--set",
+        "batch_size=8",
+        "--watch",
+    )
+    assert "rung 2 of 2" in out and "chosen: " in out and "95% interval" in out, out
+    (search,) = client.searches(task="toy-search")
+    assert search.status == "succeeded" and len(search.trials) == 3 + 3
+    assert {trial.status for trial in search.trials} == {"succeeded"}
+    row = next(
+        r for r in client.leaderboard_raw("toy-search").rows if r.config_id == search.chosen["config_id"]
+    )
+    assert (row.seeds, row.ci_low) == (3, pytest.approx(search.chosen["ci_low"]))

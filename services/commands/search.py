@@ -1,0 +1,220 @@
+"""`pelt search TASK --budget N`: a budget-aware method search through the service (successive halving over
+the queue), and `pelt search show|list|cancel`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from services.api.schemas import DEFAULT_BACKBONE, SearchOut
+from services.client import PeltClient
+from services.commands.common import client_errors, parse_set_options, print_table, printable
+
+STATUSES = ("running", "succeeded", "failed", "cancelled")
+
+
+class _SearchGroup(click.Group):
+    """`pelt search TASK ...` starts a search (`pelt search start TASK ...`); the other words are commands."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["start", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group("search", cls=_SearchGroup)
+def search_group() -> None:
+    """Let pelt choose a method and its settings for a task within a budget: `pelt search TASK --budget N`
+    (successive halving: many configurations train briefly, the best third trains longer, the last rung
+    runs its survivors with several seeds). Also: show, list, cancel."""
+
+
+@search_group.command("start")
+@click.argument("task")
+@click.option(
+    "--budget",
+    type=float,
+    required=True,
+    help="full-job equivalents: one job at the full epochs (3, or --set epochs=N) on K rows",
+)
+@click.option(
+    "--methods", default=None, help="comma-separated (default: bitfit,lora,pfeiffer,prefix,unipelt)"
+)
+@click.option("--backbone", default=DEFAULT_BACKBONE, show_default=True)
+@click.option(
+    "--k-shot", type=int, default=None, help="training rows per job (default: min(500, half the rows))"
+)
+@click.option(
+    "--dev-rows", type=int, default=None, help="the dev split rungs rank by (default: min(500, rows left))"
+)
+@click.option("--seeds", default=3, show_default=True, help="seeds of each survivor of the last rung")
+@click.option("--seed", default=0, show_default=True, help="draws the configurations")
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="fixed for every job, left out of the search (e.g. batch_size=16, epochs=5 for the full epochs)",
+)
+@click.option("--watch", is_flag=True, help="then follow it rung by rung to its answer")
+@client_errors
+def search_start(
+    task: str,
+    budget: float,
+    methods: str | None,
+    backbone: str,
+    k_shot: int | None,
+    dev_rows: int | None,
+    seeds: int,
+    seed: int,
+    assignments: tuple[str, ...],
+    watch: bool,
+) -> None:
+    """Start a search of TASK within --budget; prints its plan (and, with --watch, its answer)."""
+    with PeltClient() as client:
+        search = client.search(
+            task,
+            budget,
+            methods=None if methods is None else [m.strip() for m in methods.split(",") if m.strip()],
+            backbone=backbone,
+            k_shot=k_shot,
+            dev_rows=dev_rows,
+            hyperparameters=parse_set_options(assignments),
+            seeds=seeds,
+            seed=seed,
+        )
+        echo_plan(search)
+        if watch:
+            ended = client.wait_search(search, on_change=echo_progress)
+            echo_answer(ended)
+            if ended.status != "succeeded":
+                raise SystemExit(1)
+
+
+@search_group.command("show")
+@click.argument("search_id", type=int)
+@click.option("--json", "as_json", is_flag=True, help="print JSON (every trial)")
+@client_errors
+def search_show(search_id: int, as_json: bool) -> None:
+    """A search: its plan, its trials by rung (best dev score first), and its answer."""
+    with PeltClient() as client:
+        search = client.get_search(search_id)
+    if as_json:
+        click.echo(search.model_dump_json(indent=2))
+        return
+    echo_plan(search)
+    rows = sorted(
+        search.trials, key=lambda t: (-t.rung, t.dev is None, -(t.dev or 0.0), t.configuration, t.seed)
+    )
+    print_table(
+        [
+            {
+                **trial.model_dump(),
+                "settings": _settings(trial.hyperparameters),
+                "epochs": f"{trial.epochs:g}",
+            }
+            for trial in rows
+        ],
+        ["rung", "configuration", "method", "settings", "epochs", "seed", "job_id", "status", "dev", "test"],
+    )
+    echo_answer(search)
+
+
+@search_group.command("list")
+@click.option("--task", default=None)
+@click.option("--status", type=click.Choice(STATUSES), default=None)
+@client_errors
+def search_list(task: str | None, status: str | None) -> None:
+    """Searches, newest first."""
+    with PeltClient() as client:
+        found = client.searches(task=task, status=status)
+    print_table(
+        [
+            {
+                **s.model_dump(),
+                "budget": f"{s.spent:.1f} of {s.budget:g}",
+                "chosen": "" if s.chosen is None else _chosen_name(s.chosen),
+            }
+            for s in found
+        ],
+        ["id", "task", "status", "rung", "configurations", "budget", "chosen"],
+    )
+
+
+@search_group.command("cancel")
+@click.argument("search_id", type=int)
+@client_errors
+def search_cancel(search_id: int) -> None:
+    """Stop a search and cancel its unfinished jobs (your own; any, with an admin token)."""
+    with PeltClient() as client:
+        search = client.cancel_search(search_id)
+    click.echo(f"search {search.id}: {search.status}")
+
+
+def echo_plan(search: SearchOut) -> None:
+    """What the budget bought: the rungs, the methods and what each varies."""
+    rungs = search.schedule["rungs"]
+    parts = [
+        f"{r['configurations']} × {r['epochs']:.3g} epochs"
+        + (f" × {r['seeds']} seeds" if r["seeds"] > 1 else "")
+        for r in rungs
+    ]
+    click.echo(
+        f"search {search.id} of {search.task} ({search.status}): {search.configurations} configurations of "
+        f"{', '.join(search.methods)} on {search.backbone}, K={search.k_shot}, dev split {search.dev_rows} rows"
+    )
+    click.echo(
+        f"rungs: {'; '.join(parts)}; {search.planned_cost:.1f} of {search.budget:g} full-job equivalents "
+        f"planned, {search.spent:.1f} spent"
+    )
+    for method, space in search.space.items():
+        varied = "; ".join(f"{name}: {what}" for name, what in space.items()) or "nothing (all fixed)"
+        click.echo(f"  {method}: {printable(varied)}")
+
+
+def echo_progress(search: SearchOut) -> None:
+    rungs = len(search.schedule["rungs"])
+    done = sum(
+        1 for t in search.trials if t.rung == search.rung and t.status in ("succeeded", "failed", "cancelled")
+    )
+    total = sum(1 for t in search.trials if t.rung == search.rung)
+    click.echo(
+        f"search {search.id}: {search.status}, rung {search.rung + 1} of {rungs} ({done}/{total} jobs ended), "
+        f"{search.spent:.1f} of {search.budget:g} spent"
+    )
+
+
+def echo_answer(search: SearchOut) -> None:
+    if search.status == "succeeded" and search.chosen is not None:
+        chosen = search.chosen
+        interval = (
+            "no interval"
+            if chosen["ci_low"] is None
+            else f"95% interval {chosen['ci_low']:.4f} to {chosen['ci_high']:.4f}"
+        )
+        click.echo(
+            f"chosen: {_chosen_name(chosen)} at {chosen['epochs']:g} epochs: test {chosen['test_mean']:.4f} "
+            f"({interval}, {chosen['seeds']} seeds; dev {chosen['dev_mean']:.4f}); jobs "
+            f"{', '.join(str(j) for j in chosen['job_ids'])}; its leaderboard row {chosen['config_id']}"
+        )
+    elif search.status in ("failed", "cancelled"):
+        click.echo(
+            f"search {search.id} {search.status}"
+            + (f": {printable(search.last_error)}" if search.last_error else "")
+        )
+
+
+def _chosen_name(chosen: dict[str, Any]) -> str:
+    settings = _settings(chosen["hyperparameters"])
+    return f"{chosen['method']} {settings}".strip()
+
+
+def _settings(values: dict[str, Any]) -> str:
+    return " ".join(
+        f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
+        for name, value in values.items()
+    )
+
+
+__all__ = ["search_group"]

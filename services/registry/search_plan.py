@@ -1,0 +1,241 @@
+"""A method search's arithmetic (no SQL here): the search space of a method, the configurations drawn from
+it, and the successive-halving schedule a budget buys.
+
+Successive halving (Jamieson & Talwalkar 2016; the synchronous form of ASHA, Li et al. 2020): many
+configurations train briefly, the best third (η = 3) by the dev metric trains three times as long, and so
+on; the last rung trains its survivors at the full epochs with several seeds, so the chosen
+configuration carries its own interval. The budget counts full-job equivalents: one job at the search's
+full epochs costs 1, a job at a third of them 1/3.
+
+The space of a method, around its preset (what the search varies; the rest of the spec stays as is):
+- `learning_rate`: log-uniform over [preset / 3, preset × 3] (the presets' rates are the papers' for
+  BERT-base; a smaller backbone or K moves the optimum by about that much);
+- a size per kind of module the method has: `r` (LoRA rank), `bottleneck` (adapter width),
+  `prefix_length`, each one of {preset / 2, preset, preset × 2};
+- a mixture's per-module rates: `<role>.lr_multiplier` of every module that trains at its own multiple
+  of the job's rate (UniPELT's), log-uniform over [multiplier / 2, multiplier × 2].
+A hyperparameter the user fixes is left out of the space.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ETA = 3  # each rung keeps the best 1/ETA of its configurations and trains them ETA times as long
+FINAL_SEEDS = 3
+MAX_RUNGS = 3
+MAX_CONFIGURATIONS = 243  # configurations a search draws at most (3^5), whatever its budget
+LEARNING_RATE_SPAN = 3.0  # the learning rate varies over [preset / span, preset × span]
+MULTIPLIER_SPAN = 2.0
+SIZE_FACTORS = (0.5, 1.0, 2.0)
+SIZE_KEYS = {"lora": "r", "adapter": "bottleneck", "prefix": "prefix_length"}
+
+
+class SearchPlanError(ValueError):
+    """A search that cannot be planned: `field` names what to change."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+@dataclass(frozen=True)
+class LogUniform:
+    low: float
+    high: float
+
+    def draw(self, rng: random.Random) -> float:
+        value = math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+        return float(f"{value:.3g}")  # three digits: readable in a table, and far finer than the noise
+
+    def describe(self) -> str:
+        return f"log-uniform {self.low:g} to {self.high:g}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    values: tuple[Any, ...]
+
+    def draw(self, rng: random.Random) -> Any:
+        return rng.choice(self.values)
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(str(value) for value in self.values)
+
+
+Dimension = LogUniform | Choice
+
+
+def method_space(spec: Mapping[str, Any], fixed: Mapping[str, Any] = ()) -> dict[str, Dimension]:
+    """The hyperparameters a search varies for a method (its resolved spec dict), less those in `fixed`."""
+    space: dict[str, Dimension] = {}
+    rate = float((spec.get("defaults") or {}).get("learning_rate", 1e-3))
+    space["learning_rate"] = LogUniform(rate / LEARNING_RATE_SPAN, rate * LEARNING_RATE_SPAN)
+    sizes: dict[str, int] = {}
+    for module in (spec.get("modules") or {}).values():
+        key = SIZE_KEYS.get(_module_kind(module))
+        if key is not None:
+            sizes.setdefault(key, int(module["size"]))
+    for key, size in sizes.items():
+        space[key] = Choice(tuple(sorted({max(1, round(size * factor)) for factor in SIZE_FACTORS})))
+    for role, module in (spec.get("modules") or {}).items():
+        multiplier = float(module.get("lr_multiplier", 1.0))
+        if multiplier != 1.0:
+            space[f"{role}.lr_multiplier"] = LogUniform(
+                multiplier / MULTIPLIER_SPAN, multiplier * MULTIPLIER_SPAN
+            )
+    aliases = {"lr": "learning_rate", "rank": "r", "l": "prefix_length"}
+    left_out = {aliases.get(key, key) for key in fixed}
+    return {key: dimension for key, dimension in space.items() if key not in left_out}
+
+
+def _module_kind(module: Mapping[str, Any]) -> str:
+    """pelt_core.spec's kinds: "prefix", "dense", "lora" (a linear bottleneck) or "adapter"."""
+    if module.get("form") in ("prefix", "dense"):
+        return str(module["form"])
+    return "lora" if module.get("nonlinearity") == "identity" else "adapter"
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One point of the search: a method and the hyperparameters drawn for it (job overrides)."""
+
+    index: int
+    method: str
+    hyperparameters: dict[str, Any]
+
+
+def draw_configurations(
+    spaces: Mapping[str, Mapping[str, Dimension]], count: int, seed: int
+) -> list[Configuration]:
+    """`count` configurations, the methods taking turns (each gets count / methods, the first ones one more
+    when it does not divide), each hyperparameter drawn from its dimension; the same seed draws the same."""
+    rng = random.Random(seed)
+    methods = list(spaces)
+    drawn = []
+    for index in range(count):
+        method = methods[index % len(methods)]
+        values = {key: dimension.draw(rng) for key, dimension in spaces[method].items()}
+        drawn.append(Configuration(index, method, values))
+    return drawn
+
+
+@dataclass(frozen=True)
+class Rung:
+    index: int
+    configurations: int
+    seeds: int  # jobs per configuration (the last rung: its seeds)
+    epochs: float
+
+    def cost(self, full_epochs: float) -> float:
+        return self.configurations * self.seeds * self.epochs / full_epochs
+
+
+@dataclass(frozen=True)
+class Schedule:
+    rungs: tuple[Rung, ...]
+    full_epochs: float
+
+    @property
+    def cost(self) -> float:
+        """Full-job equivalents the whole schedule spends when every job runs to its end."""
+        return sum(rung.cost(self.full_epochs) for rung in self.rungs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "full_epochs": self.full_epochs,
+            "rungs": [
+                {"index": r.index, "configurations": r.configurations, "seeds": r.seeds, "epochs": r.epochs}
+                for r in self.rungs
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
+        return cls(
+            tuple(
+                Rung(int(r["index"]), int(r["configurations"]), int(r["seeds"]), float(r["epochs"]))
+                for r in data["rungs"]
+            ),
+            float(data["full_epochs"]),
+        )
+
+
+def _schedule(first: int, rungs: int, full_epochs: float, final_seeds: int, eta: int) -> Schedule:
+    return Schedule(
+        tuple(
+            Rung(
+                index,
+                first // eta**index,
+                final_seeds if index == rungs - 1 else 1,
+                full_epochs / eta ** (rungs - 1 - index),
+            )
+            for index in range(rungs)
+        ),
+        full_epochs,
+    )
+
+
+def plan_schedule(
+    budget: float,
+    full_epochs: float,
+    *,
+    final_seeds: int = FINAL_SEEDS,
+    eta: int = ETA,
+    max_configurations: int = MAX_CONFIGURATIONS,
+) -> Schedule:
+    """The schedule that draws the most configurations within `budget` (full-job equivalents): three rungs
+    (1/9, 1/3 and all of the full epochs) where the budget allows, else two; a SearchPlanError naming
+    `budget` when not even the smallest (`eta` configurations at 1/eta of the epochs, the best one at
+    full epochs with its seeds) fits."""
+    if not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
+        raise SearchPlanError("budget", f"must be a positive number of full-job equivalents, got {budget!r}")
+    if final_seeds < 2:
+        raise SearchPlanError(
+            "seeds", f"the last rung needs at least 2 seeds for an interval, got {final_seeds}"
+        )
+    for rungs in range(MAX_RUNGS, 1, -1):
+        smallest = eta ** (rungs - 1)
+        first = None
+        for candidate in range(smallest, max_configurations + 1):
+            if _schedule(candidate, rungs, full_epochs, final_seeds, eta).cost <= budget + 1e-9:
+                first = candidate
+            else:
+                break
+        if first is not None:
+            return _schedule(first, rungs, full_epochs, final_seeds, eta)
+    least = _schedule(eta, 2, full_epochs, final_seeds, eta).cost
+    raise SearchPlanError(
+        "budget",
+        f"{budget:g} full-job equivalents is too small for one rung: the smallest search ({eta} "
+        f"configurations at 1/{eta} of the epochs, the best one at full epochs with {final_seeds} seeds) "
+        f"costs {least:g}",
+    )
+
+
+def survivors(values: Sequence[tuple[int, float | None]], keep: int, direction: str) -> list[int]:
+    """The `keep` best configuration indices by their value in the metric's direction ("max"/"min"); a
+    configuration without a value (its job failed) ranks last; ties go to the earlier index."""
+    sign = -1.0 if direction == "max" else 1.0
+    ranked = sorted(values, key=lambda item: (item[1] is None, sign * (item[1] or 0.0), item[0]))
+    return [index for index, _ in ranked[:keep]]
+
+
+__all__ = [
+    "ETA",
+    "FINAL_SEEDS",
+    "Choice",
+    "Configuration",
+    "LogUniform",
+    "Rung",
+    "Schedule",
+    "SearchPlanError",
+    "draw_configurations",
+    "method_space",
+    "plan_schedule",
+    "survivors",
+]

@@ -1,0 +1,566 @@
+"""The Registry's method searches: create one (every job of its first rung validated and queued in the same
+transaction, or nothing), advance it (promote the best of a finished rung, or choose once the last rung
+ended), cancel it, read it with its evidence.
+
+A search's state is its rows (`Search`, `SearchTrial`): the schedule and configurations drawn at the start,
+and one trial per job. `advance_search` is a pure function of those rows and the jobs' outcomes, written in
+one transaction (a rung's jobs with their trials, or the answer), so calling it again, from a restarted
+service or a second dispatcher, changes nothing twice: the unique (search, configuration, rung, seed) of a
+trial refuses a second copy. The dispatcher calls `advance_searches` on a timer; nothing else is needed for
+a search to run to its end. Rungs rank by the dev split of the study protocol (each job holds out
+`dev_rows` training rows; the task's evaluation split is the test set, read only for the answer).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pelt_core.config import TrainConfig
+from services.registry import presets
+from services.registry.actor import acting_as, current_actor
+from services.registry.core import RegistryCore
+from services.registry.errors import (
+    IdempotencyConflictError,
+    NotFoundError,
+    QuotaExceededError,
+    RegistryValidationError,
+)
+from services.registry.leaderboard import Run, run_settings, seed_statistics
+from services.registry.models import (
+    SEARCH_STATUSES,
+    TERMINAL_STATUSES,
+    Backbone,
+    Job,
+    JobStatus,
+    Search,
+    SearchTrial,
+    Task,
+)
+from services.registry.rows import (
+    audit,
+    distinct_list,
+    find_backbone,
+    find_task,
+    jsonable,
+    queue_jobs,
+    retry_once_on_conflict,
+    submitted_by_current_actor,
+)
+from services.registry.search_plan import (
+    FINAL_SEEDS,
+    Configuration,
+    Schedule,
+    SearchPlanError,
+    draw_configurations,
+    method_space,
+    plan_schedule,
+    survivors,
+)
+from services.registry.task_data import held_out_rows
+from services.registry.validation import check_int, check_key, check_name, split_hyperparameters
+
+log = logging.getLogger("pelt.registry")
+
+DEFAULT_SEARCH_METHODS = ("bitfit", "lora", "pfeiffer", "prefix", "unipelt")
+DEFAULT_K = 500
+DEFAULT_DEV_ROWS = 500
+# training hyperparameters a search sets itself: each rung's epochs, the protocol's dev split
+SEARCH_CONTROLLED = frozenset({"epochs", "max_steps", "dev_rows", "patience"})
+
+
+class UnknownSearchError(NotFoundError):
+    kind = "search"
+
+    def __init__(self, search_id: object) -> None:
+        super().__init__("search_id", search_id, listing=False)
+
+
+@dataclass(frozen=True)
+class SearchTrialRecord:
+    """One job of a search as its evidence shows it."""
+
+    configuration: int
+    method: str
+    hyperparameters: dict[str, Any]
+    rung: int
+    epochs: float
+    seed: int
+    job_id: int
+    status: str
+    dev: float | None  # the dev split's primary metric (what rungs rank by)
+    test: float | None  # the evaluation split's primary metric
+    cost: float  # full-job equivalents
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class SearchRecord:
+    """A search: what it was asked, its schedule, its trials, and (once it ended) what it chose."""
+
+    id: int
+    task: str
+    backbone: str
+    status: str
+    budget: float
+    k_shot: int
+    dev_rows: int
+    methods: list[str]
+    hyperparameters: dict[str, Any]
+    schedule: dict[str, Any]
+    space: dict[str, Any]
+    configurations: int  # drawn at the start
+    rung: int  # the rung running now (the last one once it ended)
+    planned_cost: float  # full-job equivalents of the whole schedule
+    spent: float  # full-job equivalents of the jobs that ended (succeeded or failed)
+    chosen: dict[str, Any] | None
+    last_error: str | None
+    submitted_by: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    trials: list[SearchTrialRecord]
+    best_so_far: list[dict[str, float]]  # [{"spent": s, "dev": best dev so far}] as the jobs ended
+
+
+class Searches(RegistryCore):
+    """create_search, advance_search(es), cancel_search, get_search, list_searches: one part of `Registry`."""
+
+    def create_search(
+        self,
+        task: str,
+        budget: float,
+        *,
+        backbone: str,
+        methods: Sequence[str] | None = None,
+        k_shot: int | None = None,
+        dev_rows: int | None = None,
+        hyperparameters: Mapping[str, Any] | None = None,
+        seeds: int = FINAL_SEEDS,
+        seed: int = 0,
+        idempotency_key: str | None = None,
+    ) -> SearchRecord:
+        """Plan a search and queue its first rung, or refuse it with an error naming what to change, having
+        written nothing: a budget too small for one rung, an unknown method, a K or dev split the task
+        cannot supply, hyperparameters a search sets itself, a space with nothing to search. `budget`:
+        full-job equivalents (one job at the search's full epochs, `hyperparameters["epochs"]` or 3, on
+        K rows). `k_shot` defaults to min(500, half the task's training rows), `dev_rows` to min(500, the
+        rows left). The last rung runs `seeds` seeds of each survivor. The same token's idempotency key
+        returns the search it made."""
+        names = distinct_list(
+            list(methods or DEFAULT_SEARCH_METHODS), "methods", lambda m, f: check_name(m, f)
+        )
+        fixed = dict(hyperparameters or {})
+        train, _, given = split_hyperparameters(fixed)
+        controlled = sorted(given[name] for name in SEARCH_CONTROLLED & set(train) if name != "epochs")
+        if controlled:
+            raise RegistryValidationError(
+                controlled[0], "a search sets it itself (each rung's length, the protocol's dev split)"
+            )
+        full_epochs = float(train.get("epochs", TrainConfig.epochs))
+        seeds = check_int(seeds, "seeds", minimum=2, maximum=10)
+        seed = check_int(seed, "seed", minimum=0, maximum=2**31 - 1)
+        key = check_key(idempotency_key)
+        try:
+            schedule = plan_schedule(budget, full_epochs, final_seeds=seeds)
+        except SearchPlanError as exc:
+            raise RegistryValidationError(exc.field, exc.message) from None
+
+        def write() -> SearchRecord:
+            with self._writing() as session:
+                now = self._now()
+                task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
+                if key is not None:
+                    existing = session.scalar(
+                        select(Search).where(
+                            Search.idempotency_key == key, submitted_by_current_actor(Search)
+                        )
+                    )
+                    if existing is not None:
+                        if (existing.task_id, existing.budget) != (task_row.id, float(budget)):
+                            raise IdempotencyConflictError(
+                                key, f"search {existing.id} was made under this key for another request"
+                            )
+                        return self._search_record(session, existing)
+                k, rows = _search_rows(task_row, k_shot, dev_rows)
+                spaces = {name: method_space(self._method_spec(session, name, now), fixed) for name in names}
+                if len(names) == 1 and not spaces[names[0]]:
+                    raise RegistryValidationError(
+                        "hyperparameters",
+                        f"nothing to search: {names[0]} is the only method and every hyperparameter the "
+                        "search would vary is fixed; give more methods or fix less",
+                    )
+                configurations = draw_configurations(spaces, schedule.rungs[0].configurations, seed)
+                search = Search(
+                    task_id=task_row.id,
+                    backbone_id=backbone_row.id,
+                    status="running",
+                    budget=float(budget),
+                    k_shot=k,
+                    dev_rows=rows,
+                    seed=seed,
+                    methods=names,
+                    hyperparameters=jsonable(fixed),
+                    schedule=schedule.to_dict(),
+                    space={m: {key: d.describe() for key, d in space.items()} for m, space in spaces.items()},
+                    configurations=[
+                        {"index": c.index, "method": c.method, "hyperparameters": c.hyperparameters}
+                        for c in configurations
+                    ],
+                    idempotency_key=key,
+                    submitted_by=current_actor(),
+                    created_at=now,
+                    updated_at=now,
+                )
+                session.add(search)
+                session.flush()
+                self._queue_rung(session, search, task_row, backbone_row, 0, configurations, now)
+                audit(
+                    session,
+                    now,
+                    "search.create",
+                    f"search {search.id}",
+                    {"task": task_row.name, "budget": float(budget), "configurations": len(configurations)},
+                )
+                return self._search_record(session, search)
+
+        return retry_once_on_conflict(write)
+
+    def get_search(self, search_id: int) -> SearchRecord:
+        """The search with its trials and evidence (UnknownSearchError when there is none)."""
+        with self._reading() as session:
+            return self._search_record(session, _find_search(session, search_id))
+
+    def list_searches(
+        self, *, task: str | None = None, status: str | None = None, limit: int = 100, offset: int = 0
+    ) -> list[SearchRecord]:
+        """Searches matching the filters, newest first."""
+        check_int(limit, "limit", minimum=1, maximum=1000)
+        check_int(offset, "offset", minimum=0)
+        with self._reading() as session:
+            query = select(Search)
+            if task is not None:
+                query = query.where(Search.task_id == find_task(session, task).id)
+            if status is not None:
+                if status not in SEARCH_STATUSES:
+                    raise RegistryValidationError("status", f"must be one of {', '.join(SEARCH_STATUSES)}")
+                query = query.where(Search.status == status)
+            rows = session.scalars(query.order_by(Search.id.desc()).limit(limit).offset(offset))
+            return [self._search_record(session, row) for row in rows]
+
+    def cancel_search(self, search_id: int, *, own_only: bool = False) -> SearchRecord:
+        """Stop a running search: it ends cancelled, and its queued jobs are cancelled (running ones are
+        flagged and stop at their next heartbeat). An ended search is returned unchanged. `own_only`: as
+        for `cancel_job` (a token without the admin scope cancels only its own searches)."""
+        from services.registry.queue import _check_owner
+
+        with self._writing() as session:
+            search = _find_search(session, search_id)
+            owner = _check_owner(f"search {search_id}", search.submitted_by, own_only)
+            if search.status == "running":
+                now = self._now()
+                search.status, search.finished_at, search.updated_at = "cancelled", now, now
+                live = session.scalars(
+                    select(Job)
+                    .join(SearchTrial, SearchTrial.job_id == Job.id)
+                    .where(
+                        SearchTrial.search_id == search_id,
+                        Job.status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value]),
+                    )
+                    .with_for_update(of=Job)
+                )
+                cancelled = sum(
+                    self._cancel(session, job, now, f"search {search_id} cancelled") for job in live
+                )
+                audit(session, now, "search.cancel", f"search {search_id}", {"jobs": cancelled, **owner})
+            return self._search_record(session, search)
+
+    def advance_searches(self) -> list[int]:
+        """Advance every running search (`advance_search`); returns the ids whose state changed. A search
+        that cannot queue its next rung now (its token's queue quota is full) waits for the next call."""
+        with self._reading() as session:
+            running = list(session.scalars(select(Search.id).where(Search.status == "running")))
+        changed = []
+        for search_id in running:
+            try:
+                if self.advance_search(search_id):
+                    changed.append(search_id)
+            except QuotaExceededError as exc:
+                log.info("search %d waits for its next rung: %s", search_id, exc)
+        return changed
+
+    def advance_search(self, search_id: int) -> bool:
+        """One step of a search, if its current rung has ended: queue the next rung (the best
+        configurations by the dev metric, trained longer), or, after the last rung, choose the
+        configuration with the best mean over seeds and end succeeded; fail it if a whole rung failed.
+        Returns whether anything changed (False: still running its rung, or already ended)."""
+
+        def write() -> bool:
+            with self._writing() as session:
+                search = _find_search(session, search_id, lock=True)
+                if search.status != "running":
+                    return False
+                with acting_as(search.submitted_by):
+                    return self._advance(session, search)
+
+        return retry_once_on_conflict(write)
+
+    # --- the steps ---------------------------------------------------------------------------------
+
+    def _advance(self, session: Session, search: Search) -> bool:
+        schedule = Schedule.from_dict(search.schedule)
+        trials = _trials(session, search.id)
+        rung = max(trial.rung for trial, _ in trials)
+        current = [(trial, job) for trial, job in trials if trial.rung == rung]
+        if any(job.status not in TERMINAL_STATUSES for _, job in current):
+            return False
+        now = self._now()
+        direction = search.task.metric_direction
+        values = [(trial.configuration, _dev(job)) for trial, job in current]
+        if all(value is None for _, value in values):
+            errors = sorted({job.last_error or job.status for _, job in current})
+            search.status, search.finished_at, search.updated_at = "failed", now, now
+            search.last_error = (
+                f"every job of rung {rung} ended without a dev score: {'; '.join(errors)[:2000]}"
+            )
+            audit(session, now, "search.fail", f"search {search.id}", {"rung": rung})
+            return True
+        if rung < len(schedule.rungs) - 1:
+            keep = schedule.rungs[rung + 1].configurations
+            scored = [(index, value) for index, value in values if value is not None]
+            promoted = survivors(scored, keep, direction)
+            drawn = {c["index"]: c for c in search.configurations}
+            chosen = [
+                Configuration(index, drawn[index]["method"], dict(drawn[index]["hyperparameters"]))
+                for index in promoted
+            ]
+            self._queue_rung(session, search, search.task, search.backbone, rung + 1, chosen, now)
+            search.updated_at = now
+            return True
+        search.chosen = _choose(search, current, direction)
+        search.status, search.finished_at, search.updated_at = "succeeded", now, now
+        audit(
+            session, now, "search.succeed", f"search {search.id}", {"chosen": search.chosen["configuration"]}
+        )
+        return True
+
+    def _queue_rung(
+        self,
+        session: Session,
+        search: Search,
+        task: Task,
+        backbone: Backbone,
+        rung: int,
+        configurations: Sequence[Configuration],
+        now: datetime,
+    ) -> None:
+        """Validate and queue the jobs of a rung (one per configuration; the last rung: one per seed),
+        with their trials, in the caller's transaction."""
+        schedule = Schedule.from_dict(search.schedule)
+        step = schedule.rungs[rung]
+        seeds = [search.seed + offset for offset in range(step.seeds)]
+        planned = []
+        for configuration in configurations:
+            values = {
+                **search.hyperparameters,
+                **configuration.hyperparameters,
+                "epochs": step.epochs,
+                "dev_rows": search.dev_rows,
+            }
+            split = split_hyperparameters(values)
+            planned.extend(
+                (configuration.index, plan)
+                for plan in self._plan_method(
+                    session, configuration.method, split, task, backbone, seeds, [search.k_shot], now
+                )
+            )
+        self._check_queue_quota(session, len(planned))
+        jobs = queue_jobs(
+            session,
+            [plan for _, plan in planned],
+            task_id=task.id,
+            backbone_id=backbone.id,
+            priority=0,
+            max_attempts=self.max_attempts,
+            now=now,
+            reason=f"search {search.id}, rung {rung}",
+        )
+        for (index, plan), job in zip(planned, jobs, strict=True):
+            session.add(
+                SearchTrial(
+                    search_id=search.id, configuration=index, rung=rung, seed=plan.seed, job_id=job.id
+                )
+            )
+        session.flush()
+
+    def _method_spec(self, session: Session, method: str, now: datetime) -> dict[str, Any]:
+        return dict(presets.job_method(session, method, now).spec)
+
+    def _search_record(self, session: Session, search: Search) -> SearchRecord:
+        schedule = Schedule.from_dict(search.schedule)
+        drawn = {c["index"]: c for c in search.configurations}
+        trials = []
+        for trial, job in _trials(session, search.id):
+            epochs = schedule.rungs[trial.rung].epochs
+            trials.append(
+                SearchTrialRecord(
+                    configuration=trial.configuration,
+                    method=drawn[trial.configuration]["method"],
+                    hyperparameters=dict(drawn[trial.configuration]["hyperparameters"]),
+                    rung=trial.rung,
+                    epochs=epochs,
+                    seed=trial.seed,
+                    job_id=job.id,
+                    status=job.status,
+                    dev=_dev(job),
+                    test=None if job.result is None else job.result.primary_metric,
+                    cost=epochs / schedule.full_epochs,
+                    finished_at=job.finished_at,
+                )
+            )
+        return SearchRecord(
+            id=search.id,
+            task=search.task.name,
+            backbone=search.backbone.name,
+            status=search.status,
+            budget=search.budget,
+            k_shot=search.k_shot,
+            dev_rows=search.dev_rows,
+            methods=list(search.methods),
+            hyperparameters=dict(search.hyperparameters),
+            schedule=dict(search.schedule),
+            space=dict(search.space),
+            configurations=len(search.configurations),
+            rung=max((t.rung for t in trials), default=0),
+            planned_cost=schedule.cost,
+            spent=sum(t.cost for t in trials if t.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)),
+            chosen=None if search.chosen is None else dict(search.chosen),
+            last_error=search.last_error,
+            submitted_by=search.submitted_by,
+            created_at=search.created_at,
+            finished_at=search.finished_at,
+            trials=trials,
+            best_so_far=_best_so_far(trials, search.task.metric_direction),
+        )
+
+
+def _find_search(session: Session, search_id: int, lock: bool = False) -> Search:
+    check_int(search_id, "search_id", minimum=1)
+    query = select(Search).where(Search.id == search_id)
+    search = session.scalar(query.with_for_update() if lock else query)
+    if search is None:
+        raise UnknownSearchError(search_id)
+    return search
+
+
+def _trials(session: Session, search_id: int) -> list[tuple[SearchTrial, Job]]:
+    query = (
+        select(SearchTrial, Job)
+        .join(Job, SearchTrial.job_id == Job.id)
+        .where(SearchTrial.search_id == search_id)
+        .order_by(SearchTrial.rung, SearchTrial.configuration, SearchTrial.seed)
+    )
+    return [(trial, job) for trial, job in session.execute(query)]
+
+
+def _dev(job: Job) -> float | None:
+    """A job's dev score, or None unless it succeeded with one."""
+    if job.status != JobStatus.SUCCEEDED or job.result is None:
+        return None
+    return job.result.dev_primary_metric
+
+
+def _search_rows(task: Task, k_shot: int | None, dev_rows: int | None) -> tuple[int, int]:
+    """The search's K and dev rows, defaulted from and checked against the task's training rows."""
+    available = task.train_size - held_out_rows(task.split_sizes, task.train_size)
+    k = min(DEFAULT_K, available // 2) if k_shot is None else check_int(k_shot, "k_shot", minimum=1)
+    if k < 1 or k >= available:
+        raise RegistryValidationError(
+            "k_shot",
+            f"{k} leaves no dev rows: the task has {available} training rows for K and the dev split",
+        )
+    rows = (
+        min(DEFAULT_DEV_ROWS, available - k)
+        if dev_rows is None
+        else check_int(dev_rows, "dev_rows", minimum=1)
+    )
+    if k + rows > available:
+        raise RegistryValidationError(
+            "dev_rows",
+            f"K={k} and {rows} dev rows need {k + rows} training rows; the task has {available}",
+        )
+    return k, rows
+
+
+def _choose(search: Search, final: list[tuple[SearchTrial, Job]], direction: str) -> dict[str, Any]:
+    """The last rung's answer: the configuration with the best mean dev score over its seeds (ties: the
+    earlier configuration), with its test mean and 95% interval over the same seeds."""
+    by_configuration: dict[int, list[Job]] = {}
+    for trial, job in final:
+        by_configuration.setdefault(trial.configuration, []).append(job)
+    sign = -1.0 if direction == "max" else 1.0
+    summaries = {}
+    for index, jobs in by_configuration.items():
+        devs = {job.seed: [_dev(job)] for job in jobs if _dev(job) is not None}
+        if devs:
+            summaries[index] = seed_statistics(devs)
+    best = min(summaries, key=lambda index: (sign * summaries[index].mean, index))
+    jobs = [job for job in by_configuration[best] if _dev(job) is not None]
+    test = seed_statistics({job.seed: [job.result.primary_metric] for job in jobs})
+    drawn = {c["index"]: c for c in search.configurations}[best]
+    first = jobs[0]
+    config_id = Run(
+        drawn["method"],
+        first.id,
+        first.seed,
+        first.k_shot,
+        0.0,
+        0,
+        0.0,
+        0.0,
+        backbone=search.backbone.name,
+        settings=run_settings(first.train_config, first.method_spec),
+    ).config_id
+    return {
+        "configuration": best,
+        "method": drawn["method"],
+        "hyperparameters": dict(drawn["hyperparameters"]),
+        "epochs": Schedule.from_dict(search.schedule).full_epochs,
+        "dev_mean": summaries[best].mean,
+        "test_mean": test.mean,
+        "test_std": test.std,
+        "ci_low": test.ci_low,
+        "ci_high": test.ci_high,
+        "seeds": test.seeds,
+        "job_ids": [job.id for job in jobs],
+        "config_id": config_id,
+    }
+
+
+def _best_so_far(trials: Sequence[SearchTrialRecord], direction: str) -> list[dict[str, float]]:
+    """The best dev score seen against the budget spent, as the jobs ended (any rung)."""
+    sign = 1.0 if direction == "max" else -1.0
+    ended = sorted(
+        (
+            t
+            for t in trials
+            if t.finished_at is not None and t.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)
+        ),
+        key=lambda t: (t.finished_at, t.job_id),
+    )
+    spent, best, points = 0.0, None, []
+    for trial in ended:
+        spent += trial.cost
+        if trial.dev is not None and (best is None or sign * trial.dev > sign * best):
+            best = trial.dev
+        if best is not None:
+            points.append({"spent": round(spent, 6), "dev": best})
+    return points
+
+
+__all__ = ["DEFAULT_SEARCH_METHODS", "SearchRecord", "SearchTrialRecord", "Searches", "UnknownSearchError"]

@@ -1,0 +1,106 @@
+"""Method searches through the service: POST/GET /v1/searches and cancel, `PeltClient.search`, and `pelt search`
+(start, show, list, cancel); a refused search queues nothing. The rungs advance here by the registry's
+own call, as the dispatcher makes it on a timer (the whole loop through a real dispatcher:
+tests/api/test_end_to_end.py)."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from services.commands import search as search_commands
+from tests.api.conftest import BACKBONE, Api
+from tests.api.helpers import refused
+
+
+def finish_rung(api: Api, search_id: int, dev: float = 0.8) -> None:
+    """Complete the search's queued jobs as a worker would, each with a test and a dev score."""
+    search = api.registry.get_search(search_id)
+    for number, trial in enumerate(t for t in search.trials if t.status == "queued"):
+        claimed = api.registry.claim_job("w")
+        assert claimed is not None and claimed.id == trial.job_id
+        score = dev + 0.01 * ((trial.configuration + number) % 3)
+        result = {
+            "metrics": {"accuracy": score - 0.05},
+            "dev_metrics": {"accuracy": score},
+            "trainable_params": 10,
+            "total_params": 1000,
+            "train_seconds": 1.0,
+        }
+        api.registry.complete_job(trial.job_id, "w", result)
+
+
+def test_a_search_is_planned_queued_advanced_and_answers_with_its_choice(api, client, toy_task):
+    search = client.search(
+        toy_task, 4, methods=["lora", "bitfit"], backbone=BACKBONE, hyperparameters={"epochs": 1}
+    )
+    assert (search.status, search.k_shot, search.dev_rows, search.configurations) == ("running", 100, 100, 3)
+    assert [r["configurations"] for r in search.schedule["rungs"]] == [3, 1]
+    assert {job.status for job in client.jobs(task=toy_task)} == {"queued"}
+    finish_rung(api, search.id)
+    api.registry.advance_search(search.id)
+    finish_rung(api, search.id)
+    api.registry.advance_search(search.id)
+    done = client.get_search(search.id)
+    assert done.status == "succeeded" and done.chosen["seeds"] == 3
+    assert done.chosen["ci_low"] <= done.chosen["test_mean"] <= done.chosen["ci_high"]
+    assert [s.id for s in client.searches(task=toy_task)] == [search.id]
+    assert client.searches(status="running") == []
+    assert client.wait_search(search.id, timeout=5).status == "succeeded"
+
+
+def test_a_search_that_cannot_run_is_refused_naming_the_field_and_queues_nothing(api, client, toy_task):
+    refused(lambda: client.search(toy_task, 2, backbone=BACKBONE), 422, "budget", "too small")
+    refused(lambda: client.search(toy_task, 4, backbone=BACKBONE, k_shot=200), 422, "k_shot")
+    refused(lambda: client.search(toy_task, 4, backbone=BACKBONE, methods=["nope"]), 404, "method")
+    refused(lambda: client.search("missing", 4, backbone=BACKBONE), 404, "task")
+    refused(lambda: client.search(toy_task, -1, backbone=BACKBONE), 422, "budget")
+    assert client.jobs() == [] and client.searches() == []
+    refused(lambda: client.get_search(99), 404, "search_id")
+
+
+def test_a_read_token_reads_searches_and_only_their_owner_or_an_admin_cancels(api, client, toy_task):
+    search = client.search(toy_task, 4, methods=["lora", "bitfit"], backbone=BACKBONE)
+    _, reader = api.registry.create_api_token("reader", scope="read")
+    _, writer = api.registry.create_api_token("writer", scope="write")
+    assert api.client(reader).get_search(search.id).id == search.id
+    refused(lambda: api.client(reader).search(toy_task, 4, backbone=BACKBONE), 403)
+    refused(lambda: api.client(writer).cancel_search(search.id), 403)
+    cancelled = client.cancel_search(search.id)  # the admin token that started it
+    assert cancelled.status == "cancelled"
+    assert {job.status for job in client.jobs(task=toy_task)} == {"cancelled"}
+
+
+def test_pelt_search_starts_shows_lists_and_cancels(api, toy_task, monkeypatch):
+    monkeypatch.setattr(search_commands, "PeltClient", api.client)
+    runner = CliRunner()
+    started = runner.invoke(
+        search_commands.search_group,
+        [toy_task, "--budget", "4", "--methods", "lora,bitfit", "--backbone", BACKBONE, "--set", "epochs=1"],
+    )
+    assert started.exit_code == 0, started.output
+    first, rungs, *spaces = started.output.splitlines()
+    assert first.startswith(f"search 1 of {toy_task} (running): 3 configurations of lora, bitfit")
+    assert rungs.startswith("rungs: 3 × 0.333 epochs; 1 × 1 epochs × 3 seeds; 4.0 of 4 full-job")
+    assert any(line.strip().startswith("lora: learning_rate: log-uniform") for line in spaces)
+
+    finish_rung(api, 1)
+    api.registry.advance_search(1)
+    finish_rung(api, 1)
+    api.registry.advance_search(1)
+    shown = runner.invoke(search_commands.search_group, ["show", "1"])
+    assert shown.exit_code == 0, shown.output
+    assert "chosen: " in shown.output and "95% interval" in shown.output and "3 seeds" in shown.output
+    listed = runner.invoke(search_commands.search_group, ["list"])
+    assert listed.exit_code == 0 and listed.output.splitlines()[1].split()[:3] == ["1", toy_task, "succeeded"]
+
+    too_small = runner.invoke(
+        search_commands.search_group, [toy_task, "--budget", "1", "--backbone", BACKBONE]
+    )
+    assert too_small.exit_code == 1 and "too small for one rung" in too_small.output
+    second = runner.invoke(
+        search_commands.search_group,
+        [toy_task, "--budget", "4", "--methods", "lora,bitfit", "--backbone", BACKBONE],
+    )
+    assert second.exit_code == 0, second.output
+    cancelled = runner.invoke(search_commands.search_group, ["cancel", "2"])
+    assert cancelled.exit_code == 0 and cancelled.output.strip() == "search 2: cancelled"
