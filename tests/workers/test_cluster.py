@@ -70,6 +70,14 @@ HELD_DISPATCHER = (
 )
 
 
+def held_now(registry: Registry, hold: Hold, job_ids: list[int]) -> dict[int, int] | None:
+    """{job: its attempt} once every job is held in its current attempt, else None."""
+    attempts = {job_id: registry.get_job(job_id).attempts for job_id in job_ids}
+    if all(attempt >= 1 and hold.holds([job_id], attempt=attempt) for job_id, attempt in attempts.items()):
+        return attempts
+    return None
+
+
 def start_dispatcher(
     address: str, registry_url: str, tmp_path: Path, name: str, hold: Hold
 ) -> subprocess.Popen:
@@ -81,6 +89,7 @@ def start_dispatcher(
             "PELT_DATABASE_URL": registry_url,
             "PELT_DATA_DIR": str(tmp_path / "data"),
             "PELT_LEASE_SECONDS": "10",
+            "PELT_MAX_ATTEMPTS": "6",  # a lease lost to a slow start, then the lost node: attempts to spare
             "PELT_HEARTBEAT_SECONDS": "1",
             "PELT_RETRY_BACKOFF_SECONDS": "0.2",
             "PELT_RETRY_BACKOFF_MAX_SECONDS": "1",
@@ -129,14 +138,22 @@ def test_jobs_survive_a_dispatcher_restart_and_the_loss_of_a_node(cluster, regis
     hold = Hold(tmp_path / "hold")
     dispatchers = [start_dispatcher(cluster.address, registry_url, tmp_path, "dispatcher-1", hold)]
     try:
-        wait_for(lambda: hold.holds(job_ids), 150, "every job to be held mid-attempt")
+        # held mid-attempt: its current attempt (a worker slow to start on a loaded machine lets a lease
+        # expire before the job runs, and the job is held on its second attempt instead)
+        attempts = wait_for(
+            lambda: held_now(registry, hold, job_ids), 150, "every job to be held mid-attempt"
+        )
         owners = {job_id: registry.get_job(job_id).lease_owner for job_id in job_ids}
         on_head = {j: owner for j, owner in owners.items() if node_of(owner, nodes) == "head"}
         on_other = {j: owner for j, owner in owners.items() if node_of(owner, nodes) == "other"}
         assert len(on_head) == len(on_other) == 2, owners
 
         cluster.remove_node(other, allow_graceful=False)  # the non-head node dies mid-job
-        wait_for(lambda: hold.holds(list(on_other), attempt=2), 120, "the lost node's jobs to run again")
+        wait_for(
+            lambda: all(hold.holds([j], attempt=attempts[j] + 1) for j in on_other),
+            120,
+            "the lost node's jobs to run again",
+        )
         retried = {j: registry.get_job(j).lease_owner for j in on_other}
         assert {node_of(worker, nodes) for worker in retried.values()} == {"head"}
 
@@ -162,23 +179,32 @@ def test_jobs_survive_a_dispatcher_restart_and_the_loss_of_a_node(cluster, regis
     }
     results = {job_id: registry.get_result(job_id) for job_id in job_ids}
     events = {job_id: registry.job_events(job_id) for job_id in job_ids}
+
+    def transitions(job_id: int) -> list[tuple[str | None, str]]:
+        return [(e.from_status, e.to_status) for e in events[job_id]]
+
+    def before_hold(job_id: int) -> list[tuple[str | None, str]]:
+        """A job's transitions up to its held attempt's start (a lease lost to a slow start adds a round)."""
+        return [(None, "queued")] + [("queued", "running"), ("running", "queued")] * (attempts[job_id] - 1)
+
     for job_id, worker in on_head.items():  # neither the lost node nor the restart touched them
-        assert (jobs[job_id].attempts, results[job_id].worker_id) == (1, worker)
-        assert [(e.from_status, e.to_status) for e in events[job_id]] == [
-            (None, "queued"),
-            ("queued", "running"),
-            ("running", "succeeded"),
-        ]
+        assert (jobs[job_id].attempts, results[job_id].worker_id) == (attempts[job_id], worker)
+        assert transitions(job_id) == [*before_hold(job_id), ("queued", "running"), ("running", "succeeded")]
     for job_id, worker in retried.items():  # retried once for the lost node, finished where it was retried
-        assert (jobs[job_id].attempts, results[job_id].attempt, results[job_id].worker_id) == (2, 2, worker)
-        assert [(e.from_status, e.to_status) for e in events[job_id]] == [
-            (None, "queued"),
+        again = attempts[job_id] + 1
+        assert (jobs[job_id].attempts, results[job_id].attempt, results[job_id].worker_id) == (
+            again,
+            again,
+            worker,
+        )
+        assert transitions(job_id) == [
+            *before_hold(job_id),
             ("queued", "running"),
             ("running", "queued"),
             ("queued", "running"),
             ("running", "succeeded"),
         ]
-        lost = events[job_id][2]  # the dispatcher saw the worker die with its node
+        lost = events[job_id][len(before_hold(job_id)) + 1]  # the dispatcher saw the worker die with its node
         assert lost.worker_id == on_other[job_id] and "died" in lost.reason, lost
     ran_on = {node_of(e.worker_id, nodes) for j in job_ids for e in events[j] if e.to_status == "running"}
     assert ran_on == {"head", "other"}
@@ -191,7 +217,9 @@ def test_jobs_survive_a_dispatcher_restart_and_the_loss_of_a_node(cluster, regis
         assert hashlib.sha256(delta.read_bytes()).hexdigest() == result.delta_sha256
     second_log = (tmp_path / "dispatcher-2.log").read_text()
     adopted_workers, settled = reconciled(second_log)
-    assert adopted_workers == 4  # the head node's workers, warm, kept; none of the lost node's
+    # the head node's workers, warm, kept; none of the lost node's (more when a slow start cost a lease and
+    # the dispatcher started other workers meanwhile)
+    assert adopted_workers == 4 if set(attempts.values()) == {1} else adopted_workers >= 4
     assert sorted(settled["adopted"]) == sorted(
         job_ids
     )  # all held mid-job at the restart: adopted, not restarted
