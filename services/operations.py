@@ -356,7 +356,14 @@ class PeltOperations:
     # --- method searches ---------------------------------------------------------------------------
 
     def create_search(self, task: str, budget: float, **options: Any) -> SearchRecord:
-        """Plan a method search and queue its first rung (services/registry/searches.py)."""
+        """Plan a method search and queue its first rung (services/registry/searches.py), once what it
+        names exists (a packaged backbone is registered on first use, as for a sweep) and its numbers
+        are JSON's."""
+        self.registry.get_task(task)
+        for method in options.get("methods") or ():
+            self.registry.get_method(method)
+        check_json_numbers(options.get("hyperparameters"))
+        self.ensure_backbone(options["backbone"])
         return self.registry.create_search(task, budget, **options)
 
     def get_search(self, search_id: int) -> SearchRecord:

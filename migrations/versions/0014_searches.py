@@ -42,6 +42,7 @@ def upgrade() -> None:
         sa.Column("schedule", sa.JSON(), nullable=False),
         sa.Column("space", sa.JSON(), nullable=False),
         sa.Column("configurations", sa.JSON(), nullable=False),
+        sa.Column("fingerprints", sa.JSON(), nullable=False),
         sa.Column("chosen", sa.JSON(), nullable=True),
         sa.Column("last_error", sa.Text(), nullable=True),
         sa.Column("idempotency_key", sa.String(200), nullable=True),

@@ -184,6 +184,8 @@ class SearchTrialOut(Response):
 class SearchOut(Response):
     id: int
     task: str
+    metric: str
+    metric_direction: str
     backbone: str
     status: Literal["running", "succeeded", "failed", "cancelled"]
     budget: float

@@ -27,14 +27,15 @@ class _SearchGroup(click.Group):
 def search_group() -> None:
     """Let pelt choose a method and its settings for a task within a budget: `pelt search TASK --budget N`
     (successive halving: many configurations train briefly, the best third trains longer, the last rung
-    runs its survivors with several seeds). Also: show, list, cancel."""
+    runs its survivors with several seeds). Also: show, list, cancel (a task named like one of these:
+    `pelt search start TASK ...`)."""
 
 
 @search_group.command("start")
 @click.argument("task")
 @click.option(
     "--budget",
-    type=float,
+    type=click.FloatRange(0, 10_000, min_open=True),
     required=True,
     help="full-job equivalents: one job at the full epochs (3, or --set epochs=N) on K rows",
 )
@@ -104,8 +105,11 @@ def search_show(search_id: int, as_json: bool) -> None:
         click.echo(search.model_dump_json(indent=2))
         return
     echo_plan(search)
+    sign = (
+        -1.0 if search.metric_direction == "max" else 1.0
+    )  # best dev score first, in the metric's direction
     rows = sorted(
-        search.trials, key=lambda t: (-t.rung, t.dev is None, -(t.dev or 0.0), t.configuration, t.seed)
+        search.trials, key=lambda t: (-t.rung, t.dev is None, sign * (t.dev or 0.0), t.configuration, t.seed)
     )
     print_table(
         [
@@ -195,7 +199,7 @@ def echo_answer(search: SearchOut) -> None:
         )
         click.echo(
             f"chosen: {_chosen_name(chosen)} at {chosen['epochs']:g} epochs: test {chosen['test_mean']:.4f} "
-            f"({interval}, {chosen['seeds']} seeds; dev {chosen['dev_mean']:.4f}); jobs "
+            f"({interval}, {chosen['seeds']} seeds{_failed(chosen)}; dev {chosen['dev_mean']:.4f}); jobs "
             f"{', '.join(str(j) for j in chosen['job_ids'])}; its leaderboard row {chosen['config_id']}"
         )
     elif search.status in ("failed", "cancelled"):
@@ -203,6 +207,11 @@ def echo_answer(search: SearchOut) -> None:
             f"search {search.id} {search.status}"
             + (f": {printable(search.last_error)}" if search.last_error else "")
         )
+
+
+def _failed(chosen: dict[str, Any]) -> str:
+    failed = chosen.get("seeds_failed") or 0
+    return f", {failed} failed" if failed else ""
 
 
 def _chosen_name(chosen: dict[str, Any]) -> str:

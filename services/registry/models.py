@@ -379,6 +379,7 @@ class Search(Base):
     schedule: Mapped[dict[str, Any]]  # search_plan.Schedule.to_dict()
     space: Mapped[dict[str, Any]]  # method -> {hyperparameter: what it is drawn from}
     configurations: Mapped[list[Any]]  # [{index, method, hyperparameters}] drawn at the start
+    fingerprints: Mapped[dict[str, Any]]  # method -> the preset version its jobs run (a changed one fails it)
     chosen: Mapped[dict[str, Any] | None]  # the answer, once it succeeded
     last_error: Mapped[str | None] = mapped_column(Text)
     idempotency_key: Mapped[str | None] = mapped_column(String(200))  # unique per submitter

@@ -14,7 +14,9 @@ The space of a method, around its preset (what the search varies; the rest of th
   `prefix_length`, each one of {preset / 2, preset, preset × 2};
 - a mixture's per-module rates: `<role>.lr_multiplier` of every module that trains at its own multiple
   of the job's rate (UniPELT's), log-uniform over [multiplier / 2, multiplier × 2].
-A hyperparameter the user fixes is left out of the space.
+A hyperparameter the user fixes is left out of the space (a fixed size or `lr_multiplier`, however it is
+spelled, fixes every dimension of that field). A method whose space is finite (only sizes, or nothing left)
+gets at most as many configurations as it has distinct points; the draws never repeat a configuration.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ETA = 3  # each rung keeps the best 1/ETA of its configurations and trains them 
 FINAL_SEEDS = 3
 MAX_RUNGS = 3
 MAX_CONFIGURATIONS = 243  # configurations a search draws at most (3^5), whatever its budget
+MIN_FIRST_RUNG_STEPS = 8  # three rungs only where the first (1/9 of the epochs) trains this many steps
 LEARNING_RATE_SPAN = 3.0  # the learning rate varies over [preset / span, preset × span]
 MULTIPLIER_SPAN = 2.0
 SIZE_FACTORS = (0.5, 1.0, 2.0)
@@ -77,7 +80,7 @@ def method_space(spec: Mapping[str, Any], fixed: Mapping[str, Any] = ()) -> dict
     space["learning_rate"] = LogUniform(rate / LEARNING_RATE_SPAN, rate * LEARNING_RATE_SPAN)
     sizes: dict[str, int] = {}
     for module in (spec.get("modules") or {}).values():
-        key = SIZE_KEYS.get(_module_kind(module))
+        key = SIZE_KEYS.get(module_kind(module))
         if key is not None:
             sizes.setdefault(key, int(module["size"]))
     for key, size in sizes.items():
@@ -90,10 +93,26 @@ def method_space(spec: Mapping[str, Any], fixed: Mapping[str, Any] = ()) -> dict
             )
     aliases = {"lr": "learning_rate", "rank": "r", "l": "prefix_length"}
     left_out = {aliases.get(key, key) for key in fixed}
+    fields = {key.rsplit(".", 1)[-1] for key in fixed}  # `size`, `q.size`, `r`, `lr_multiplier`, ...
+    if fields & {"size", *SIZE_KEYS.values(), "rank", "l"}:
+        left_out.update(SIZE_KEYS.values())  # any size fixed: the sizes are the user's
+    if "lr_multiplier" in fields:
+        left_out.update(key for key in space if key.endswith(".lr_multiplier"))
     return {key: dimension for key, dimension in space.items() if key not in left_out}
 
 
-def _module_kind(module: Mapping[str, Any]) -> str:
+def distinct_points(space: Mapping[str, Dimension]) -> float:
+    """How many distinct configurations a space holds: the product of its choices; infinite with a
+    continuous dimension; 1 when nothing is left to vary."""
+    count = 1.0
+    for dimension in space.values():
+        if isinstance(dimension, LogUniform):
+            return math.inf
+        count *= len(dimension.values)
+    return count
+
+
+def module_kind(module: Mapping[str, Any]) -> str:
     """pelt_core.spec's kinds: "prefix", "dense", "lora" (a linear bottleneck) or "adapter"."""
     if module.get("form") in ("prefix", "dense"):
         return str(module["form"])
@@ -112,16 +131,34 @@ class Configuration:
 def draw_configurations(
     spaces: Mapping[str, Mapping[str, Dimension]], count: int, seed: int
 ) -> list[Configuration]:
-    """`count` configurations, the methods taking turns (each gets count / methods, the first ones one more
-    when it does not divide), each hyperparameter drawn from its dimension; the same seed draws the same."""
+    """`count` configurations, the methods taking turns (a method whose space has fewer distinct points
+    than its share leaves its turns to the others), each hyperparameter drawn from its dimension, none
+    drawn twice; the same seed draws the same. ValueError when the spaces hold fewer than `count`."""
+    if count > sum(min(distinct_points(space), count) for space in spaces.values()):
+        raise ValueError(f"the spaces hold fewer than {count} distinct configurations")
     rng = random.Random(seed)
     methods = list(spaces)
-    drawn = []
-    for index in range(count):
-        method = methods[index % len(methods)]
-        values = {key: dimension.draw(rng) for key, dimension in spaces[method].items()}
-        drawn.append(Configuration(index, method, values))
+    seen: dict[str, set[str]] = {method: set() for method in methods}
+    drawn: list[Configuration] = []
+    turn = 0
+    while len(drawn) < count:
+        method = methods[turn % len(methods)]
+        turn += 1
+        if len(seen[method]) >= distinct_points(spaces[method]):
+            continue  # every point of this method is drawn
+        while True:
+            values = {key: dimension.draw(rng) for key, dimension in spaces[method].items()}
+            identity = repr(sorted(values.items()))
+            if identity not in seen[method]:
+                break
+        seen[method].add(identity)
+        drawn.append(Configuration(len(drawn), method, values))
     return drawn
+
+
+def space_size(spaces: Mapping[str, Mapping[str, Dimension]]) -> float:
+    """Distinct configurations over every method (infinite with any continuous dimension)."""
+    return sum(distinct_points(space) for space in spaces.values())
 
 
 @dataclass(frozen=True)
@@ -186,22 +223,28 @@ def plan_schedule(
     *,
     final_seeds: int = FINAL_SEEDS,
     eta: int = ETA,
-    max_configurations: int = MAX_CONFIGURATIONS,
+    max_configurations: float = MAX_CONFIGURATIONS,
+    steps_per_epoch: int | None = None,
 ) -> Schedule:
-    """The schedule that draws the most configurations within `budget` (full-job equivalents): three rungs
-    (1/9, 1/3 and all of the full epochs) where the budget allows, else two; a SearchPlanError naming
-    `budget` when not even the smallest (`eta` configurations at 1/eta of the epochs, the best one at
-    full epochs with its seeds) fits."""
+    """The schedule that draws the most configurations (at most `max_configurations`) within `budget`
+    (full-job equivalents): three rungs (1/9, 1/3 and all of the full epochs) where the budget allows and
+    the first rung trains at least MIN_FIRST_RUNG_STEPS steps (given `steps_per_epoch`), else two; a
+    SearchPlanError naming `budget` when not even the smallest (`eta` configurations at 1/eta of the
+    epochs, the best one at full epochs with its seeds) fits."""
     if not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
         raise SearchPlanError("budget", f"must be a positive number of full-job equivalents, got {budget!r}")
     if final_seeds < 2:
         raise SearchPlanError(
             "seeds", f"the last rung needs at least 2 seeds for an interval, got {final_seeds}"
         )
+    most = int(min(max_configurations, MAX_CONFIGURATIONS))
     for rungs in range(MAX_RUNGS, 1, -1):
         smallest = eta ** (rungs - 1)
+        shortest = full_epochs / smallest
+        if rungs > 2 and steps_per_epoch is not None and shortest * steps_per_epoch < MIN_FIRST_RUNG_STEPS:
+            continue  # its first rung would train a few steps: promotions on noise
         first = None
-        for candidate in range(smallest, max_configurations + 1):
+        for candidate in range(smallest, most + 1):
             if _schedule(candidate, rungs, full_epochs, final_seeds, eta).cost <= budget + 1e-9:
                 first = candidate
             else:
@@ -234,8 +277,11 @@ __all__ = [
     "Rung",
     "Schedule",
     "SearchPlanError",
+    "distinct_points",
     "draw_configurations",
     "method_space",
+    "module_kind",
     "plan_schedule",
+    "space_size",
     "survivors",
 ]

@@ -20,9 +20,11 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from pelt_core.config import TrainConfig
+from pelt_core.limits import SEED, TRAIN_RANGES
+from pelt_core.spec import SIZE_ALIASES, override_field
 from services.registry import presets
 from services.registry.actor import acting_as, current_actor
 from services.registry.core import RegistryCore
@@ -54,17 +56,20 @@ from services.registry.rows import (
     submitted_by_current_actor,
 )
 from services.registry.search_plan import (
+    ETA,
     FINAL_SEEDS,
     Configuration,
     Schedule,
     SearchPlanError,
     draw_configurations,
     method_space,
+    module_kind,
     plan_schedule,
+    space_size,
     survivors,
 )
 from services.registry.task_data import held_out_rows
-from services.registry.validation import check_int, check_key, check_name, split_hyperparameters
+from services.registry.validation import check_int, check_key, check_name, check_range, split_hyperparameters
 
 log = logging.getLogger("pelt.registry")
 
@@ -106,6 +111,8 @@ class SearchRecord:
 
     id: int
     task: str
+    metric: str
+    metric_direction: str
     backbone: str
     status: str
     budget: float
@@ -162,14 +169,37 @@ class Searches(RegistryCore):
             raise RegistryValidationError(
                 controlled[0], "a search sets it itself (each rung's length, the protocol's dev split)"
             )
-        full_epochs = float(train.get("epochs", TrainConfig.epochs))
+        full_epochs = float(
+            check_range(
+                TRAIN_RANGES["epochs"], train.get("epochs", TrainConfig.epochs), given.get("epochs", "epochs")
+            )
+        )
+        batch_size = check_range(
+            TRAIN_RANGES["batch_size"],
+            train.get("batch_size", TrainConfig.batch_size),
+            given.get("batch_size", "batch_size"),
+        )
         seeds = check_int(seeds, "seeds", minimum=2, maximum=10)
-        seed = check_int(seed, "seed", minimum=0, maximum=2**31 - 1)
+        seed = check_int(seed, "seed", minimum=int(SEED.low))
+        if seed + seeds - 1 > SEED.high:
+            raise RegistryValidationError(
+                "seed",
+                f"the last rung runs seeds {seed} to {seed + seeds - 1}: at most {int(SEED.high) - seeds + 1}",
+            )
         key = check_key(idempotency_key)
-        try:
-            schedule = plan_schedule(budget, full_epochs, final_seeds=seeds)
-        except SearchPlanError as exc:
-            raise RegistryValidationError(exc.field, exc.message) from None
+        if not (isinstance(budget, int | float) and not isinstance(budget, bool)):
+            raise RegistryValidationError(
+                "budget", f"must be a number of full-job equivalents, got {budget!r}"
+            )
+        request = {
+            "budget": float(budget),
+            "methods": names,
+            "k_shot": k_shot,
+            "dev_rows": dev_rows,
+            "hyperparameters": jsonable(fixed),
+            "seeds": seeds,
+            "seed": seed,
+        }
 
         def write() -> SearchRecord:
             with self._writing() as session:
@@ -182,20 +212,49 @@ class Searches(RegistryCore):
                         )
                     )
                     if existing is not None:
-                        if (existing.task_id, existing.budget) != (task_row.id, float(budget)):
+                        if _request_of(existing) != {
+                            **request,
+                            "task": task_row.id,
+                            "backbone": backbone_row.id,
+                        }:
                             raise IdempotencyConflictError(
                                 key, f"search {existing.id} was made under this key for another request"
                             )
                         return self._search_record(session, existing)
                 k, rows = _search_rows(task_row, k_shot, dev_rows)
-                spaces = {name: method_space(self._method_spec(session, name, now), fixed) for name in names}
-                if len(names) == 1 and not spaces[names[0]]:
+                bases = {name: presets.job_method(session, name, now) for name in names}
+                spaces = {name: method_space(bases[name].spec, fixed) for name in names}
+                if space_size(spaces) < ETA:
                     raise RegistryValidationError(
                         "hyperparameters",
-                        f"nothing to search: {names[0]} is the only method and every hyperparameter the "
-                        "search would vary is fixed; give more methods or fix less",
+                        f"nothing to search: {', '.join(names)} with everything fixed hold fewer than {ETA} "
+                        "configurations; give more methods or fix less",
                     )
-                configurations = draw_configurations(spaces, schedule.rungs[0].configurations, seed)
+                try:
+                    schedule = plan_schedule(
+                        budget,
+                        full_epochs,
+                        final_seeds=seeds,
+                        max_configurations=space_size(spaces),
+                        steps_per_epoch=-(-k // batch_size),
+                    )
+                except SearchPlanError as exc:
+                    raise RegistryValidationError(exc.field, exc.message) from None
+                first = schedule.rungs[0].configurations
+                if first < len(names):
+                    raise RegistryValidationError(
+                        "budget",
+                        f"{budget:g} full-job equivalents buy {first} configurations for {len(names)} methods: "
+                        "some would never be tried; give a larger budget or fewer methods",
+                    )
+                largest = max(rung.configurations * rung.seeds for rung in schedule.rungs)
+                if current_actor() is not None and largest > self.max_queued_jobs_per_token:
+                    raise RegistryValidationError(
+                        "budget",
+                        f"its largest rung queues {largest} jobs; a token may have at most "
+                        f"{self.max_queued_jobs_per_token} waiting (PELT_MAX_QUEUED_JOBS_PER_TOKEN)",
+                    )
+                configurations = draw_configurations(spaces, first, seed)
                 search = Search(
                     task_id=task_row.id,
                     backbone_id=backbone_row.id,
@@ -206,12 +265,13 @@ class Searches(RegistryCore):
                     seed=seed,
                     methods=names,
                     hyperparameters=jsonable(fixed),
-                    schedule=schedule.to_dict(),
+                    schedule=schedule.to_dict() | {"request": {"k_shot": k_shot, "dev_rows": dev_rows}},
                     space={m: {key: d.describe() for key, d in space.items()} for m, space in spaces.items()},
                     configurations=[
                         {"index": c.index, "method": c.method, "hyperparameters": c.hyperparameters}
                         for c in configurations
                     ],
+                    fingerprints={name: base.fingerprint for name, base in bases.items()},
                     idempotency_key=key,
                     submitted_by=current_actor(),
                     created_at=now,
@@ -219,6 +279,8 @@ class Searches(RegistryCore):
                 )
                 session.add(search)
                 session.flush()
+                for rung in range(1, len(schedule.rungs)):  # every later rung's jobs would be valid too
+                    self._plan_rung(session, search, task_row, backbone_row, rung, configurations, now)
                 self._queue_rung(session, search, task_row, backbone_row, 0, configurations, now)
                 audit(
                     session,
@@ -281,10 +343,14 @@ class Searches(RegistryCore):
             return self._search_record(session, search)
 
     def advance_searches(self) -> list[int]:
-        """Advance every running search (`advance_search`); returns the ids whose state changed. A search
-        that cannot queue its next rung now (its token's queue quota is full) waits for the next call."""
+        """Advance every running search (`advance_search`), oldest first; returns the ids whose state
+        changed. A search that cannot queue its next rung now (its token's queue is full) waits for the
+        next call; one whose next rung can never be queued (refused as invalid) ends failed with the
+        reason; any other error is logged and that search tried again on the next call, the others go on."""
         with self._reading() as session:
-            running = list(session.scalars(select(Search.id).where(Search.status == "running")))
+            running = list(
+                session.scalars(select(Search.id).where(Search.status == "running").order_by(Search.id))
+            )
         changed = []
         for search_id in running:
             try:
@@ -292,13 +358,23 @@ class Searches(RegistryCore):
                     changed.append(search_id)
             except QuotaExceededError as exc:
                 log.info("search %d waits for its next rung: %s", search_id, exc)
+            except RegistryValidationError as exc:
+                self._fail_search(search_id, f"its next rung was refused: {exc}")
+                changed.append(search_id)
+            except Exception:
+                log.exception("search %d could not advance; trying again on the next round", search_id)
         return changed
 
     def advance_search(self, search_id: int) -> bool:
         """One step of a search, if its current rung has ended: queue the next rung (the best
         configurations by the dev metric, trained longer), or, after the last rung, choose the
-        configuration with the best mean over seeds and end succeeded; fail it if a whole rung failed.
-        Returns whether anything changed (False: still running its rung, or already ended)."""
+        configuration with the best mean dev score over its seeds and end succeeded; fail it if a whole
+        rung failed or a method's preset changed under it. Returns whether anything changed (False: still
+        running its rung, or already ended)."""
+        with self._reading() as session:  # the common case, a rung still training, takes no write turn
+            search = _find_search(session, search_id)
+            if search.status != "running" or _rung_running(session, search_id):
+                return False
 
         def write() -> bool:
             with self._writing() as session:
@@ -310,6 +386,17 @@ class Searches(RegistryCore):
 
         return retry_once_on_conflict(write)
 
+    def _fail_search(self, search_id: int, error: str) -> None:
+        with self._writing() as session:
+            search = _find_search(session, search_id, lock=True)
+            if search.status == "running":
+                now = self._now()
+                search.status, search.finished_at, search.updated_at = "failed", now, now
+                search.last_error = error[:4000]
+                audit(
+                    session, now, "search.fail", f"search {search_id}", {"submitted_by": search.submitted_by}
+                )
+
     # --- the steps ---------------------------------------------------------------------------------
 
     def _advance(self, session: Session, search: Search) -> bool:
@@ -320,6 +407,19 @@ class Searches(RegistryCore):
         if any(job.status not in TERMINAL_STATUSES for _, job in current):
             return False
         now = self._now()
+        changed = [
+            name
+            for name, version in (search.fingerprints or {}).items()
+            if presets.job_method(session, name, now).fingerprint != version
+        ]
+        if changed:
+            search.status, search.finished_at, search.updated_at = "failed", now, now
+            search.last_error = (
+                f"the preset of {', '.join(changed)} changed during the search (its rungs would compare "
+                "different methods); start a new search"
+            )
+            audit(session, now, "search.fail", f"search {search.id}", {"changed": changed})
+            return True
         direction = search.task.metric_direction
         values = [(trial.configuration, _dev(job)) for trial, job in current]
         if all(value is None for _, value in values):
@@ -349,7 +449,7 @@ class Searches(RegistryCore):
         )
         return True
 
-    def _queue_rung(
+    def _plan_rung(
         self,
         session: Session,
         search: Search,
@@ -358,16 +458,18 @@ class Searches(RegistryCore):
         rung: int,
         configurations: Sequence[Configuration],
         now: datetime,
-    ) -> None:
-        """Validate and queue the jobs of a rung (one per configuration; the last rung: one per seed),
-        with their trials, in the caller's transaction."""
+    ) -> list[tuple[int, Any]]:
+        """The validated jobs of a rung (one per configuration; the last rung: one per seed), unwritten:
+        [(configuration index, planned job)]. A fixed method-spec value applies to the methods that have
+        its module (`r=8` does not reach BitFit)."""
         schedule = Schedule.from_dict(search.schedule)
         step = schedule.rungs[rung]
         seeds = [search.seed + offset for offset in range(step.seeds)]
         planned = []
         for configuration in configurations:
+            spec = presets.job_method(session, configuration.method, now).spec
             values = {
-                **search.hyperparameters,
+                **_applicable(search.hyperparameters, spec),
                 **configuration.hyperparameters,
                 "epochs": step.epochs,
                 "dev_rows": search.dev_rows,
@@ -379,6 +481,20 @@ class Searches(RegistryCore):
                     session, configuration.method, split, task, backbone, seeds, [search.k_shot], now
                 )
             )
+        return planned
+
+    def _queue_rung(
+        self,
+        session: Session,
+        search: Search,
+        task: Task,
+        backbone: Backbone,
+        rung: int,
+        configurations: Sequence[Configuration],
+        now: datetime,
+    ) -> None:
+        """Validate and queue the jobs of a rung with their trials, in the caller's transaction."""
+        planned = self._plan_rung(session, search, task, backbone, rung, configurations, now)
         self._check_queue_quota(session, len(planned))
         jobs = queue_jobs(
             session,
@@ -397,9 +513,6 @@ class Searches(RegistryCore):
                 )
             )
         session.flush()
-
-    def _method_spec(self, session: Session, method: str, now: datetime) -> dict[str, Any]:
-        return dict(presets.job_method(session, method, now).spec)
 
     def _search_record(self, session: Session, search: Search) -> SearchRecord:
         schedule = Schedule.from_dict(search.schedule)
@@ -426,6 +539,8 @@ class Searches(RegistryCore):
         return SearchRecord(
             id=search.id,
             task=search.task.name,
+            metric=search.task.metric,
+            metric_direction=search.task.metric_direction,
             backbone=search.backbone.name,
             status=search.status,
             budget=search.budget,
@@ -464,8 +579,67 @@ def _trials(session: Session, search_id: int) -> list[tuple[SearchTrial, Job]]:
         .join(Job, SearchTrial.job_id == Job.id)
         .where(SearchTrial.search_id == search_id)
         .order_by(SearchTrial.rung, SearchTrial.configuration, SearchTrial.seed)
+        .options(selectinload(Job.result))
     )
     return [(trial, job) for trial, job in session.execute(query)]
+
+
+def _rung_running(session: Session, search_id: int) -> bool:
+    """Whether a job of the search's latest rung has not ended yet (one read, no lock)."""
+    latest = (
+        select(SearchTrial.rung).where(SearchTrial.search_id == search_id).order_by(SearchTrial.rung.desc())
+    )
+    rung = session.scalar(latest.limit(1))
+    waiting = (
+        select(Job.id)
+        .join(SearchTrial, SearchTrial.job_id == Job.id)
+        .where(
+            SearchTrial.search_id == search_id,
+            SearchTrial.rung == rung,
+            Job.status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value]),
+        )
+        .limit(1)
+    )
+    return session.scalar(waiting) is not None
+
+
+def _request_of(search: Search) -> dict[str, Any]:
+    """What a search was asked (compared on an idempotent retry)."""
+    asked = (search.schedule or {}).get("request", {})
+    return {
+        "budget": search.budget,
+        "methods": list(search.methods),
+        "k_shot": asked.get("k_shot"),
+        "dev_rows": asked.get("dev_rows"),
+        "hyperparameters": dict(search.hyperparameters),
+        "seeds": Schedule.from_dict(search.schedule).rungs[-1].seeds,
+        "seed": search.seed,
+        "task": search.task_id,
+        "backbone": search.backbone_id,
+    }
+
+
+def _applicable(fixed: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The fixed hyperparameters that apply to a method: every training one, and the method-spec ones
+    whose module it has (a size alias of a kind it has, `role.field` of a role it has, a bare module
+    field when it has modules)."""
+    modules = spec.get("modules") or {}
+    kinds = {module_kind(module) for module in modules.values()}
+    train, _, given = split_hyperparameters(fixed)
+    training_keys = {given[name] for name in train}
+    kept = {}
+    for key, value in fixed.items():
+        if key in training_keys:
+            kept[key] = value
+        elif key in SIZE_ALIASES:
+            if SIZE_ALIASES[key] in kinds:
+                kept[key] = value
+        elif "." in key:
+            if key.split(".", 1)[0] in modules:
+                kept[key] = value
+        elif override_field(key) in ("bias", "layer_norm") or modules:
+            kept[key] = value
+    return kept
 
 
 def _dev(job: Job) -> float | None:
@@ -504,12 +678,14 @@ def _choose(search: Search, final: list[tuple[SearchTrial, Job]], direction: str
     for trial, job in final:
         by_configuration.setdefault(trial.configuration, []).append(job)
     sign = -1.0 if direction == "max" else 1.0
-    summaries = {}
+    summaries, failed = {}, {}
     for index, jobs in by_configuration.items():
         devs = {job.seed: [_dev(job)] for job in jobs if _dev(job) is not None}
+        failed[index] = len(jobs) - len(devs)
         if devs:
             summaries[index] = seed_statistics(devs)
-    best = min(summaries, key=lambda index: (sign * summaries[index].mean, index))
+    # every seed trained beats a better mean over fewer seeds (a seed that diverged is evidence too)
+    best = min(summaries, key=lambda index: (failed[index], sign * summaries[index].mean, index))
     jobs = [job for job in by_configuration[best] if _dev(job) is not None]
     test = seed_statistics({job.seed: [job.result.primary_metric] for job in jobs})
     drawn = {c["index"]: c for c in search.configurations}[best]
@@ -537,6 +713,7 @@ def _choose(search: Search, final: list[tuple[SearchTrial, Job]], direction: str
         "ci_low": test.ci_low,
         "ci_high": test.ci_high,
         "seeds": test.seeds,
+        "seeds_failed": failed[best],
         "job_ids": [job.id for job in jobs],
         "config_id": config_id,
     }

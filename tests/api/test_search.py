@@ -15,9 +15,11 @@ from tests.api.helpers import refused
 def finish_rung(api: Api, search_id: int, dev: float = 0.8) -> None:
     """Complete the search's queued jobs as a worker would, each with a test and a dev score."""
     search = api.registry.get_search(search_id)
-    for number, trial in enumerate(t for t in search.trials if t.status == "queued"):
+    queued = {t.job_id: t for t in search.trials if t.status == "queued"}
+    for number in range(len(queued)):
         claimed = api.registry.claim_job("w")
-        assert claimed is not None and claimed.id == trial.job_id
+        assert claimed is not None and claimed.id in queued
+        trial = queued[claimed.id]
         score = dev + 0.01 * ((trial.configuration + number) % 3)
         result = {
             "metrics": {"accuracy": score - 0.05},

@@ -93,9 +93,11 @@ def run_rung(registry: Registry, search_id: int, score, fail: set[int] = frozens
     """Claim and end every queued job of the search's current rung: dev score `score(trial)`."""
     search = registry.get_search(search_id)
     trials = [t for t in search.trials if t.rung == search.rung and t.status == "queued"]
-    for trial in trials:
+    by_job = {trial.job_id: trial for trial in trials}
+    for _ in trials:
         claimed = registry.claim_job("w")
-        assert claimed is not None and claimed.id == trial.job_id
+        assert claimed is not None and claimed.id in by_job
+        trial = by_job[claimed.id]
         if trial.configuration in fail:
             registry.fail_job(trial.job_id, "w", "RuntimeError: diverged", retryable=False)
         else:
@@ -230,3 +232,125 @@ def test_one_trial_per_configuration_rung_and_seed_whatever_calls_advance(ready:
             )
         ).all()
     assert len(keys) == len(set(keys)) == 3 + 3
+
+
+def test_draws_never_repeat_and_a_small_space_leaves_its_turns_to_the_others():
+    spaces = {
+        "pfeiffer": method_space(pelt_core.get_method("pfeiffer").to_dict(), {"lr": 1e-3}),  # 3 bottlenecks
+        "lora": method_space(pelt_core.get_method("lora").to_dict()),
+    }
+    drawn = draw_configurations(spaces, 9, seed=0)
+    pfeiffer = [c.hyperparameters["bottleneck"] for c in drawn if c.method == "pfeiffer"]
+    assert sorted(pfeiffer) == [24, 48, 96] and len(drawn) == 9
+    with pytest.raises(ValueError, match="fewer than"):
+        draw_configurations({"pfeiffer": spaces["pfeiffer"]}, 4, seed=0)
+    assert set(method_space(pelt_core.get_method("unipelt").to_dict(), {"size": 8})) == {
+        "learning_rate",
+        *(
+            key
+            for key in method_space(pelt_core.get_method("unipelt").to_dict())
+            if key.endswith("multiplier")
+        ),
+    }  # a fixed size, however spelled, fixes every size dimension
+
+
+def test_three_rungs_only_where_the_first_trains_enough_steps():
+    assert len(plan_schedule(24, 3.0, steps_per_epoch=32).rungs) == 3  # K=500 at batch 16
+    assert len(plan_schedule(24, 3.0, steps_per_epoch=2).rungs) == 2  # 2/3 of a step: promotions on noise
+
+
+@pytest.mark.parametrize(
+    ("arguments", "field", "words"),
+    [
+        ({"seed": 2**31 - 1}, "seed", "at most"),  # its last rung's seeds would pass the largest seed
+        ({"hyperparameters": {"epochs": 0}}, "epochs", "epochs"),
+        ({"budget": 4, "methods": ["lora", "bitfit", "pfeiffer", "prefix"]}, "budget", "never be tried"),
+        ({"budget": float("inf")}, "budget", "positive"),
+    ],
+)
+def test_more_searches_that_cannot_run_are_refused_before_anything_is_queued(
+    ready: Registry, arguments: dict, field: str, words: str
+):
+    values = {"budget": 4, "methods": ["lora", "bitfit"], **arguments}
+    with pytest.raises(RegistryValidationError, match=words) as refused:  # the words in its message
+        ready.create_search("sst2", values.pop("budget"), backbone="tiny-bert", **values)
+    assert refused.value.field == field, refused.value
+    assert ready.list_jobs() == []
+
+
+def test_a_fixed_method_value_reaches_the_methods_that_have_its_module(ready: Registry):
+    search = ready.create_search(
+        "sst2", 4, backbone="tiny-bert", methods=["lora", "bitfit"], hyperparameters={"r": 4}
+    )
+    specs = {ready.get_job(t.job_id).method: ready.get_job(t.job_id).method_spec for t in search.trials}
+    assert {module["size"] for module in specs["lora"]["modules"].values()} == {4}
+    assert specs["bitfit"]["modules"] == {}
+    assert "r" not in search.space["lora"]
+
+
+def test_the_same_key_with_another_request_is_a_conflict_and_with_the_same_the_same_search(ready: Registry):
+    from services.registry import IdempotencyConflictError
+
+    first = ready.create_search(
+        "sst2", 4, backbone="tiny-bert", methods=["lora", "bitfit"], idempotency_key="k"
+    )
+    again = ready.create_search(
+        "sst2", 4, backbone="tiny-bert", methods=["lora", "bitfit"], idempotency_key="k"
+    )
+    assert again.id == first.id and len(ready.list_jobs()) == 3
+    with pytest.raises(IdempotencyConflictError):
+        ready.create_search(
+            "sst2", 4, backbone="tiny-bert", methods=["lora", "pfeiffer"], idempotency_key="k"
+        )
+
+
+def test_a_search_whose_preset_changed_under_it_fails_saying_so(ready: Registry, monkeypatch):
+    import dataclasses
+
+    search = ready.create_search("sst2", 4, backbone="tiny-bert", methods=["lora", "bitfit"])
+    run_rung(ready, search.id, by_rate)
+    edited = dataclasses.replace(pelt_core.get_method("lora"), defaults={"learning_rate": 4e-3})
+    monkeypatch.setitem(pelt_core.methods.BUILTIN_METHODS, "lora", edited)
+    assert ready.advance_search(search.id) is True
+    failed = ready.get_search(search.id)
+    assert failed.status == "failed" and "preset of lora changed" in failed.last_error
+
+
+def test_one_search_that_cannot_advance_ends_failed_and_the_others_go_on(ready: Registry, monkeypatch):
+    broken = ready.create_search("sst2", 4, backbone="tiny-bert", methods=["lora", "bitfit"])
+    fine = ready.create_search("sst2", 4, backbone="tiny-bert", methods=["lora", "pfeiffer"])
+    for search in (broken, fine):
+        run_rung(ready, search.id, by_rate)
+    real = type(ready)._plan_rung
+
+    def plan(self, session, search, *args):
+        if search.id == broken.id:
+            raise RegistryValidationError("k_shot", "refused now")
+        return real(self, session, search, *args)
+
+    monkeypatch.setattr(type(ready), "_plan_rung", plan)
+    assert ready.advance_searches() == [broken.id, fine.id]
+    assert (
+        ready.get_search(broken.id).status == "failed"
+        and "refused now" in ready.get_search(broken.id).last_error
+    )
+    assert ready.get_search(fine.id).rung == 1
+
+
+def test_the_answer_prefers_a_configuration_whose_every_seed_trained(ready: Registry):
+    search = ready.create_search("sst2", 8, backbone="tiny-bert", methods=["lora", "bitfit"])
+    assert [r["configurations"] for r in search.schedule["rungs"]] == [6, 2]
+    run_rung(ready, search.id, by_rate)
+    ready.advance_search(search.id)
+    final = [t for t in ready.get_search(search.id).trials if t.rung == 1]
+    better = max(final, key=by_rate).configuration  # the higher dev score, but two of its seeds diverge
+    by_job = {trial.job_id: trial for trial in final}
+    for _ in final:
+        trial = by_job[ready.claim_job("w").id]
+        if trial.configuration == better and trial.seed != final[0].seed:
+            ready.fail_job(trial.job_id, "w", "RuntimeError: diverged", retryable=False)
+        else:
+            ready.complete_job(trial.job_id, "w", result(test=0.7, dev=by_rate(trial)))
+    ready.advance_search(search.id)
+    chosen = ready.get_search(search.id).chosen
+    assert chosen["configuration"] != better and (chosen["seeds"], chosen["seeds_failed"]) == (3, 0)
