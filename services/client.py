@@ -22,7 +22,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -44,12 +44,13 @@ from services.api.schemas import (
     LossHistoryOut,
     MethodOut,
     ResultOut,
-    SearchOut,
     SweepCheckOut,
     SweepOut,
     TaskOut,
     VersionOut,
 )
+from services.client_progress import draw_progress
+from services.client_searches import SearchesClient
 from services.settings import Settings, get_settings
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -73,7 +74,7 @@ class JobsFailed(Exception):
         self.jobs = jobs
 
 
-class PeltClient:
+class PeltClient(SearchesClient):
     """A session with a pelt service. url: PELT_API_URL (default http://127.0.0.1:8000); token:
     PELT_API_TOKEN, else the secret `pelt serve` left in PELT_DATA_DIR/api_token. `http` replaces the
     underlying httpx.Client (tests pass FastAPI's TestClient)."""
@@ -372,7 +373,7 @@ class PeltClient:
                 else:
                     current = {job_id: self.job(job_id) for job_id in ids}
                 if progress:
-                    _draw(bars, current)
+                    draw_progress(bars, current)
                 if all(job.status in TERMINAL for job in current.values()):
                     break
                 if deadline is not None and time.monotonic() > deadline:
@@ -388,77 +389,6 @@ class PeltClient:
         if raise_on_failure and failed:
             raise JobsFailed(failed)
         return ended
-
-    # --- method searches -----------------------------------------------------------------------------
-
-    def search(
-        self,
-        task: str,
-        budget: float,
-        *,
-        methods: Sequence[str] | None = None,
-        backbone: str = DEFAULT_BACKBONE,
-        k_shot: int | None = None,
-        dev_rows: int | None = None,
-        hyperparameters: Mapping[str, Any] | None = None,
-        seeds: int = 3,
-        seed: int = 0,
-        idempotency_key: str | None = None,
-    ) -> SearchOut:
-        """Start a budget-aware method search (successive halving through the queue; `budget` in full-job
-        equivalents) and return it as planned, its first rung queued; `wait_search` follows it to its
-        answer. Refusals (a budget too small for one rung, an unknown method, a K the task cannot
-        supply, nothing to search) are a PeltAPIError naming the field, with nothing queued."""
-        body = {
-            "task": task,
-            "budget": budget,
-            "methods": None if methods is None else list(methods),
-            "backbone": backbone,
-            "k_shot": k_shot,
-            "dev_rows": dev_rows,
-            "hyperparameters": dict(hyperparameters or {}),
-            "seeds": seeds,
-            "seed": seed,
-            "idempotency_key": idempotency_key,
-        }
-        return SearchOut.model_validate(self._post("/v1/searches", body))
-
-    def get_search(self, search_id: int) -> SearchOut:
-        """The search with every trial, the best dev score against the budget spent, and its answer."""
-        return SearchOut.model_validate(self._get(f"/v1/searches/{int(search_id)}"))
-
-    def searches(self, task: str | None = None, status: str | None = None) -> list[SearchOut]:
-        """Searches, newest first."""
-        return [SearchOut.model_validate(s) for s in self._get("/v1/searches", task=task, status=status)]
-
-    def cancel_search(self, search_id: int) -> SearchOut:
-        """Stop a search this token started (any, with an admin token) and cancel its unfinished jobs."""
-        return SearchOut.model_validate(self._post(f"/v1/searches/{int(search_id)}/cancel"))
-
-    def wait_search(
-        self,
-        search: SearchOut | int,
-        *,
-        timeout: float | None = None,
-        poll_seconds: float = 2.0,
-        on_change: Callable[[SearchOut], None] | None = None,
-    ) -> SearchOut:
-        """Poll a search until it has ended (succeeded, failed or cancelled) and return it;
-        `on_change(search)` sees each new state (rung, spent). TimeoutError after `timeout` s."""
-        search_id = search.id if isinstance(search, SearchOut) else int(search)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        seen = None
-        while True:
-            current = self.get_search(search_id)
-            state = (current.status, current.rung, round(current.spent, 6))
-            if on_change is not None and state != seen:
-                on_change(current)
-            seen = state
-            if current.status != "running":
-                return current
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"search {search_id} was still running after {timeout} s")
-            time.sleep(poll_seconds)
 
     # --- leaderboard and deltas ------------------------------------------------------------------
 
@@ -713,49 +643,6 @@ def _job_ids(jobs: Any) -> list[int]:
     if isinstance(jobs, JobOut | int):
         jobs = [jobs]
     return [job.id if isinstance(job, JobOut) else int(job) for job in jobs]
-
-
-def _draw(bars: dict[int, Any], jobs: Mapping[int, JobOut]) -> None:
-    """One bar per job on a terminal (percent done; step/total, loss, tokens/s after it); elsewhere (a log,
-    CI) a line per job whenever its status changes or it passes another quarter of its steps."""
-    import sys
-
-    from tqdm import tqdm
-
-    for position, (job_id, job) in enumerate(jobs.items()):
-        detail = job.progress_detail or {}
-        percent = 100 if job.status == "succeeded" else int(100 * (job.progress or 0.0))
-        facts = {"status": job.status}
-        if detail.get("total"):
-            facts["step"] = f"{detail.get('step', 0)}/{detail['total']}"
-        if detail.get("loss") is not None:
-            facts["loss"] = f"{detail['loss']:.3f}"
-        if detail.get("tokens_per_second"):
-            facts["tok/s"] = f"{detail['tokens_per_second']:.0f}"
-        label = f"job {job_id} {job.method:<10}"
-        if not sys.stderr.isatty():
-            state = (job.status, percent // 25)
-            if bars.get(job_id) != state:
-                bars[job_id] = state
-                print(
-                    f"{label} {percent:3d}%  " + "  ".join(f"{k} {v}" for k, v in facts.items()),
-                    file=sys.stderr,
-                    flush=True,
-                )
-            continue
-        if job_id not in bars:
-            bars[job_id] = tqdm(
-                total=100,
-                desc=label,
-                unit="%",
-                position=position,
-                dynamic_ncols=True,
-                leave=True,
-                bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed} {postfix}",
-            )
-        bar = bars[job_id]
-        bar.n = percent
-        bar.set_postfix(facts, refresh=True)
 
 
 def _tar_folder(folder: Path) -> io.BytesIO:

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
         TaskRecord,
     )
     from services.registry.registry import Registry
-    from services.registry.searches import SearchRecord, SearchTrialRecord, UnknownSearchError
+    from services.registry.search_rows import SearchRecord, SearchTrialRecord, UnknownSearchError
 
 _HOMES = {
     "AlreadyExistsError": "services.registry.errors",
@@ -78,14 +78,14 @@ _HOMES = {
     "RegistryValidationError": "services.registry.errors",
     "ResultRecord": "services.registry.records",
     "SchemaOutOfDateError": "services.registry.errors",
-    "SearchRecord": "services.registry.searches",
-    "SearchTrialRecord": "services.registry.searches",
+    "SearchRecord": "services.registry.search_rows",
+    "SearchTrialRecord": "services.registry.search_rows",
     "SweepRecord": "services.registry.records",
     "TaskRecord": "services.registry.records",
     "UnknownBackboneError": "services.registry.errors",
     "UnknownJobError": "services.registry.errors",
     "UnknownMethodError": "services.registry.errors",
-    "UnknownSearchError": "services.registry.searches",
+    "UnknownSearchError": "services.registry.search_rows",
     "UnknownSweepError": "services.registry.errors",
     "UnknownTaskError": "services.registry.errors",
     "acting_as": "services.registry.actor",

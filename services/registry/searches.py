@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 
 from pelt_core.config import TrainConfig
 from pelt_core.limits import SEED, TRAIN_RANGES
@@ -30,11 +29,9 @@ from services.registry.actor import acting_as, current_actor
 from services.registry.core import RegistryCore
 from services.registry.errors import (
     IdempotencyConflictError,
-    NotFoundError,
     QuotaExceededError,
     RegistryValidationError,
 )
-from services.registry.leaderboard import Run, run_settings, seed_statistics
 from services.registry.models import (
     SEARCH_STATUSES,
     TERMINAL_STATUSES,
@@ -68,6 +65,16 @@ from services.registry.search_plan import (
     space_size,
     survivors,
 )
+from services.registry.search_rows import (
+    SearchRecord,
+    choose,
+    dev_score,
+    find_search,
+    request_of,
+    rung_running,
+    search_record,
+    trials_of,
+)
 from services.registry.task_data import held_out_rows
 from services.registry.validation import check_int, check_key, check_name, check_range, split_hyperparameters
 
@@ -78,61 +85,6 @@ DEFAULT_K = 500
 DEFAULT_DEV_ROWS = 500
 # training hyperparameters a search sets itself: each rung's epochs, the protocol's dev split
 SEARCH_CONTROLLED = frozenset({"epochs", "max_steps", "dev_rows", "patience"})
-
-
-class UnknownSearchError(NotFoundError):
-    kind = "search"
-
-    def __init__(self, search_id: object) -> None:
-        super().__init__("search_id", search_id, listing=False)
-
-
-@dataclass(frozen=True)
-class SearchTrialRecord:
-    """One job of a search as its evidence shows it."""
-
-    configuration: int
-    method: str
-    hyperparameters: dict[str, Any]
-    rung: int
-    epochs: float
-    seed: int
-    job_id: int
-    status: str
-    dev: float | None  # the dev split's primary metric (what rungs rank by)
-    test: float | None  # the evaluation split's primary metric
-    cost: float  # full-job equivalents
-    finished_at: datetime | None
-
-
-@dataclass(frozen=True)
-class SearchRecord:
-    """A search: what it was asked, its schedule, its trials, and (once it ended) what it chose."""
-
-    id: int
-    task: str
-    metric: str
-    metric_direction: str
-    backbone: str
-    status: str
-    budget: float
-    k_shot: int
-    dev_rows: int
-    methods: list[str]
-    hyperparameters: dict[str, Any]
-    schedule: dict[str, Any]
-    space: dict[str, Any]
-    configurations: int  # drawn at the start
-    rung: int  # the rung running now (the last one once it ended)
-    planned_cost: float  # full-job equivalents of the whole schedule
-    spent: float  # full-job equivalents of the jobs that ended (succeeded or failed)
-    chosen: dict[str, Any] | None
-    last_error: str | None
-    submitted_by: str | None
-    created_at: datetime
-    finished_at: datetime | None
-    trials: list[SearchTrialRecord]
-    best_so_far: list[dict[str, float]]  # [{"spent": s, "dev": best dev so far}] as the jobs ended
 
 
 class Searches(RegistryCore):
@@ -212,7 +164,7 @@ class Searches(RegistryCore):
                         )
                     )
                     if existing is not None:
-                        if _request_of(existing) != {
+                        if request_of(existing) != {
                             **request,
                             "task": task_row.id,
                             "backbone": backbone_row.id,
@@ -220,7 +172,7 @@ class Searches(RegistryCore):
                             raise IdempotencyConflictError(
                                 key, f"search {existing.id} was made under this key for another request"
                             )
-                        return self._search_record(session, existing)
+                        return search_record(session, existing)
                 k, rows = _search_rows(task_row, k_shot, dev_rows)
                 bases = {name: presets.job_method(session, name, now) for name in names}
                 spaces = {name: method_space(bases[name].spec, fixed) for name in names}
@@ -289,14 +241,14 @@ class Searches(RegistryCore):
                     f"search {search.id}",
                     {"task": task_row.name, "budget": float(budget), "configurations": len(configurations)},
                 )
-                return self._search_record(session, search)
+                return search_record(session, search)
 
         return retry_once_on_conflict(write)
 
     def get_search(self, search_id: int) -> SearchRecord:
         """The search with its trials and evidence (UnknownSearchError when there is none)."""
         with self._reading() as session:
-            return self._search_record(session, _find_search(session, search_id))
+            return search_record(session, find_search(session, search_id))
 
     def list_searches(
         self, *, task: str | None = None, status: str | None = None, limit: int = 100, offset: int = 0
@@ -313,7 +265,7 @@ class Searches(RegistryCore):
                     raise RegistryValidationError("status", f"must be one of {', '.join(SEARCH_STATUSES)}")
                 query = query.where(Search.status == status)
             rows = session.scalars(query.order_by(Search.id.desc()).limit(limit).offset(offset))
-            return [self._search_record(session, row) for row in rows]
+            return [search_record(session, row) for row in rows]
 
     def cancel_search(self, search_id: int, *, own_only: bool = False) -> SearchRecord:
         """Stop a running search: it ends cancelled, and its queued jobs are cancelled (running ones are
@@ -322,7 +274,7 @@ class Searches(RegistryCore):
         from services.registry.queue import _check_owner
 
         with self._writing() as session:
-            search = _find_search(session, search_id)
+            search = find_search(session, search_id)
             owner = _check_owner(f"search {search_id}", search.submitted_by, own_only)
             if search.status == "running":
                 now = self._now()
@@ -340,7 +292,7 @@ class Searches(RegistryCore):
                     self._cancel(session, job, now, f"search {search_id} cancelled") for job in live
                 )
                 audit(session, now, "search.cancel", f"search {search_id}", {"jobs": cancelled, **owner})
-            return self._search_record(session, search)
+            return search_record(session, search)
 
     def advance_searches(self) -> list[int]:
         """Advance every running search (`advance_search`), oldest first; returns the ids whose state
@@ -372,13 +324,13 @@ class Searches(RegistryCore):
         rung failed or a method's preset changed under it. Returns whether anything changed (False: still
         running its rung, or already ended)."""
         with self._reading() as session:  # the common case, a rung still training, takes no write turn
-            search = _find_search(session, search_id)
-            if search.status != "running" or _rung_running(session, search_id):
+            search = find_search(session, search_id)
+            if search.status != "running" or rung_running(session, search_id):
                 return False
 
         def write() -> bool:
             with self._writing() as session:
-                search = _find_search(session, search_id, lock=True)
+                search = find_search(session, search_id, lock=True)
                 if search.status != "running":
                     return False
                 with acting_as(search.submitted_by):
@@ -388,7 +340,7 @@ class Searches(RegistryCore):
 
     def _fail_search(self, search_id: int, error: str) -> None:
         with self._writing() as session:
-            search = _find_search(session, search_id, lock=True)
+            search = find_search(session, search_id, lock=True)
             if search.status == "running":
                 now = self._now()
                 search.status, search.finished_at, search.updated_at = "failed", now, now
@@ -401,7 +353,7 @@ class Searches(RegistryCore):
 
     def _advance(self, session: Session, search: Search) -> bool:
         schedule = Schedule.from_dict(search.schedule)
-        trials = _trials(session, search.id)
+        trials = trials_of(session, search.id)
         rung = max(trial.rung for trial, _ in trials)
         current = [(trial, job) for trial, job in trials if trial.rung == rung]
         if any(job.status not in TERMINAL_STATUSES for _, job in current):
@@ -421,7 +373,7 @@ class Searches(RegistryCore):
             audit(session, now, "search.fail", f"search {search.id}", {"changed": changed})
             return True
         direction = search.task.metric_direction
-        values = [(trial.configuration, _dev(job)) for trial, job in current]
+        values = [(trial.configuration, dev_score(job)) for trial, job in current]
         if all(value is None for _, value in values):
             errors = sorted({job.last_error or job.status for _, job in current})
             search.status, search.finished_at, search.updated_at = "failed", now, now
@@ -442,7 +394,7 @@ class Searches(RegistryCore):
             self._queue_rung(session, search, search.task, search.backbone, rung + 1, chosen, now)
             search.updated_at = now
             return True
-        search.chosen = _choose(search, current, direction)
+        search.chosen = choose(search, current, direction)
         search.status, search.finished_at, search.updated_at = "succeeded", now, now
         audit(
             session, now, "search.succeed", f"search {search.id}", {"chosen": search.chosen["configuration"]}
@@ -514,110 +466,6 @@ class Searches(RegistryCore):
             )
         session.flush()
 
-    def _search_record(self, session: Session, search: Search) -> SearchRecord:
-        schedule = Schedule.from_dict(search.schedule)
-        drawn = {c["index"]: c for c in search.configurations}
-        trials = []
-        for trial, job in _trials(session, search.id):
-            epochs = schedule.rungs[trial.rung].epochs
-            trials.append(
-                SearchTrialRecord(
-                    configuration=trial.configuration,
-                    method=drawn[trial.configuration]["method"],
-                    hyperparameters=dict(drawn[trial.configuration]["hyperparameters"]),
-                    rung=trial.rung,
-                    epochs=epochs,
-                    seed=trial.seed,
-                    job_id=job.id,
-                    status=job.status,
-                    dev=_dev(job),
-                    test=None if job.result is None else job.result.primary_metric,
-                    cost=epochs / schedule.full_epochs,
-                    finished_at=job.finished_at,
-                )
-            )
-        return SearchRecord(
-            id=search.id,
-            task=search.task.name,
-            metric=search.task.metric,
-            metric_direction=search.task.metric_direction,
-            backbone=search.backbone.name,
-            status=search.status,
-            budget=search.budget,
-            k_shot=search.k_shot,
-            dev_rows=search.dev_rows,
-            methods=list(search.methods),
-            hyperparameters=dict(search.hyperparameters),
-            schedule=dict(search.schedule),
-            space=dict(search.space),
-            configurations=len(search.configurations),
-            rung=max((t.rung for t in trials), default=0),
-            planned_cost=schedule.cost,
-            spent=sum(t.cost for t in trials if t.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)),
-            chosen=None if search.chosen is None else dict(search.chosen),
-            last_error=search.last_error,
-            submitted_by=search.submitted_by,
-            created_at=search.created_at,
-            finished_at=search.finished_at,
-            trials=trials,
-            best_so_far=_best_so_far(trials, search.task.metric_direction),
-        )
-
-
-def _find_search(session: Session, search_id: int, lock: bool = False) -> Search:
-    check_int(search_id, "search_id", minimum=1)
-    query = select(Search).where(Search.id == search_id)
-    search = session.scalar(query.with_for_update() if lock else query)
-    if search is None:
-        raise UnknownSearchError(search_id)
-    return search
-
-
-def _trials(session: Session, search_id: int) -> list[tuple[SearchTrial, Job]]:
-    query = (
-        select(SearchTrial, Job)
-        .join(Job, SearchTrial.job_id == Job.id)
-        .where(SearchTrial.search_id == search_id)
-        .order_by(SearchTrial.rung, SearchTrial.configuration, SearchTrial.seed)
-        .options(selectinload(Job.result))
-    )
-    return [(trial, job) for trial, job in session.execute(query)]
-
-
-def _rung_running(session: Session, search_id: int) -> bool:
-    """Whether a job of the search's latest rung has not ended yet (one read, no lock)."""
-    latest = (
-        select(SearchTrial.rung).where(SearchTrial.search_id == search_id).order_by(SearchTrial.rung.desc())
-    )
-    rung = session.scalar(latest.limit(1))
-    waiting = (
-        select(Job.id)
-        .join(SearchTrial, SearchTrial.job_id == Job.id)
-        .where(
-            SearchTrial.search_id == search_id,
-            SearchTrial.rung == rung,
-            Job.status.in_([JobStatus.QUEUED.value, JobStatus.RUNNING.value]),
-        )
-        .limit(1)
-    )
-    return session.scalar(waiting) is not None
-
-
-def _request_of(search: Search) -> dict[str, Any]:
-    """What a search was asked (compared on an idempotent retry)."""
-    asked = (search.schedule or {}).get("request", {})
-    return {
-        "budget": search.budget,
-        "methods": list(search.methods),
-        "k_shot": asked.get("k_shot"),
-        "dev_rows": asked.get("dev_rows"),
-        "hyperparameters": dict(search.hyperparameters),
-        "seeds": Schedule.from_dict(search.schedule).rungs[-1].seeds,
-        "seed": search.seed,
-        "task": search.task_id,
-        "backbone": search.backbone_id,
-    }
-
 
 def _applicable(fixed: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
     """The fixed hyperparameters that apply to a method: every training one, and the method-spec ones
@@ -642,13 +490,6 @@ def _applicable(fixed: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, 
     return kept
 
 
-def _dev(job: Job) -> float | None:
-    """A job's dev score, or None unless it succeeded with one."""
-    if job.status != JobStatus.SUCCEEDED or job.result is None:
-        return None
-    return job.result.dev_primary_metric
-
-
 def _search_rows(task: Task, k_shot: int | None, dev_rows: int | None) -> tuple[int, int]:
     """The search's K and dev rows, defaulted from and checked against the task's training rows."""
     available = task.train_size - held_out_rows(task.split_sizes, task.train_size)
@@ -671,73 +512,4 @@ def _search_rows(task: Task, k_shot: int | None, dev_rows: int | None) -> tuple[
     return k, rows
 
 
-def _choose(search: Search, final: list[tuple[SearchTrial, Job]], direction: str) -> dict[str, Any]:
-    """The last rung's answer: the configuration with the best mean dev score over its seeds (ties: the
-    earlier configuration), with its test mean and 95% interval over the same seeds."""
-    by_configuration: dict[int, list[Job]] = {}
-    for trial, job in final:
-        by_configuration.setdefault(trial.configuration, []).append(job)
-    sign = -1.0 if direction == "max" else 1.0
-    summaries, failed = {}, {}
-    for index, jobs in by_configuration.items():
-        devs = {job.seed: [_dev(job)] for job in jobs if _dev(job) is not None}
-        failed[index] = len(jobs) - len(devs)
-        if devs:
-            summaries[index] = seed_statistics(devs)
-    # every seed trained beats a better mean over fewer seeds (a seed that diverged is evidence too)
-    best = min(summaries, key=lambda index: (failed[index], sign * summaries[index].mean, index))
-    jobs = [job for job in by_configuration[best] if _dev(job) is not None]
-    test = seed_statistics({job.seed: [job.result.primary_metric] for job in jobs})
-    drawn = {c["index"]: c for c in search.configurations}[best]
-    first = jobs[0]
-    config_id = Run(
-        drawn["method"],
-        first.id,
-        first.seed,
-        first.k_shot,
-        0.0,
-        0,
-        0.0,
-        0.0,
-        backbone=search.backbone.name,
-        settings=run_settings(first.train_config, first.method_spec),
-    ).config_id
-    return {
-        "configuration": best,
-        "method": drawn["method"],
-        "hyperparameters": dict(drawn["hyperparameters"]),
-        "epochs": Schedule.from_dict(search.schedule).full_epochs,
-        "dev_mean": summaries[best].mean,
-        "test_mean": test.mean,
-        "test_std": test.std,
-        "ci_low": test.ci_low,
-        "ci_high": test.ci_high,
-        "seeds": test.seeds,
-        "seeds_failed": failed[best],
-        "job_ids": [job.id for job in jobs],
-        "config_id": config_id,
-    }
-
-
-def _best_so_far(trials: Sequence[SearchTrialRecord], direction: str) -> list[dict[str, float]]:
-    """The best dev score seen against the budget spent, as the jobs ended (any rung)."""
-    sign = 1.0 if direction == "max" else -1.0
-    ended = sorted(
-        (
-            t
-            for t in trials
-            if t.finished_at is not None and t.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)
-        ),
-        key=lambda t: (t.finished_at, t.job_id),
-    )
-    spent, best, points = 0.0, None, []
-    for trial in ended:
-        spent += trial.cost
-        if trial.dev is not None and (best is None or sign * trial.dev > sign * best):
-            best = trial.dev
-        if best is not None:
-            points.append({"spent": round(spent, 6), "dev": best})
-    return points
-
-
-__all__ = ["DEFAULT_SEARCH_METHODS", "SearchRecord", "SearchTrialRecord", "Searches", "UnknownSearchError"]
+__all__ = ["DEFAULT_SEARCH_METHODS", "Searches"]
