@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,17 +324,22 @@ def read_override(field_name: str, text: str, key: str) -> Any:
     return text
 
 
-def _module_kind(module: ModuleSpec) -> str:
-    """What SIZE_ALIASES call a module: "prefix", "lora" (a linear bottleneck) or "adapter"."""
-    if module.form in ("prefix", "dense"):
-        return module.form
-    return "lora" if module.nonlinearity == "identity" else "adapter"
+def module_kind(module: ModuleSpec | Mapping[str, Any]) -> str:
+    """What SIZE_ALIASES call a module (a ModuleSpec or its dict): "prefix", "dense", "lora" (a linear
+    bottleneck) or "adapter"."""
+    if isinstance(module, Mapping):
+        form, nonlinearity = module.get("form"), module.get("nonlinearity", ModuleSpec.nonlinearity)
+    else:
+        form, nonlinearity = module.form, module.nonlinearity
+    if form in ("prefix", "dense"):
+        return str(form)
+    return "lora" if nonlinearity == "identity" else "adapter"
 
 
 def _alias_targets(key: str, modules: dict[str, ModuleSpec]) -> tuple[str, list[str]]:
     """(the field a bare key sets, the roles of the modules it sets it on)."""
     if key in SIZE_ALIASES:
-        return "size", [role for role, module in modules.items() if _module_kind(module) == SIZE_ALIASES[key]]
+        return "size", [role for role, module in modules.items() if module_kind(module) == SIZE_ALIASES[key]]
     names = {f.name for f in dataclasses.fields(ModuleSpec)}
     if key in names:
         return key, list(modules)

@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pelt_core.spec import module_kind
+
 ETA = 3  # each rung keeps the best 1/ETA of its configurations and trains them ETA times as long
 FINAL_SEEDS = 3
 MAX_RUNGS = 3
@@ -110,13 +112,6 @@ def distinct_points(space: Mapping[str, Dimension]) -> float:
             return math.inf
         count *= len(dimension.values)
     return count
-
-
-def module_kind(module: Mapping[str, Any]) -> str:
-    """pelt_core.spec's kinds: "prefix", "dense", "lora" (a linear bottleneck) or "adapter"."""
-    if module.get("form") in ("prefix", "dense"):
-        return str(module["form"])
-    return "lora" if module.get("nonlinearity") == "identity" else "adapter"
 
 
 @dataclass(frozen=True)
@@ -280,7 +275,6 @@ __all__ = [
     "distinct_points",
     "draw_configurations",
     "method_space",
-    "module_kind",
     "plan_schedule",
     "space_size",
     "survivors",

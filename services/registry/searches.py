@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from pelt_core.config import TrainConfig
 from pelt_core.limits import SEED, TRAIN_RANGES
-from pelt_core.spec import SIZE_ALIASES, override_field
+from pelt_core.spec import SIZE_ALIASES, module_kind, override_field
 from services.registry import presets
 from services.registry.actor import acting_as, current_actor
 from services.registry.core import RegistryCore
@@ -60,7 +60,6 @@ from services.registry.search_plan import (
     SearchPlanError,
     draw_configurations,
     method_space,
-    module_kind,
     plan_schedule,
     space_size,
     survivors,
