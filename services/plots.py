@@ -8,7 +8,8 @@ method's points share its color), the Pareto frontier (the best mean for at most
 the metric's direction) a step line over its highlighted points. `metric_vs_k_figure(boards)`: the metric
 against K (log axis, the full training set last), a line per method through its top row at each K with the
 interval as a band; `metric_vs_k_from_values` draws it from plain numbers (the study report's averages
-across tasks, ± their std over seeds).
+across tasks, ± their std over seeds). `search_figure(search)`: a method search's best dev score against
+the budget it spent (linear axis), every ended job a point, the best so far a step line.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from xml.sax.saxutils import escape
 
 from services.errors import ServiceError
 
-VIEWS = ("pareto", "metric-vs-k")
+VIEWS = ("pareto", "metric-vs-k")  # a task's leaderboard; a search's figure is "search"
 MEDIA_TYPES = {"svg": "image/svg+xml", "png": "image/png"}
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
 PALETTE += ("#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
@@ -34,6 +35,7 @@ WIDTH, HEIGHT = 720, 420
 LEFT, RIGHT, TOP, BOTTOM = 72, 540, 64, 356  # the plot area in viewBox units
 MIN_PERCENT = 1e-4  # a method training no parameter sits here on the log axis
 NO_RESULTS = "no results yet: no job of this task has succeeded"
+NO_SEARCH_RESULTS = "no results yet: no job of this search has ended with a dev score"
 FRONTIER_STROKE = {"stroke": "#222222", "stroke_width": 1.5, "stroke_dasharray": "6 3"}
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 _MATPLOTLIB = threading.Lock()  # matplotlib's font and text caches are not thread-safe
@@ -73,6 +75,9 @@ class Figure:
     y_label: str
     series: tuple[Series, ...]
     x_ticks: tuple[tuple[float, str], ...] = ()  # () : decades of the log axis, as percentages
+    log_x: bool = True  # False: a linear x axis from 0 (the search's budget)
+    frontier_label: str = "Pareto frontier"  # what the step line through the highlighted points is
+    empty: str = NO_RESULTS  # what a figure without series says
 
     @property
     def frontier(self) -> list[Point]:
@@ -219,6 +224,53 @@ def metric_vs_k_from_values(
     )
 
 
+def search_figure(search: Any) -> Figure:
+    """A method search (`SearchOut`, as the API returns it): every job that ended with a dev score is a
+    point at the budget spent when it ended (full-job equivalents, the jobs in the order they ended, a failed
+    job's cost counted too), at its dev score, in its method's color; the jobs that raised the best dev
+    score are highlighted and the best so far is a step line through them."""
+    sign = 1.0 if search.metric_direction == "max" else -1.0
+    ended = sorted(
+        (t for t in search.trials if t.finished_at is not None and t.status in ("succeeded", "failed")),
+        key=lambda t: (t.finished_at, t.job_id),
+    )
+    spent, best, by_method = 0.0, None, {}
+    for trial in ended:
+        spent += trial.cost
+        if trial.dev is None:
+            continue
+        _check_finite(trial.method, trial.dev)
+        better = best is None or sign * trial.dev > sign * best
+        best = trial.dev if better else best
+        settings = " ".join(
+            f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.hyperparameters.items()
+        )
+        detail = (
+            f"job {trial.job_id}: {trial.method} {settings}".rstrip()
+            + f"\nrung {trial.rung + 1}, {trial.epochs:g} epochs, seed {trial.seed}"
+            + f"\ndev {search.metric} {trial.dev:.4f} after {spent:.2f} spent"
+            + ("\na new best" if better else "")
+        )
+        point = Point(trial.method, spent, trial.dev, 0.0, detail, on_frontier=better)
+        by_method.setdefault(trial.method, []).append(point)
+    series = tuple(Series(method, tuple(points)) for method, points in sorted(by_method.items()))
+    return Figure(
+        "search",
+        f"search {search.id} of {search.task}: best dev {search.metric} against budget",
+        _subtitle(
+            f"{search.spent:.1f} of {search.budget:g} full-job equivalents spent, {search.status}",
+            search.metric_direction,
+            search.backbone,
+        ),
+        "budget spent (full-job equivalents)",
+        f"dev {search.metric}",
+        series,
+        log_x=False,
+        frontier_label="best so far",
+        empty=NO_SEARCH_RESULTS,
+    )
+
+
 def _subtitle(scope: str, direction: str, backbone: str | None) -> str:
     parts = [scope, "higher is better" if direction == "max" else "lower is better"]
     return " · ".join(parts + ([f"backbone {backbone}"] if backbone else []))
@@ -248,12 +300,16 @@ def _axes(figure: Figure) -> _Axes:
     points = [p for s in figure.series for p in s.points]
     xs = [p.x for p in points] or [1.0]
     lows, highs = [p.mean - p.error for p in points] or [0.0], [p.mean + p.error for p in points] or [1.0]
-    pad = 2.0 if figure.view == "pareto" else 1.6
-    x_range = (min(xs) / pad, max(xs) * pad)
+    if figure.log_x:
+        pad = 2.0 if figure.view == "pareto" else 1.6
+        x_range = (min(xs) / pad, max(xs) * pad)
+    else:
+        x_range = (0.0, max(xs) * 1.05 if max(xs) > 0 else 1.0)
     y_lo, y_hi = min(lows), max(highs)
     margin = (y_hi - y_lo) * 0.08 if y_hi - y_lo > 1e-12 else max(abs(y_hi) * 0.05, 0.01)
     y_range = (y_lo - margin, y_hi + margin)
-    return _Axes(x_range, y_range, figure.x_ticks or _log_ticks(*x_range), _linear_ticks(*y_range))
+    x_ticks = figure.x_ticks or (_log_ticks(*x_range) if figure.log_x else _linear_ticks(*x_range))
+    return _Axes(x_range, y_range, x_ticks, _linear_ticks(*y_range))
 
 
 def _log_ticks(lo: float, hi: float) -> tuple[tuple[float, str], ...]:
@@ -292,11 +348,12 @@ def _colors(figure: Figure) -> dict[str, str]:
 def render_svg(figure: Figure) -> str:
     """The figure as a standalone SVG document (sizes in its viewBox; hover: each point's <title>)."""
     axes = _axes(figure)
-    (x_lo, x_hi), (y_lo, y_hi) = (math.log10(v) for v in axes.x_range), axes.y_range
+    scale = math.log10 if figure.log_x else float
+    (x_lo, x_hi), (y_lo, y_hi) = (scale(v) for v in axes.x_range), axes.y_range
 
     def at(x: float, y: float) -> tuple[float, float]:
         return (
-            LEFT + (math.log10(x) - x_lo) / (x_hi - x_lo) * (RIGHT - LEFT),
+            LEFT + (scale(x) - x_lo) / (x_hi - x_lo) * (RIGHT - LEFT),
             BOTTOM - (y - y_lo) / (y_hi - y_lo) * (BOTTOM - TOP),
         )
 
@@ -312,7 +369,7 @@ def render_svg(figure: Figure) -> str:
     middle = ((LEFT + RIGHT) / 2, (TOP + BOTTOM) / 2)
     if not figure.series:
         centre = {"x": middle[0], "y": middle[1], "text_anchor": "middle", "fill": "#555555"}
-        out.append(_el("text", _text(NO_RESULTS), class_="empty", font_size=14, **centre))
+        out.append(_el("text", _text(figure.empty), class_="empty", font_size=14, **centre))
     else:
         out += _svg_axes(figure, axes, at, middle)
         out += _svg_series(figure, at)
@@ -369,7 +426,7 @@ def _svg_series(figure: Figure, at: Any) -> list[str]:
                     inner.append(_el("polyline", points=line, fill="none", **style))
         for p in points:
             (x, y), top, bottom = at(p.x, p.mean), at(p.x, p.mean + p.error)[1], at(p.x, p.mean - p.error)[1]
-            if figure.view == "pareto" and p.error > 0:
+            if figure.view != "metric-vs-k" and p.error > 0:
                 bar = (
                     f"M{x:.1f} {top:.1f} V{bottom:.1f} M{x - 4:.1f} {top:.1f} h8 M{x - 4:.1f} {bottom:.1f} h8"
                 )
@@ -397,13 +454,13 @@ def _svg_legend(figure: Figure) -> list[str]:
         y += 20
     if figure.frontier:
         out.append(_el("path", d=f"M{RIGHT + 14} {y} h20", **FRONTIER_STROKE))
-        out.append(_el("text", "Pareto frontier", x=RIGHT + 36, y=y + 4))
+        out.append(_el("text", _text(figure.frontier_label), x=RIGHT + 36, y=y + 4))
     return [_el("g", "".join(out), class_="legend")]
 
 
 def _description(figure: Figure) -> str:
     if not figure.series:
-        return f"{figure.title} ({figure.subtitle}): {NO_RESULTS}."
+        return f"{figure.title} ({figure.subtitle}): {figure.empty}."
     points = "; ".join(p.detail.replace("\n", ", ") for s in figure.series for p in s.points)
     return f"{figure.title} ({figure.subtitle}); x: {figure.x_label}; y: {figure.y_label}. {points}."
 
@@ -462,7 +519,7 @@ def _render_png(figure: Figure, axes: _Axes, MatplotlibFigure: Any) -> bytes:
         ax = canvas.add_subplot()
         ax.set_title(_plain(f"{figure.title}\n{figure.subtitle}"), loc="left", fontsize=11)
         if not figure.series:
-            ax.text(0.5, 0.5, _plain(NO_RESULTS), ha="center", va="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, _plain(figure.empty), ha="center", va="center", transform=ax.transAxes)
             ax.set_xticks([])
             ax.set_yticks([])
         else:
@@ -478,7 +535,7 @@ def _draw_png(ax: Any, figure: Figure, axes: _Axes) -> None:
         color, pts = colors[series.method], series.points
         xs, means, errors = [p.x for p in pts], [p.mean for p in pts], [p.error for p in pts]
         label = _plain(series.method)
-        if figure.view == "pareto":
+        if figure.view != "metric-vs-k":
             ax.errorbar(xs, means, yerr=errors, fmt="o", color=color, capsize=3, markersize=7, label=label)
         else:
             measured = [p for p in pts if not p.full_data]
@@ -490,9 +547,18 @@ def _draw_png(ax: Any, figure: Figure, axes: _Axes) -> None:
     frontier = figure.frontier
     if frontier:
         xs, ys = [p.x for p in frontier] + [axes.x_range[1]], [p.mean for p in frontier] + [frontier[-1].mean]
-        ax.step(xs, ys, where="post", color="#222222", linestyle="--", linewidth=1.5, label="Pareto frontier")
+        ax.step(
+            xs,
+            ys,
+            where="post",
+            color="#222222",
+            linestyle="--",
+            linewidth=1.5,
+            label=_plain(figure.frontier_label),
+        )
         ax.scatter(xs[:-1], ys[:-1], s=140, facecolors="none", edgecolors="#222222", linewidths=2, zorder=3)
-    ax.set_xscale("log")
+    if figure.log_x:
+        ax.set_xscale("log")
     ax.set_xlim(*axes.x_range)
     ax.set_ylim(*axes.y_range)
     ax.set_xticks([v for v, _ in axes.x_ticks], [_plain(label) for _, label in axes.x_ticks])
@@ -558,4 +624,5 @@ __all__ = [
     "render",
     "render_png",
     "render_svg",
+    "search_figure",
 ]

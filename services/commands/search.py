@@ -10,6 +10,7 @@ import click
 from services.api.schemas import DEFAULT_BACKBONE, SearchOut
 from services.client import PeltClient
 from services.commands.common import client_errors, parse_set_options, print_table, printable
+from services.plots import format_of
 
 STATUSES = ("running", "succeeded", "failed", "cancelled")
 
@@ -96,11 +97,24 @@ def search_start(
 @search_group.command("show")
 @click.argument("search_id", type=int)
 @click.option("--json", "as_json", is_flag=True, help="print JSON (every trial)")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="also draw its best dev score against the budget spent into this file (.svg or .png)",
+)
 @client_errors
-def search_show(search_id: int, as_json: bool) -> None:
+def search_show(search_id: int, as_json: bool, plot: str | None) -> None:
     """A search: its plan, its trials by rung (best dev score first), and its answer."""
+    if plot is not None:
+        try:
+            format_of(plot)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--plot") from None
     with PeltClient() as client:
         search = client.get_search(search_id)
+        if plot is not None:
+            client.plot_search(search_id, plot)
     if as_json:
         click.echo(search.model_dump_json(indent=2))
         return
@@ -123,6 +137,8 @@ def search_show(search_id: int, as_json: bool) -> None:
         ["rung", "configuration", "method", "settings", "epochs", "seed", "job_id", "status", "dev", "test"],
     )
     echo_answer(search)
+    if plot is not None:
+        click.echo(f"best dev score against budget -> {plot}")
 
 
 @search_group.command("list")

@@ -9,7 +9,8 @@ In headless Chromium (`tests/api/browser.py`), against the whole service (`ApiSe
 runs it: API, dispatcher, local Ray) with a task trained here: the page loads once a token is entered and
 keeps it out of URLs and the DOM; the leaderboard shows the trained methods; the Pareto plot has one point
 per method; a running job's progress advances and cancel ends it; a read token sees the data without
-write actions; a wrong or revoked token shows the clear message and no data; hostile text stays text.
+write actions; a wrong or revoked token shows the clear message and no data; hostile text stays text; a
+method search shows its row and its best-so-far plot.
 Screenshots go to PELT_TEST_ARTIFACTS (default: a pytest temporary folder).
 """
 
@@ -401,4 +402,24 @@ def test_hostile_text_renders_as_text(tab: PageSession, trained: Trained):
     assert page.locator("img").count() == 0 and page.locator("script").count() == 1
     page.locator("#leaderboard-empty").wait_for()
     tab.screenshot("hostile-text")
+    assert tab.dialogs == [] and tab.csp_violations() == []
+
+
+def test_a_method_search_shows_its_row_and_its_best_so_far_plot(tab: PageSession, trained: Trained):
+    """Cancelled at once (its jobs never train): the page shows what the registry holds of it."""
+    search = trained.client.search(HOSTILE_TASK, 4, methods=list(METHODS), backbone=BACKBONE)
+    trained.client.cancel_search(search.id)
+    page = tab.page
+    tab.sign_in(trained.token)
+    tab.open_task(HOSTILE_TASK)
+    row = page.locator(f"#searches tbody tr[data-search='{search.id}']")
+    row.wait_for()
+    assert row.get_attribute("data-status") == "cancelled"
+    cells = row.locator("td").all_inner_texts()
+    assert cells[2] == f"0.0 of {search.budget:g}" and cells[4] == f"1 of {len(search.schedule['rungs'])}"
+    assert page.locator("#searches-empty").is_hidden()
+    page.locator("#search-plot svg").wait_for()
+    assert "no job of this search has ended" in page.locator("#search-plot svg text.empty").text_content()
+    assert f"Search {search.id}" in page.locator("#search-plot-caption").inner_text()
+    tab.screenshot("search")
     assert tab.dialogs == [] and tab.csp_violations() == []

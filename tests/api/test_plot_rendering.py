@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 import xml.etree.ElementTree as ET
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from services import plots
-from services.api.schemas import LeaderboardOut, LeaderboardRowOut
+from services.api.schemas import LeaderboardOut, LeaderboardRowOut, SearchOut, SearchTrialOut
 from services.registry.leaderboard import Run, rank_by_k
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -300,3 +301,103 @@ def test_a_png_legend_names_at_most_a_fixed_number_of_methods():
     many = [row(f"m{i}", 0.5 + i / 1000, 0.1 + i / 100) for i in range(plots.PNG_LEGEND_ENTRIES + 5)]
 
     assert plots.render_png(plots.pareto_figure(board(many))).startswith(PNG_SIGNATURE)
+
+
+# --- a method search's best dev score against the budget -------------------------------------------------
+
+
+def search_of(trials: list[tuple], direction: str = "max") -> SearchOut:
+    """A search whose trials are (method, status, dev, cost) in the order they ended."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    return SearchOut(
+        id=7,
+        task="toy",
+        metric="accuracy",
+        metric_direction=direction,
+        backbone="tiny-bert",
+        status="running",
+        budget=12,
+        k_shot=100,
+        dev_rows=100,
+        methods=sorted({t[0] for t in trials}),
+        hyperparameters={},
+        schedule={"rungs": []},
+        space={},
+        configurations=len(trials),
+        rung=0,
+        planned_cost=12,
+        spent=sum(t[3] for t in trials),
+        chosen=None,
+        last_error=None,
+        submitted_by=None,
+        created_at=start,
+        finished_at=None,
+        trials=[
+            SearchTrialOut(
+                configuration=number,
+                method=method,
+                hyperparameters={"learning_rate": 0.001},
+                rung=0,
+                epochs=1.0,
+                seed=0,
+                job_id=100 + number,
+                status=status,
+                dev=dev,
+                test=None if dev is None else dev - 0.01,
+                cost=cost,
+                finished_at=None if status in ("queued", "running") else start + timedelta(seconds=number),
+            )
+            for number, (method, status, dev, cost) in enumerate(trials)
+        ],
+        best_so_far=[],
+    )
+
+
+def test_a_search_figure_puts_each_ended_job_at_the_budget_spent_and_steps_through_each_new_best():
+    search = search_of(
+        [
+            ("lora", "succeeded", 0.70, 0.5),
+            ("bitfit", "failed", None, 0.5),  # costs budget, draws no point
+            ("bitfit", "succeeded", 0.65, 0.5),
+            ("lora", "succeeded", 0.80, 1.0),
+            ("lora", "running", None, 1.0),  # not ended: neither spent nor drawn
+        ]
+    )
+    figure = plots.search_figure(search)
+    drawn = {(p.method, p.x, p.mean, p.on_frontier) for s in figure.series for p in s.points}
+    assert drawn == {("lora", 0.5, 0.70, True), ("bitfit", 1.5, 0.65, False), ("lora", 2.5, 0.80, True)}
+    assert [(p.x, p.mean) for p in figure.frontier] == [(0.5, 0.70), (2.5, 0.80)]
+    assert not figure.log_x and figure.x_label == "budget spent (full-job equivalents)"
+    svg = plots.render_svg(figure)
+    root = ET.fromstring(svg)
+    assert len(points(root)) == 3 and len(root.findall(f".//{SVG}path[@class='frontier-line']")) == 1
+    legend = [e.text for e in root.iter(f"{SVG}text")]
+    assert "best so far" in legend and "Pareto frontier" not in legend
+    assert legend[legend.index("budget spent (full-job equivalents)") - 3 :][:3] == [
+        "0",
+        "1",
+        "2",
+    ]  # linear, from 0
+    assert plots.render_png(figure).startswith(PNG_SIGNATURE)
+
+
+def test_for_a_lower_is_better_metric_the_best_so_far_follows_the_smallest_dev_score():
+    figure = plots.search_figure(
+        search_of(
+            [
+                ("lora", "succeeded", 0.5, 1.0),
+                ("lora", "succeeded", 0.7, 1.0),
+                ("lora", "succeeded", 0.2, 1.0),
+            ],
+            "min",
+        )
+    )
+    assert [(p.x, p.mean) for p in figure.frontier] == [(1.0, 0.5), (3.0, 0.2)]
+
+
+def test_a_search_without_an_ended_job_draws_a_no_results_figure():
+    figure = plots.search_figure(search_of([("lora", "running", None, 1.0)]))
+    assert figure.series == ()
+    for text in (plots.render_svg(figure), plots.render_png(figure)):
+        assert text  # both renderers draw it
+    assert plots.NO_SEARCH_RESULTS in plots.render_svg(figure)

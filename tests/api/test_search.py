@@ -1,15 +1,20 @@
 """Method searches through the service: POST/GET /v1/searches and cancel, `PeltClient.search`, and `pelt search`
-(start, show, list, cancel); a refused search queues nothing. The rungs advance here by the registry's
+(start, show, list, cancel), the best-so-far plot (GET /v1/searches/{id}/plot.svg|png,
+`PeltClient.plot_search`, `pelt search show --plot`); a refused search queues nothing. The rungs advance here by the registry's
 own call, as the dispatcher makes it on a timer (the whole loop through a real dispatcher:
 tests/api/test_end_to_end.py)."""
 
 from __future__ import annotations
+
+import xml.etree.ElementTree as ET
 
 from click.testing import CliRunner
 
 from services.commands import search as search_commands
 from tests.api.conftest import BACKBONE, Api
 from tests.api.helpers import refused
+
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 def finish_rung(api: Api, search_id: int, dev: float = 0.8) -> None:
@@ -106,3 +111,46 @@ def test_pelt_search_starts_shows_lists_and_cancels(api, toy_task, monkeypatch):
     assert second.exit_code == 0, second.output
     cancelled = runner.invoke(search_commands.search_group, ["cancel", "2"])
     assert cancelled.exit_code == 0 and cancelled.output.strip() == "search 2: cancelled"
+
+
+def test_a_searchs_best_so_far_is_drawn_by_the_api_the_client_and_pelt_search_show(
+    api, client, toy_task, tmp_path, monkeypatch
+):
+    search = client.search(
+        toy_task, 4, methods=["lora", "bitfit"], backbone=BACKBONE, hyperparameters={"epochs": 1}
+    )
+    empty = client.plot_search(search.id)
+    assert "no job of this search has ended" in empty  # nothing ended yet: a figure that says so
+    finish_rung(api, search.id)
+    api.registry.advance_search(search.id)
+    finish_rung(api, search.id)
+    api.registry.advance_search(search.id)
+
+    svg = client.plot_search(search.id)
+    root = ET.fromstring(svg)
+    drawn = [e for e in root.iter(f"{SVG}circle") if "point" in e.get("class", "").split()]
+    assert len(drawn) == len(client.get_search(search.id).trials) == 6  # 3 on the first rung, 1 x 3 seeds
+    assert root.findall(f".//{SVG}path[@class='frontier-line']")
+    http = api.client().http
+    answer = http.get(f"/v1/searches/{search.id}/plot.svg")
+    assert answer.headers["content-type"].startswith("image/svg+xml")
+    assert "default-src 'none'" in answer.headers["content-security-policy"]
+    assert client.plot_search(search.id, tmp_path / "best.png") == (tmp_path / "best.png").read_bytes()
+    assert (tmp_path / "best.png").read_bytes().startswith(b"\x89PNG")
+    _, reader = api.registry.create_api_token("reader", scope="read")
+    assert api.client(reader).plot_search(search.id).startswith("<svg")
+    refused(lambda: client.plot_search(99), 404, "search_id")
+    assert http.get(f"/v1/searches/{search.id}/plot.gif").status_code == 422
+
+    monkeypatch.setattr(search_commands, "PeltClient", api.client)
+    runner = CliRunner()
+    shown = runner.invoke(
+        search_commands.search_group, ["show", str(search.id), "--plot", str(tmp_path / "s.svg")]
+    )
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.strip().endswith(f"best dev score against budget -> {tmp_path / 's.svg'}")
+    assert (tmp_path / "s.svg").read_text() == svg
+    wrong = runner.invoke(
+        search_commands.search_group, ["show", str(search.id), "--plot", str(tmp_path / "s.txt")]
+    )
+    assert wrong.exit_code == 2 and "--plot" in wrong.output and not (tmp_path / "s.txt").exists()

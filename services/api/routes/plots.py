@@ -37,7 +37,7 @@ def pareto_plot(
 ) -> Response:
     """The metric against trainable parameters, one point per method, the Pareto frontier marked (only
     K = k_shot when given)."""
-    return _image(plots.pareto_figure(board(operations, name, k_shot, backbone), backbone), fmt)
+    return image(plots.pareto_figure(board(operations, name, k_shot, backbone), backbone), fmt)
 
 
 @router.get(
@@ -46,9 +46,10 @@ def pareto_plot(
 def metric_vs_k_plot(operations: Operations, name: Name, fmt: Format, backbone: Backbone = None) -> Response:
     """The metric against K, one line per method (mean ± std over seeds; the full training set last)."""
     boards = boards_by_k(operations, name, backbone) or [board(operations, name, None, backbone)]
-    return _image(plots.metric_vs_k_figure(boards, backbone), fmt)
+    return image(plots.metric_vs_k_figure(boards, backbone), fmt)
 
 
-def _image(figure: plots.Figure, fmt: str) -> Response:
+def image(figure: plots.Figure, fmt: str) -> Response:
+    """The figure drawn as an answer: SVG (inert: its Content-Security-Policy lets nothing run) or PNG."""
     headers = SVG_HEADERS if fmt == "svg" else {"X-Content-Type-Options": "nosniff"}
     return Response(plots.render(figure, fmt), media_type=plots.MEDIA_TYPES[fmt], headers=headers)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 from fastapi import Path as PathParam
 
 from pelt_core.limits import INT32_MAX
+from services import plots
 from services.api.bodies import BoundedJsonRoute
 from services.api.dependencies import READ, WRITE, Caller, Operations
+from services.api.routes.plots import IMAGE, Format, image
 from services.api.schemas import SearchIn, SearchOut
 
 router = APIRouter(tags=["searches"], route_class=BoundedJsonRoute)
@@ -44,6 +46,13 @@ def get_search(operations: Operations, search_id: SearchId) -> Any:
     """The search: its schedule, every trial (configuration, rung, job, dev and test score, cost), the
     best dev score against the budget spent, and what it chose once it succeeded."""
     return operations.get_search(search_id)
+
+
+@router.get("/searches/{search_id}/plot.{fmt}", response_class=Response, responses=IMAGE, dependencies=[READ])
+def search_plot(operations: Operations, search_id: SearchId, fmt: Format) -> Response:
+    """The search's best dev score against the budget it spent: every ended job a point, the best so far a
+    step line (SVG or PNG)."""
+    return image(plots.search_figure(operations.get_search(search_id)), fmt)
 
 
 @router.post("/searches/{search_id}/cancel", response_model=SearchOut, dependencies=[WRITE])

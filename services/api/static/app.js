@@ -28,6 +28,7 @@
     kShot: "", // the leaderboard's K filter ("" = every K, "full" = the full training set)
     orderBy: "mean", // the leaderboard's ranking: "mean" over seeds or "best" run
     sweep: "", // the jobs' sweep filter ("" = every job)
+    searchRunning: false, // a search of the task in view is running: the poll reloads the searches too
     generation: 0, // bumps on every change of view: answers for an older view are dropped
     pollTimer: null,
     jobs: new Map(), // job id -> the job as last seen
@@ -161,7 +162,7 @@
     byId("who").textContent = "";
     byId("app").hidden = true;
     byId("task-view").hidden = true;
-    for (const id of ["task-list", "task-title", "task-description", "task-facts", "pareto-plot", "metric-vs-k-plot"]) {
+    for (const id of ["task-list", "task-title", "task-description", "task-facts", "pareto-plot", "metric-vs-k-plot", "search-plot"]) {
       byId(id).replaceChildren();
     }
     for (const table of ["leaderboard", "jobs", "deltas"]) byId(table).tBodies[0].replaceChildren();
@@ -233,12 +234,15 @@
     byId("task-title").textContent = name;
     byId("task-description").textContent = "";
     byId("task-facts").replaceChildren();
-    for (const table of ["leaderboard", "jobs", "deltas"]) byId(table).tBodies[0].replaceChildren();
+    for (const table of ["leaderboard", "searches", "jobs", "deltas"]) byId(table).tBodies[0].replaceChildren();
+    state.searchRunning = false;
+    byId("search-plot").replaceChildren();
+    byId("search-plot-figure").hidden = true;
     byId("pareto-plot").replaceChildren();
     byId("metric-vs-k-plot").replaceChildren();
     resetSelect(byId("k-filter"), "all K");
     resetSelect(byId("sweep-filter"), "all jobs");
-    for (const id of ["leaderboard-section", "plots-section", "jobs-section"]) byId(id).hidden = deltasOnly;
+    for (const id of ["leaderboard-section", "plots-section", "searches-section", "jobs-section"]) byId(id).hidden = deltasOnly;
     byId("task-view").hidden = false;
     return state.generation;
   }
@@ -252,6 +256,7 @@
     await Promise.all([
       loadLeaderboard(generation),
       loadPlots(generation),
+      loadSearches(generation),
       loadDeltas(generation),
       refreshJobs(generation),
     ]);
@@ -396,6 +401,50 @@
     return root;
   }
 
+  // --- method searches -----------------------------------------------------------------------------
+
+  // The task's searches, newest first, and the newest one's best dev score against the budget it spent.
+  async function loadSearches(generation) {
+    const searches = await getJson(`/v1/searches?task=${enc(state.task)}`);
+    if (generation !== state.generation) return;
+    byId("searches").tBodies[0].replaceChildren(...searches.map(searchRow));
+    byId("searches-empty").hidden = searches.length > 0;
+    state.searchRunning = searches.some((search) => search.status === "running");
+    const newest = searches[0];
+    byId("search-plot-figure").hidden = !newest;
+    if (!newest) {
+      byId("search-plot").replaceChildren();
+      return;
+    }
+    byId("search-plot-caption").textContent =
+      `Search ${newest.id}: best dev ${newest.metric} against the budget spent (full-job equivalents)`;
+    await loadPlot(byId("search-plot"), `/v1/searches/${newest.id}/plot.svg`, generation);
+  }
+
+  function searchRow(search) {
+    const tr = document.createElement("tr");
+    tr.dataset.search = String(search.id);
+    tr.dataset.status = search.status;
+    const chosen = search.chosen;
+    const status = search.last_error ? `${search.status}: ${search.last_error}` : search.status;
+    tr.append(
+      element("td", String(search.id)),
+      element("td", status, "status"),
+      element("td", `${search.spent.toFixed(1)} of ${search.budget}`),
+      element("td", String(search.configurations)),
+      element("td", `${search.rung + 1} of ${search.schedule.rungs.length}`),
+      element("td", chosen ? `${chosen.method} ${configText(chosen.hyperparameters)}`.trim() : "", "chosen"),
+      element("td", chosen ? chosenScore(chosen) : "", "score"),
+    );
+    return tr;
+  }
+
+  function chosenScore(chosen) {
+    const interval =
+      chosen.ci_low === null ? "no interval" : `${formatMetric(chosen.ci_low)} to ${formatMetric(chosen.ci_high)}`;
+    return `${formatMetric(chosen.test_mean)} (${interval}, ${chosen.seeds} seeds)`;
+  }
+
   // --- jobs -----------------------------------------------------------------------------------------
 
   function schedulePoll(generation) {
@@ -404,6 +453,7 @@
       if (generation !== state.generation) return;
       try {
         await refreshJobs(generation);
+        if (state.searchRunning) await loadSearches(generation);
       } catch (error) {
         reportError(error);
       }
