@@ -239,7 +239,7 @@ def search_figure(search: Any) -> Figure:
         spent += trial.cost
         if trial.dev is None:
             continue
-        _check_finite(trial.method, trial.dev)
+        _check_finite(trial.method, trial.dev, where=f"search {search.id}")
         better = best is None or sign * trial.dev > sign * best
         best = trial.dev if better else best
         settings = " ".join(
@@ -276,9 +276,9 @@ def _subtitle(scope: str, direction: str, backbone: str | None) -> str:
     return " · ".join(parts + ([f"backbone {backbone}"] if backbone else []))
 
 
-def _check_finite(method: str, *numbers: float) -> None:
+def _check_finite(method: str, *numbers: float, where: str = "the leaderboard") -> None:
     if not all(math.isfinite(n) for n in numbers):
-        raise ValueError(f"method {method!r}: the leaderboard holds a number that is not finite: {numbers}")
+        raise ValueError(f"method {method!r}: {where} holds a number that is not finite: {numbers}")
 
 
 def _count(n: int, noun: str) -> str:

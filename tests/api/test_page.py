@@ -406,15 +406,16 @@ def test_hostile_text_renders_as_text(tab: PageSession, trained: Trained):
 
 
 def test_a_method_search_shows_its_row_and_its_best_so_far_plot(tab: PageSession, trained: Trained):
-    """Cancelled at once (its jobs never train): the page shows what the registry holds of it."""
-    search = trained.client.search(HOSTILE_TASK, 4, methods=list(METHODS), backbone=BACKBONE)
-    trained.client.cancel_search(search.id)
+    """Started while the page is open, cancelled at once (its jobs never train): the next poll shows what the
+    registry holds of it; signing out leaves none of it on the page."""
     page = tab.page
     tab.sign_in(trained.token)
     tab.open_task(HOSTILE_TASK)
-    row = page.locator(f"#searches tbody tr[data-search='{search.id}']")
+    page.locator("#searches-empty").wait_for()
+    search = trained.client.search(HOSTILE_TASK, 4, methods=list(METHODS), backbone=BACKBONE)
+    trained.client.cancel_search(search.id)
+    row = page.locator(f"#searches tbody tr[data-search='{search.id}'][data-status='cancelled']")
     row.wait_for()
-    assert row.get_attribute("data-status") == "cancelled"
     cells = row.locator("td").all_inner_texts()
     assert cells[2] == f"0.0 of {search.budget:g}" and cells[4] == f"1 of {len(search.schedule['rungs'])}"
     assert page.locator("#searches-empty").is_hidden()
@@ -423,3 +424,7 @@ def test_a_method_search_shows_its_row_and_its_best_so_far_plot(tab: PageSession
     assert f"Search {search.id}" in page.locator("#search-plot-caption").inner_text()
     tab.screenshot("search")
     assert tab.dialogs == [] and tab.csp_violations() == []
+
+    page.click("#forget-token")
+    assert page.locator("#searches tbody tr").count() == 0 and page.locator("#search-plot svg").count() == 0
+    assert page.locator("#search-plot-caption").inner_text() == ""

@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 
 from click.testing import CliRunner
 
+from services import plots
 from services.commands import search as search_commands
 from tests.api.conftest import BACKBONE, Api
 from tests.api.helpers import refused
@@ -125,6 +126,15 @@ def test_a_searchs_best_so_far_is_drawn_by_the_api_the_client_and_pelt_search_sh
     api.registry.advance_search(search.id)
     finish_rung(api, search.id)
     api.registry.advance_search(search.id)
+
+    done = client.get_search(search.id)
+    improved = [
+        (point["spent"], point["dev"])
+        for before, point in zip([None, *done.best_so_far], done.best_so_far, strict=False)
+        if before is None or point["dev"] != before["dev"]
+    ]
+    frontier = [(round(p.x, 6), p.mean) for p in plots.search_figure(done).frontier]
+    assert frontier == improved and len(improved) >= 1  # the plot's steps are the search's own best_so_far
 
     svg = client.plot_search(search.id)
     root = ET.fromstring(svg)

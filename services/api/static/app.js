@@ -29,6 +29,7 @@
     orderBy: "mean", // the leaderboard's ranking: "mean" over seeds or "best" run
     sweep: "", // the jobs' sweep filter ("" = every job)
     searchRunning: false, // a search of the task in view is running: the poll reloads the searches too
+    searchPlot: "", // what the search plot shows (search id, budget spent, status): redrawn when it changes
     generation: 0, // bumps on every change of view: answers for an older view are dropped
     pollTimer: null,
     jobs: new Map(), // job id -> the job as last seen
@@ -162,10 +163,13 @@
     byId("who").textContent = "";
     byId("app").hidden = true;
     byId("task-view").hidden = true;
-    for (const id of ["task-list", "task-title", "task-description", "task-facts", "pareto-plot", "metric-vs-k-plot", "search-plot"]) {
+    for (const id of ["task-list", "task-title", "task-description", "task-facts", "pareto-plot", "metric-vs-k-plot", "search-plot", "search-plot-caption"]) {
       byId(id).replaceChildren();
     }
-    for (const table of ["leaderboard", "jobs", "deltas"]) byId(table).tBodies[0].replaceChildren();
+    for (const table of ["leaderboard", "searches", "jobs", "deltas"]) byId(table).tBodies[0].replaceChildren();
+    byId("search-plot-figure").hidden = true;
+    state.searchRunning = false;
+    state.searchPlot = "";
     resetSelect(byId("k-filter"), "all K");
     resetSelect(byId("sweep-filter"), "all jobs");
     hideMessage(byId("action-message"));
@@ -236,6 +240,7 @@
     byId("task-facts").replaceChildren();
     for (const table of ["leaderboard", "searches", "jobs", "deltas"]) byId(table).tBodies[0].replaceChildren();
     state.searchRunning = false;
+    state.searchPlot = "";
     byId("search-plot").replaceChildren();
     byId("search-plot-figure").hidden = true;
     byId("pareto-plot").replaceChildren();
@@ -403,7 +408,8 @@
 
   // --- method searches -----------------------------------------------------------------------------
 
-  // The task's searches, newest first, and the newest one's best dev score against the budget it spent.
+  // The task's searches, newest first, and the newest one's best dev score against the budget it spent
+  // (fetched again only when that search's spending or status changed, so a hover tooltip stays put).
   async function loadSearches(generation) {
     const searches = await getJson(`/v1/searches?task=${enc(state.task)}`);
     if (generation !== state.generation) return;
@@ -413,9 +419,13 @@
     const newest = searches[0];
     byId("search-plot-figure").hidden = !newest;
     if (!newest) {
+      state.searchPlot = "";
       byId("search-plot").replaceChildren();
       return;
     }
+    const shown = `${newest.id}:${newest.spent}:${newest.status}`;
+    if (shown === state.searchPlot) return;
+    state.searchPlot = shown;
     byId("search-plot-caption").textContent =
       `Search ${newest.id}: best dev ${newest.metric} against the budget spent (full-job equivalents)`;
     await loadPlot(byId("search-plot"), `/v1/searches/${newest.id}/plot.svg`, generation);
@@ -452,8 +462,9 @@
     state.pollTimer = setTimeout(async () => {
       if (generation !== state.generation) return;
       try {
-        await refreshJobs(generation);
-        if (state.searchRunning) await loadSearches(generation);
+        const changed = await refreshJobs(generation);
+        // a search queues jobs when it starts and at each rung: reload when they come or change
+        if (state.searchRunning || changed) await loadSearches(generation);
       } catch (error) {
         reportError(error);
       }
@@ -466,22 +477,26 @@
     state.pollTimer = null;
   }
 
+  // The task's jobs shown afresh; true when a job appeared or changed its status since the last poll.
   async function refreshJobs(generation) {
     const jobs = await getJson(`/v1/jobs?task=${enc(state.task)}&limit=1000`);
-    if (generation !== state.generation) return;
+    if (generation !== state.generation) return false;
     let finished = false;
+    let changed = false;
     for (const job of jobs) {
       const before = state.jobs.get(job.id);
       if (before && before.status !== job.status && job.status === "succeeded") finished = true;
+      if (!before || before.status !== job.status) changed = true;
       state.jobs.set(job.id, job);
     }
     renderJobs(jobs);
     await refreshLosses(jobs, generation);
-    if (generation !== state.generation) return;
+    if (generation !== state.generation) return false;
     if (finished) {
       // a job just ended well: its result is on the leaderboard, its delta in the store
       await Promise.all([loadLeaderboard(generation), loadPlots(generation), loadDeltas(generation)]);
     }
+    return changed;
   }
 
   // Each shown job's loss curve as the service keeps it: a running job's at every poll, an ended job's
