@@ -35,6 +35,7 @@ from services.registry.errors import (
 from services.registry.models import (
     SEARCH_STATUSES,
     TERMINAL_STATUSES,
+    ApiToken,
     Backbone,
     Job,
     JobStatus,
@@ -332,7 +333,9 @@ class Searches(RegistryCore):
                 search = find_search(session, search_id, lock=True)
                 if search.status != "running":
                     return False
-                with acting_as(search.submitted_by):
+                # the service acts here, not a caller: its audit events have no actor and name the owner;
+                # the jobs it queues are the owner's (`_queue_rung`), counted against the owner's quota
+                with acting_as(None):
                     return self._advance(session, search)
 
         return retry_once_on_conflict(write)
@@ -369,7 +372,13 @@ class Searches(RegistryCore):
                 f"the preset of {', '.join(changed)} changed during the search (its rungs would compare "
                 "different methods); start a new search"
             )
-            audit(session, now, "search.fail", f"search {search.id}", {"changed": changed})
+            audit(
+                session,
+                now,
+                "search.fail",
+                f"search {search.id}",
+                {"on_behalf_of": search.submitted_by, "changed": changed},
+            )
             return True
         direction = search.task.metric_direction
         values = [(trial.configuration, dev_score(job)) for trial, job in current]
@@ -379,9 +388,31 @@ class Searches(RegistryCore):
             search.last_error = (
                 f"every job of rung {rung} ended without a dev score: {'; '.join(errors)[:2000]}"
             )
-            audit(session, now, "search.fail", f"search {search.id}", {"rung": rung})
+            audit(
+                session,
+                now,
+                "search.fail",
+                f"search {search.id}",
+                {"on_behalf_of": search.submitted_by, "rung": rung},
+            )
             return True
         if rung < len(schedule.rungs) - 1:
+            revoked = _revoked_at(session, search.submitted_by)
+            if revoked is not None:
+                search.status, search.finished_at, search.updated_at = "failed", now, now
+                search.last_error = (
+                    f"the token {search.submitted_by!r} that started it was revoked "
+                    f"({revoked:%Y-%m-%d %H:%M} UTC): it queues no more jobs (rung {rung + 2} of "
+                    f"{len(schedule.rungs)} was next); start a new search with a valid token"
+                )
+                audit(
+                    session,
+                    now,
+                    "search.fail",
+                    f"search {search.id}",
+                    {"on_behalf_of": search.submitted_by, "reason": "token revoked"},
+                )
+                return True
             keep = schedule.rungs[rung + 1].configurations
             scored = [(index, value) for index, value in values if value is not None]
             promoted = survivors(scored, keep, direction)
@@ -390,13 +421,25 @@ class Searches(RegistryCore):
                 Configuration(index, drawn[index]["method"], dict(drawn[index]["hyperparameters"]))
                 for index in promoted
             ]
-            self._queue_rung(session, search, search.task, search.backbone, rung + 1, chosen, now)
+            with acting_as(search.submitted_by):  # the owner's jobs, within the owner's quota
+                self._queue_rung(session, search, search.task, search.backbone, rung + 1, chosen, now)
             search.updated_at = now
+            audit(
+                session,
+                now,
+                "search.rung",
+                f"search {search.id}",
+                {"on_behalf_of": search.submitted_by, "rung": rung + 1, "configurations": len(chosen)},
+            )
             return True
         search.chosen = choose(search, current, direction)
         search.status, search.finished_at, search.updated_at = "succeeded", now, now
         audit(
-            session, now, "search.succeed", f"search {search.id}", {"chosen": search.chosen["configuration"]}
+            session,
+            now,
+            "search.succeed",
+            f"search {search.id}",
+            {"on_behalf_of": search.submitted_by, "chosen": search.chosen["configuration"]},
         )
         return True
 
@@ -464,6 +507,13 @@ class Searches(RegistryCore):
                 )
             )
         session.flush()
+
+
+def _revoked_at(session: Session, token_name: str | None) -> datetime | None:
+    """When the token named `token_name` was revoked (None: not revoked, or no token started the search)."""
+    if token_name is None:
+        return None
+    return session.scalar(select(ApiToken.revoked_at).where(ApiToken.name == token_name))
 
 
 def _applicable(fixed: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from sqlalchemy import select
 
 import pelt_core
 from services.registry import Registry, RegistryValidationError, UnknownSearchError
+from services.registry.actor import acting_as
 from services.registry.models import SearchTrial
 from services.registry.search_plan import (
     Choice,
@@ -354,3 +355,40 @@ def test_the_answer_prefers_a_configuration_whose_every_seed_trained(ready: Regi
     ready.advance_search(search.id)
     chosen = ready.get_search(search.id).chosen
     assert chosen["configuration"] != better and (chosen["seeds"], chosen["seeds_failed"]) == (3, 0)
+
+
+def test_a_search_whose_token_was_revoked_queues_no_more_jobs_and_fails_saying_so(ready: Registry):
+    ready.create_api_token("alice", scope="write")
+    with acting_as("alice"):
+        search = ready.create_search("sst2", 4, backbone="tiny-bert", methods=["lora", "bitfit"])
+    run_rung(ready, search.id, by_rate)
+    ready.revoke_api_token("alice")
+    jobs_before = len(ready.list_jobs())
+    assert ready.advance_search(search.id) is True
+    failed = ready.get_search(search.id)
+    assert failed.status == "failed" and failed.rung == 0
+    assert (
+        "'alice'" in failed.last_error
+        and "revoked" in failed.last_error
+        and "rung 2 of 2" in failed.last_error
+    )
+    assert len(ready.list_jobs()) == jobs_before  # nothing queued in the revoked token's name
+    (event,) = [e for e in ready.audit_events() if e.action == "search.fail"]
+    assert event.actor is None and event.detail == {"on_behalf_of": "alice", "reason": "token revoked"}
+
+
+def test_the_steps_the_service_takes_for_a_search_are_audited_as_its_own_on_the_owners_behalf(
+    ready: Registry,
+):
+    ready.create_api_token("alice", scope="write")
+    with acting_as("alice"):
+        search = ready.create_search("sst2", 4, backbone="tiny-bert", methods=["lora", "bitfit"])
+    run_rung(ready, search.id, by_rate)
+    assert ready.advance_search(search.id) is True
+    second = [t for t in ready.get_search(search.id).trials if t.rung == 1]
+    assert {ready.get_job(t.job_id).submitted_by for t in second} == {"alice"}  # the owner's jobs, quota
+    run_rung(ready, search.id, by_rate)
+    assert ready.advance_search(search.id) is True
+    automatic = [e for e in ready.audit_events() if e.action in ("search.rung", "search.succeed")]
+    assert [e.action for e in automatic] == ["search.succeed", "search.rung"]  # newest first
+    assert all(e.actor is None and e.detail["on_behalf_of"] == "alice" for e in automatic)
