@@ -1,8 +1,9 @@
 """`pelt search TASK --budget N`: a budget-aware method search through the service (successive halving over
-the queue), and `pelt search show|list|cancel`."""
+the queue), and `pelt search show|report|list|cancel`."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
@@ -11,6 +12,7 @@ from services.api.schemas import DEFAULT_BACKBONE, SearchOut
 from services.client import PeltClient
 from services.commands.common import client_errors, parse_set_options, print_table, printable
 from services.plots import format_of
+from services.search_report import answer_text, best_first, settings_text, write_search_report
 
 STATUSES = ("running", "succeeded", "failed", "cancelled")
 
@@ -28,7 +30,7 @@ class _SearchGroup(click.Group):
 def search_group() -> None:
     """Let pelt choose a method and its settings for a task within a budget: `pelt search TASK --budget N`
     (successive halving: many configurations train briefly, the best third trains longer, the last rung
-    runs its survivors with several seeds). Also: show, list, cancel (a task named like one of these:
+    runs its survivors with several seeds). Also: show, report, list, cancel (a task named like one of these:
     `pelt search start TASK ...`)."""
 
 
@@ -119,26 +121,37 @@ def search_show(search_id: int, as_json: bool, plot: str | None) -> None:
         click.echo(search.model_dump_json(indent=2))
         return
     echo_plan(search)
-    sign = (
-        -1.0 if search.metric_direction == "max" else 1.0
-    )  # best dev score first, in the metric's direction
-    rows = sorted(
-        search.trials, key=lambda t: (-t.rung, t.dev is None, sign * (t.dev or 0.0), t.configuration, t.seed)
-    )
     print_table(
         [
             {
                 **trial.model_dump(),
-                "settings": _settings(trial.hyperparameters),
+                "settings": settings_text(trial.hyperparameters),
                 "epochs": f"{trial.epochs:g}",
             }
-            for trial in rows
+            for trial in best_first(search)
         ],
         ["rung", "configuration", "method", "settings", "epochs", "seed", "job_id", "status", "dev", "test"],
     )
     echo_answer(search)
     if plot is not None:
         click.echo(f"best dev score against budget -> {plot}")
+
+
+@search_group.command("report")
+@click.argument("search_id", type=int)
+@click.option(
+    "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="where the report goes"
+)
+@client_errors
+def search_report(search_id: int, out_dir: str) -> None:
+    """Write a search's report into a folder: report.md (what the budget bought, what was varied, every
+    trial by rung, the answer with its interval, the best dev score against the budget spent),
+    report.json (the search with every trial) and best-so-far.svg."""
+    with PeltClient() as client:
+        search = client.get_search(search_id)
+        svg = client.plot_search(search_id)
+    for path in write_search_report(Path(out_dir), search, svg):
+        click.echo(f"wrote {path}")
 
 
 @search_group.command("list")
@@ -207,17 +220,7 @@ def echo_progress(search: SearchOut) -> None:
 
 def echo_answer(search: SearchOut) -> None:
     if search.status == "succeeded" and search.chosen is not None:
-        chosen = search.chosen
-        interval = (
-            "no interval"
-            if chosen["ci_low"] is None
-            else f"95% interval {chosen['ci_low']:.4f} to {chosen['ci_high']:.4f}"
-        )
-        click.echo(
-            f"chosen: {_chosen_name(chosen)} at {chosen['epochs']:g} epochs: test {chosen['test_mean']:.4f} "
-            f"({interval}, {chosen['seeds']} seeds{_failed(chosen)}; dev {chosen['dev_mean']:.4f}); jobs "
-            f"{', '.join(str(j) for j in chosen['job_ids'])}; its leaderboard row {chosen['config_id']}"
-        )
+        click.echo(f"chosen: {printable(answer_text(search))}")
     elif search.status in ("failed", "cancelled"):
         click.echo(
             f"search {search.id} {search.status}"
@@ -225,21 +228,8 @@ def echo_answer(search: SearchOut) -> None:
         )
 
 
-def _failed(chosen: dict[str, Any]) -> str:
-    failed = chosen.get("seeds_failed") or 0
-    return f", {failed} failed" if failed else ""
-
-
 def _chosen_name(chosen: dict[str, Any]) -> str:
-    settings = _settings(chosen["hyperparameters"])
-    return f"{chosen['method']} {settings}".strip()
-
-
-def _settings(values: dict[str, Any]) -> str:
-    return " ".join(
-        f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
-        for name, value in values.items()
-    )
+    return f"{chosen['method']} {settings_text(chosen['hyperparameters'])}".strip()
 
 
 __all__ = ["search_group"]

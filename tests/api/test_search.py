@@ -1,6 +1,6 @@
 """Method searches through the service: POST/GET /v1/searches and cancel, `PeltClient.search`, and `pelt search`
 (start, show, list, cancel), the best-so-far plot (GET /v1/searches/{id}/plot.svg|png,
-`PeltClient.plot_search`, `pelt search show --plot`); a refused search queues nothing. The rungs advance here by the registry's
+`PeltClient.plot_search`, `pelt search show --plot`), `pelt search report`; a refused search queues nothing. The rungs advance here by the registry's
 own call, as the dispatcher makes it on a timer (the whole loop through a real dispatcher:
 tests/api/test_end_to_end.py)."""
 
@@ -11,6 +11,7 @@ import xml.etree.ElementTree as ET
 from click.testing import CliRunner
 
 from services import plots
+from services.api.schemas import SearchOut
 from services.commands import search as search_commands
 from tests.api.conftest import BACKBONE, Api
 from tests.api.helpers import refused
@@ -164,3 +165,45 @@ def test_a_searchs_best_so_far_is_drawn_by_the_api_the_client_and_pelt_search_sh
         search_commands.search_group, ["show", str(search.id), "--plot", str(tmp_path / "s.txt")]
     )
     assert wrong.exit_code == 2 and "--plot" in wrong.output and not (tmp_path / "s.txt").exists()
+
+
+def test_pelt_search_report_writes_the_plan_the_trials_the_answer_and_the_plot(
+    api, client, toy_task, tmp_path, monkeypatch
+):
+    search = client.search(
+        toy_task, 4, methods=["lora", "bitfit"], backbone=BACKBONE, hyperparameters={"epochs": 1}
+    )
+    monkeypatch.setattr(search_commands, "PeltClient", api.client)
+    runner = CliRunner()
+    running = runner.invoke(
+        search_commands.search_group, ["report", str(search.id), "--out", str(tmp_path / "early")]
+    )
+    assert running.exit_code == 0, running.output
+    assert "no answer: the search is running" in (tmp_path / "early" / "report.md").read_text()
+
+    for _ in range(2):
+        finish_rung(api, search.id)
+        api.registry.advance_search(search.id)
+    done = client.get_search(search.id)
+    written = runner.invoke(
+        search_commands.search_group, ["report", str(search.id), "--out", str(tmp_path / "r")]
+    )
+    assert written.exit_code == 0, written.output
+    assert [line.split()[-1] for line in written.output.splitlines()] == [
+        str(tmp_path / "r" / name) for name in ("report.md", "report.json", "best-so-far.svg")
+    ]
+    report = (tmp_path / "r" / "report.md").read_text()
+    chosen = done.chosen
+    assert (
+        f"test accuracy {chosen['test_mean']:.4f} (95% interval {chosen['ci_low']:.4f} to {chosen['ci_high']:.4f}"
+        in report
+    )
+    assert f"its leaderboard row {chosen['config_id']}" in report
+    assert all(f"| {t.job_id} |" in report for t in done.trials)  # every trial in the table
+    assert "| 1 | 3 | 0.333 | 1 | 3 | 3 |" in report and "| 2 | 1 | 1 | 3 | 3 | 3 |" in report  # per rung
+    assert "![best dev score against the budget spent](best-so-far.svg)" in report
+    assert (tmp_path / "r" / "best-so-far.svg").read_text() == client.plot_search(search.id)
+    assert SearchOut.model_validate_json((tmp_path / "r" / "report.json").read_text()) == done
+
+    missing = runner.invoke(search_commands.search_group, ["report", "99", "--out", str(tmp_path / "none")])
+    assert missing.exit_code == 1 and "search_id" in missing.output and not (tmp_path / "none").exists()
