@@ -464,17 +464,23 @@ class PeltClient(SearchesClient):
         parameters, the Pareto frontier marked; only K = k_shot when given) or "metric-vs-k" (every K).
         Returns the SVG text or the PNG bytes, and writes them to `path` when given; the format is the
         path's suffix (.svg or .png), else `format` ("svg" by default). Nothing is written on an error."""
-        from services.plots import MEDIA_TYPES, check_view, format_of
+        from services.plots import check_view
 
         check_view(view, k_shot)
+        params = {k: v for k, v in {"k_shot": k_shot, "backbone": backbone}.items() if v is not None}
+        return self._draw(f"/v1/tasks/{task}/plots/{view}", path, format, params)
+
+    def _draw(
+        self, route: str, path: str | Path | None, format: str | None, params: dict[str, Any] | None = None
+    ) -> str | bytes:
+        """GET `route`.svg or .png (the path's suffix, else `format`, "svg" by default): the SVG text or the
+        PNG bytes, written to `path` when given (nothing is written on an error)."""
+        from services.plots import MEDIA_TYPES, format_of
+
         fmt = format_of(path) if path is not None else (format or "svg")
         if fmt not in MEDIA_TYPES or (format is not None and format != fmt):
             raise ValueError(f"format {format!r} does not fit: a plot is svg or png (the path's suffix)")
-        response = self._request(
-            "GET",
-            f"/v1/tasks/{task}/plots/{view}.{fmt}",
-            params={k: v for k, v in {"k_shot": k_shot, "backbone": backbone}.items() if v is not None},
-        )
+        response = self._request("GET", f"{route}.{fmt}", params=params or {})
         if path is not None:
             Path(path).write_bytes(response.content)
         return response.text if fmt == "svg" else response.content

@@ -12,11 +12,11 @@ from services.api.schemas import DEFAULT_BACKBONE, SearchOut
 
 
 class SearchesClient:
-    """The search calls of `PeltClient` (which gives them `_get`, `_post` and `_request`)."""
+    """The search calls of `PeltClient` (which gives them `_get`, `_post` and `_draw`)."""
 
     _get: Callable[..., Any]
     _post: Callable[..., Any]
-    _request: Callable[..., Any]
+    _draw: Callable[..., Any]
 
     def search(
         self,
@@ -64,15 +64,7 @@ class SearchesClient:
         """The search's best dev score against the budget it spent, drawn by the service (every ended job a
         point, the best so far a step line). Returns the SVG text or the PNG bytes, and writes them to `path`
         when given; the format is the path's suffix (.svg or .png), else `format` ("svg" by default)."""
-        from services.plots import MEDIA_TYPES, format_of
-
-        fmt = format_of(path) if path is not None else (format or "svg")
-        if fmt not in MEDIA_TYPES or (format is not None and format != fmt):
-            raise ValueError(f"format {format!r} does not fit: a plot is svg or png (the path's suffix)")
-        response = self._request("GET", f"/v1/searches/{int(search_id)}/plot.{fmt}")
-        if path is not None:
-            Path(path).write_bytes(response.content)
-        return response.text if fmt == "svg" else response.content
+        return self._draw(f"/v1/searches/{int(search_id)}/plot", path, format)
 
     def cancel_search(self, search_id: int) -> SearchOut:
         """Stop a search this token started (any, with an admin token) and cancel its unfinished jobs."""
