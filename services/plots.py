@@ -226,27 +226,20 @@ def metric_vs_k_from_values(
 
 def search_figure(search: Any) -> Figure:
     """A method search (`SearchOut`, as the API returns it): every job that ended with a dev score is a
-    point at the budget spent when it ended (full-job equivalents, the jobs in the order they ended, a failed
-    job's cost counted too), at its dev score, in its method's color; the jobs that raised the best dev
-    score are highlighted and the best so far is a step line through them."""
-    sign = 1.0 if search.metric_direction == "max" else -1.0
-    ended = sorted(
-        (t for t in search.trials if t.finished_at is not None and t.status in ("succeeded", "failed")),
-        key=lambda t: (t.finished_at, t.job_id),
-    )
-    spent, best, by_method = 0.0, None, {}
-    for trial in ended:
-        spent += trial.cost
+    point at the budget spent when it ended (the search's `best_so_far`: full-job equivalents, the jobs in
+    the order they ended, a failed job's cost counted too), at its dev score, in its method's color; the
+    jobs that raised the best dev score are highlighted and the best so far is a step line through them."""
+    trials = {trial.job_id: trial for trial in search.trials}
+    best, by_method = None, {}
+    for step in search.best_so_far:  # the registry's account of the spending, one point per ended job
+        trial, spent = trials[int(step["job_id"])], step["spent"]
         if trial.dev is None:
             continue
         _check_finite(trial.method, trial.dev, where=f"search {search.id}")
-        better = best is None or sign * trial.dev > sign * best
-        best = trial.dev if better else best
-        settings = " ".join(
-            f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.hyperparameters.items()
-        )
+        better = step["dev"] != best
+        best = step["dev"]
         detail = (
-            f"job {trial.job_id}: {trial.method} {settings}".rstrip()
+            f"job {trial.job_id}: {trial.method} {settings_text(trial.hyperparameters)}".rstrip()
             + f"\nrung {trial.rung + 1}, {trial.epochs:g} epochs, seed {trial.seed}"
             + f"\ndev {search.metric} {trial.dev:.4f} after {spent:.2f} spent"
             + ("\na new best" if better else "")
@@ -268,6 +261,14 @@ def search_figure(search: Any) -> Figure:
         log_x=False,
         frontier_label="best so far",
         empty=NO_SEARCH_RESULTS,
+    )
+
+
+def settings_text(values: Mapping[str, Any]) -> str:
+    """Hyperparameters as `name=value` words (floats in their shortest form)."""
+    return " ".join(
+        f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
+        for name, value in values.items()
     )
 
 
@@ -625,4 +626,5 @@ __all__ = [
     "render_png",
     "render_svg",
     "search_figure",
+    "settings_text",
 ]

@@ -9,17 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from services.api.schemas import SearchOut, SearchTrialOut
+from services.plots import settings_text
 
 REPORT_FILES = ("report.md", "report.json", "best-so-far.svg")
 ENDED = ("succeeded", "failed", "cancelled")
-
-
-def settings_text(values: Mapping[str, Any]) -> str:
-    """Hyperparameters as `name=value` words (floats in their shortest form)."""
-    return " ".join(
-        f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
-        for name, value in values.items()
-    )
 
 
 def answer_text(search: SearchOut) -> str:
@@ -174,4 +167,4 @@ def _text(value: str) -> str:
     return flat.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;")
 
 
-__all__ = ["REPORT_FILES", "answer_text", "best_first", "settings_text", "write_search_report"]
+__all__ = ["REPORT_FILES", "answer_text", "best_first", "write_search_report"]

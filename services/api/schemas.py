@@ -208,7 +208,10 @@ class SearchOut(Response):
     created_at: datetime
     finished_at: datetime | None
     trials: list[SearchTrialOut]
-    best_so_far: list[dict[str, float]] = Field(description="the best dev score against the budget spent")
+    best_so_far: list[dict[str, float | int]] = Field(
+        description="the best dev score against the budget spent: one point per job as the jobs ended "
+        "({spent, dev: the best so far, job_id: the job that ended there})"
+    )
 
 
 class ComposeIn(Request):

@@ -11,8 +11,8 @@ import click
 from services.api.schemas import DEFAULT_BACKBONE, SearchOut
 from services.client import PeltClient
 from services.commands.common import client_errors, parse_set_options, print_table, printable
-from services.plots import format_of
-from services.search_report import answer_text, best_first, settings_text, write_search_report
+from services.plots import format_of, settings_text
+from services.search_report import answer_text, best_first, write_search_report
 
 STATUSES = ("running", "succeeded", "failed", "cancelled")
 

@@ -70,7 +70,7 @@ class SearchRecord:
     created_at: datetime
     finished_at: datetime | None
     trials: list[SearchTrialRecord]
-    best_so_far: list[dict[str, float]]  # [{"spent": s, "dev": best dev so far}] as the jobs ended
+    best_so_far: list[dict[str, float]]  # [{"spent", "dev": best so far, "job_id": the job that ended}]
 
 
 def search_record(session: Session, search: Search) -> SearchRecord:
@@ -235,7 +235,8 @@ def choose(search: Search, final: list[tuple[SearchTrial, Job]], direction: str)
 
 
 def best_so_far(trials: Sequence[SearchTrialRecord], direction: str) -> list[dict[str, float]]:
-    """The best dev score seen against the budget spent, as the jobs ended (any rung)."""
+    """The best dev score seen against the budget spent, as the jobs ended (any rung): one point per ended
+    job once a dev score was seen, naming the job that ended there."""
     sign = 1.0 if direction == "max" else -1.0
     ended = sorted(
         (
@@ -251,7 +252,7 @@ def best_so_far(trials: Sequence[SearchTrialRecord], direction: str) -> list[dic
         if trial.dev is not None and (best is None or sign * trial.dev > sign * best):
             best = trial.dev
         if best is not None:
-            points.append({"spent": round(spent, 6), "dev": best})
+            points.append({"spent": round(spent, 6), "dev": best, "job_id": trial.job_id})
     return points
 
 

@@ -13,6 +13,7 @@ import pytest
 from services import plots
 from services.api.schemas import LeaderboardOut, LeaderboardRowOut, SearchOut, SearchTrialOut
 from services.registry.leaderboard import Run, rank_by_k
+from services.registry.search_rows import best_so_far
 
 SVG = "{http://www.w3.org/2000/svg}"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -309,6 +310,23 @@ def test_a_png_legend_names_at_most_a_fixed_number_of_methods():
 def search_of(trials: list[tuple], direction: str = "max") -> SearchOut:
     """A search whose trials are (method, status, dev, cost) in the order they ended."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
+    trials_out = [
+        SearchTrialOut(
+            configuration=number,
+            method=method,
+            hyperparameters={"learning_rate": 0.001},
+            rung=0,
+            epochs=1.0,
+            seed=0,
+            job_id=100 + number,
+            status=status,
+            dev=dev,
+            test=None if dev is None else dev - 0.01,
+            cost=cost,
+            finished_at=None if status in ("queued", "running") else start + timedelta(seconds=number),
+        )
+        for number, (method, status, dev, cost) in enumerate(trials)
+    ]
     return SearchOut(
         id=7,
         task="toy",
@@ -332,24 +350,8 @@ def search_of(trials: list[tuple], direction: str = "max") -> SearchOut:
         submitted_by=None,
         created_at=start,
         finished_at=None,
-        trials=[
-            SearchTrialOut(
-                configuration=number,
-                method=method,
-                hyperparameters={"learning_rate": 0.001},
-                rung=0,
-                epochs=1.0,
-                seed=0,
-                job_id=100 + number,
-                status=status,
-                dev=dev,
-                test=None if dev is None else dev - 0.01,
-                cost=cost,
-                finished_at=None if status in ("queued", "running") else start + timedelta(seconds=number),
-            )
-            for number, (method, status, dev, cost) in enumerate(trials)
-        ],
-        best_so_far=[],
+        trials=trials_out,
+        best_so_far=best_so_far(trials_out, direction),  # as the registry reads it
     )
 
 
