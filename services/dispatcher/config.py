@@ -10,6 +10,12 @@ MAX_PACK_SIZE = 64
 # busier than one (see benchmarks/bench_gpu.py); a pass that runs out of memory splits its forwards.
 DEFAULT_GPU_PACK_SIZE = 16
 DEVICE_KINDS = ("cpu", "gpu")  # the kinds of worker; a job's `device` is one of these or "any"
+# The environment worker processes need. MALLOC_ARENA_MAX=1: a worker trains in a thread of its actor (so
+# `stop` and `info` can answer meanwhile), and glibc would give that thread its own arenas, which keep up to
+# a step's worth of freed activations (~0.5 GB per SmolLM2 job at batch 16). glibc reads it when a process
+# starts, so it must be in the process's environment (a runtime env, or the raylet's that its workers
+# inherit), not set from inside the actor.
+WORKER_ENVIRONMENT: dict[str, str] = {"MALLOC_ARENA_MAX": "1"}
 
 
 @dataclass(frozen=True)
@@ -45,10 +51,10 @@ class DispatcherConfig:
     # this; a standby asks every standby_poll_seconds and takes over this long after the leader stopped.
     leader_seconds: float = 15.0
     standby_poll_seconds: float = 2.0
-    # Environment of the worker processes. MALLOC_ARENA_MAX=1: a worker trains in a thread of its actor
-    # (so `stop` and `info` can answer meanwhile), and glibc would give that thread its own arenas,
-    # which keep up to a step's worth of freed activations (~0.5 GB per SmolLM2 job at batch 16).
-    worker_env: dict[str, str] = field(default_factory=lambda: {"MALLOC_ARENA_MAX": "1"})
+    # Environment of the worker processes (WORKER_ENVIRONMENT by default): given to each worker actor as a
+    # runtime env, except what a local Ray started by `connect_ray` already gave every process it starts
+    # (services/dispatcher/placement.py `start_worker`).
+    worker_env: dict[str, str] = field(default_factory=lambda: dict(WORKER_ENVIRONMENT))
 
     def __post_init__(self) -> None:
         if not 1 <= self.pack_size <= MAX_PACK_SIZE:

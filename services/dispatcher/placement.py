@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from services.dispatcher.config import DispatcherConfig
+from services.dispatcher.ray_cluster import local_ray_environment
 from services.dispatcher.slots import GPU_WORKER_PREFIX, WORKER_PREFIX, WorkerSlots
 
 log = logging.getLogger("pelt.dispatcher")
@@ -156,6 +157,8 @@ def start_worker(
         namespace=config.namespace,
         device=config.gpu_device if gpu else "cpu",
     )
+    inherited = local_ray_environment()  # a local Ray started here gave its processes WORKER_ENVIRONMENT
+    own_env = {name: value for name, value in config.worker_env.items() if inherited.get(name) != value}
     actor = (
         worker_actor_class()
         .options(
@@ -167,7 +170,7 @@ def start_worker(
             num_gpus=config.gpus_per_worker if gpu else 0,
             max_concurrency=places + 3,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            runtime_env={"env_vars": dict(config.worker_env)} if config.worker_env else None,
+            runtime_env={"env_vars": own_env} if own_env else None,
         )
         .remote(worker_id, worker_config)
     )

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from services.dispatcher.config import WORKER_ENVIRONMENT
 from services.settings import Settings, get_settings
 
 log = logging.getLogger("pelt.dispatcher")
@@ -82,19 +83,52 @@ def connect_ray(
     import ray
 
     temp_dir = init_kwargs.pop("_temp_dir", None) or private_ray_temp_dir()
-    # address="local": always a new local Ray, never one that happens to run on this machine already
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        namespace=namespace,
-        _node_ip_address=LOOPBACK,
-        _temp_dir=str(temp_dir),
-        **init_kwargs,
-    )
+    # address="local": always a new local Ray, never one that happens to run on this machine already. Its
+    # processes (and so every worker it starts) inherit WORKER_ENVIRONMENT: workers then need no runtime
+    # env of their own, which would cost each one a second Ray start-up in its process and keep it from
+    # taking one of the worker processes Ray starts ahead.
+    with environment(WORKER_ENVIRONMENT):
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            namespace=namespace,
+            _node_ip_address=LOOPBACK,
+            _temp_dir=str(temp_dir),
+            **init_kwargs,
+        )
+    _local_ray.update(session=ray.get_runtime_context().get_session_name(), environment=WORKER_ENVIRONMENT)
     private_tree(Path(temp_dir))
     private_ray_token()
     return True
+
+
+_local_ray: dict[str, Any] = {}  # the local Ray `connect_ray` started last: its session and environment
+
+
+def local_ray_environment() -> dict[str, str]:
+    """The environment every process of the connected Ray inherited from its start, when `connect_ray`
+    started it in this process; empty when this process joined a cluster or Ray was started otherwise."""
+    import ray
+
+    if not ray.is_initialized() or _local_ray.get("session") != ray.get_runtime_context().get_session_name():
+        return {}
+    return dict(_local_ray["environment"])
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` set in this process's environment (for the processes it starts meanwhile), then restored."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 PRIVATE_FOLDER_TRIES = (

@@ -23,7 +23,7 @@ import pytest
 import ray
 
 from services.dispatcher import WORKER_PREFIX, Dispatcher, DispatcherConfig
-from services.dispatcher.config import DEFAULT_PACK_SIZE, MAX_PACK_SIZE
+from services.dispatcher.config import DEFAULT_PACK_SIZE, MAX_PACK_SIZE, WORKER_ENVIRONMENT
 from services.dispatcher.placement import Nodes, start_worker
 from services.dispatcher.slots import SlotJob, WorkerSlots
 from services.registry import JobStatus, Registry
@@ -140,6 +140,8 @@ def test_a_worker_killed_mid_job_the_job_is_retried_and_completes_once(
     try:
         wait_for(lambda: hold.holds([job_id]), 60, "the job to be held mid-attempt")
         pid = worker_pid(dispatcher, job_id)
+        # the local Ray gave its processes the workers' environment: no runtime env needed
+        assert psutil.Process(pid).environ().get("MALLOC_ARENA_MAX") == WORKER_ENVIRONMENT["MALLOC_ARENA_MAX"]
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: hold.holds([job_id], attempt=2), 90, "the job to run again")
         hold.release()
@@ -330,20 +332,25 @@ def test_two_slots_train_two_jobs_at_once_in_one_process_each_with_its_own_lease
     local_ray, registry, tmp_path, namespace, hold
 ):
     job_ids = submit(registry, 2)
+    worker_env = {**WORKER_ENVIRONMENT, "PELT_TEST_WORKER": "two-slots"}  # one more than the local Ray gave
     dispatcher = dispatcher_for(
-        registry, tmp_path, namespace, hold, jobs_per_worker=2, max_workers_per_node=1
+        registry, tmp_path, namespace, hold, jobs_per_worker=2, max_workers_per_node=1, worker_env=worker_env
     ).start()
     try:
         wait_for(lambda: hold.holds(job_ids), 60, "both jobs to be held mid-attempt")
         owners = [registry.get_job(j).lease_owner for j in job_ids]
         name, pid = one_worker(dispatcher)
         info = ray.get(dispatcher.workers[name].actor.info.remote())
+        environment = psutil.Process(pid).environ()
         hold.release()
         wait_for(lambda: ended(registry, job_ids), 120, "both jobs to finish")
     finally:
         dispatcher.shutdown()
 
     assert sorted(owners) == [f"{name}#0", f"{name}#1"]  # one process, two leases
+    assert {
+        name: environment.get(name) for name in worker_env
+    } == worker_env  # inherited, and its runtime env
     assert info["pid"] == pid and info["slots"] == 2  # that process runs both jobs
     assert sorted((j["job_id"], j["owner"]) for j in info["jobs"]) == sorted(
         zip(job_ids, owners, strict=True)
