@@ -18,11 +18,12 @@ from fastapi.testclient import TestClient
 
 from services.api.app import create_app
 from services.client import PeltClient
-from services.delta_store import MlflowDeltaStore, ensure_store
+from services.delta_store import MlflowDeltaStore
 from services.operations import PeltOperations
-from services.registry import Registry, upgrade
-from services.registry.testing import sqlite_url, write_jsonl
+from services.registry import Registry
+from services.registry.testing import write_jsonl
 from services.settings import Settings
+from tests.data_templates import migrated_data_template
 from tests.workers.conftest import save_tiny_bert, toy_rows
 
 BACKBONE = "tiny-bert"
@@ -63,11 +64,9 @@ def toy_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A migrated registry and an initialised MLflow SQLite database, copied per test."""
-    folder = tmp_path_factory.mktemp("templates")
-    upgrade(sqlite_url(folder / "registry.db"))
-    ensure_store(sqlite_url(folder / "mlflow.db"), str(folder / "unused-artifacts"))
+def templates() -> dict[str, Path]:
+    """A migrated registry and an initialised MLflow SQLite database, copied per test (tests/data_templates.py)."""
+    folder = migrated_data_template()
     return {"registry": folder / "registry.db", "mlflow": folder / "mlflow.db"}
 
 

@@ -36,6 +36,7 @@ from services.api.server import ApiServer
 from services.client import PeltClient
 from services.settings import Settings
 from tests.api.conftest import BACKBONE, Api
+from tests.data_templates import copy_migrated_data
 
 BIG_DELTA_BYTES = 32 << 20  # random bytes: zipped, as large (far above what loopback sockets buffer)
 DEADLINE_SECONDS = 60.0  # how long a test waits for what must happen
@@ -251,9 +252,10 @@ def test_the_downloaded_archive_keeps_its_bytes_headers_and_sha256(api, tiny_ber
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[ApiServer]:
-    """`pelt serve` without a dispatcher, with long timeouts (nothing here waits for one)."""
+    """`pelt serve` without a dispatcher, with long timeouts (nothing here waits for one), on a copy of a
+    migrated data folder (tests/data_templates.py)."""
     settings = Settings(
-        data_dir=tmp_path / "pelt",
+        data_dir=copy_migrated_data(tmp_path / "pelt"),
         ray_address=None,
         api_header_timeout_seconds=600.0,
         api_body_idle_timeout_seconds=600.0,

@@ -36,6 +36,7 @@ from services.api.server import ApiServer
 from services.client import PeltClient
 from services.settings import Settings
 from tests.api.helpers import tiny_lora_spec
+from tests.data_templates import copy_migrated_data
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT_TIMEOUT_SECONDS = 2.0  # the header and body timeouts of the tests that expect a close
@@ -44,9 +45,10 @@ DEADLINE_SECONDS = 60.0  # how long a test waits for what must happen (far above
 
 
 def serve(tmp_path: Path, timeout: float, **options: object) -> ApiServer:
-    """`pelt serve` without a dispatcher, with this header and body-idle timeout."""
+    """`pelt serve` without a dispatcher, with this header and body-idle timeout, on a copy of a migrated data
+    folder (tests/data_templates.py)."""
     settings = Settings(
-        data_dir=tmp_path / "pelt",
+        data_dir=copy_migrated_data(tmp_path / "pelt"),
         ray_address=None,
         api_header_timeout_seconds=timeout,
         api_body_idle_timeout_seconds=timeout,
