@@ -50,13 +50,33 @@ Ray: `connect_ray` joins PELT_RAY_ADDRESS, or starts a local Ray bound to 127.0.
 off, its session folders private to its user, Ray's token authentication on (see `ray_cluster`).
 """
 
-from services.dispatcher.cli import dispatcher_command, serve
-from services.dispatcher.config import DispatcherConfig
-from services.dispatcher.dispatcher import Dispatcher
-from services.dispatcher.job_specs import task_spec
-from services.dispatcher.lease import RegistryLease
-from services.dispatcher.ray_cluster import connect_ray, loopback_only, private_ray_token, require_token_auth
-from services.dispatcher.slots import WORKER_PREFIX
+import importlib
+from typing import Any
+
+# Imported on first use (PEP 562), so that what needs one of them (`pelt --help`, a worker unpickling its
+# RegistryLease) does not import the dispatcher, its registry and Ray's scheduling with it.
+_EXPORTS = {
+    "WORKER_PREFIX": "services.dispatcher.slots",
+    "Dispatcher": "services.dispatcher.dispatcher",
+    "DispatcherConfig": "services.dispatcher.config",
+    "RegistryLease": "services.dispatcher.lease",
+    "connect_ray": "services.dispatcher.ray_cluster",
+    "dispatcher_command": "services.dispatcher.cli",
+    "loopback_only": "services.dispatcher.ray_cluster",
+    "private_ray_token": "services.dispatcher.ray_cluster",
+    "require_token_auth": "services.dispatcher.ray_cluster",
+    "serve": "services.dispatcher.cli",
+    "task_spec": "services.dispatcher.job_specs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "WORKER_PREFIX",

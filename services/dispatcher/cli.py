@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.dispatcher.config import (
     DEFAULT_GPU_PACK_SIZE,
@@ -13,11 +13,11 @@ from services.dispatcher.config import (
     MAX_PACK_SIZE,
     DispatcherConfig,
 )
-from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.ray_cluster import connect_ray
-from services.registry import Registry
 from services.settings import get_settings
-from workers.job import DeltaSink
+
+if TYPE_CHECKING:
+    from workers.job import DeltaSink
 
 
 def serve(
@@ -35,6 +35,9 @@ def serve(
     delta_store: "local" (LocalDeltaSink under PELT_DATA_DIR/deltas) or "mlflow" (MlflowDeltaStore on
     PELT_MLFLOW_TRACKING_URI, its schema created or upgraded first). handover: on SIGTERM leave the workers
     and their jobs running for the next leader (a standby takes over at once) instead of stopping them."""
+    from services.dispatcher.dispatcher import Dispatcher  # here: `pelt --help` needs none of it
+    from services.registry import Registry
+
     settings = get_settings()
     config = config or DispatcherConfig()
     started = connect_ray(settings, namespace=config.namespace, num_cpus=num_cpus)
