@@ -85,8 +85,8 @@ def connect_ray(
     temp_dir = init_kwargs.pop("_temp_dir", None) or private_ray_temp_dir()
     # address="local": always a new local Ray, never one that happens to run on this machine already. Its
     # processes (and so every worker it starts) inherit WORKER_ENVIRONMENT: workers then need no runtime
-    # env of their own, which would cost each one a second Ray start-up in its process and keep it from
-    # taking one of the worker processes Ray starts ahead.
+    # env of their own, with which each would wait for a process started for that env while the worker
+    # processes Ray starts ahead stay unused.
     with environment(WORKER_ENVIRONMENT):
         ray.init(
             address="local",

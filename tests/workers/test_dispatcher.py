@@ -348,9 +348,7 @@ def test_two_slots_train_two_jobs_at_once_in_one_process_each_with_its_own_lease
         dispatcher.shutdown()
 
     assert sorted(owners) == [f"{name}#0", f"{name}#1"]  # one process, two leases
-    assert {
-        name: environment.get(name) for name in worker_env
-    } == worker_env  # inherited, and its runtime env
+    assert {variable: environment.get(variable) for variable in worker_env} == worker_env  # inherited + own
     assert info["pid"] == pid and info["slots"] == 2  # that process runs both jobs
     assert sorted((j["job_id"], j["owner"]) for j in info["jobs"]) == sorted(
         zip(job_ids, owners, strict=True)
