@@ -7,7 +7,6 @@ one whole service (`service`: `ApiServer` as `pelt serve` runs it), each on task
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from services.operations import PeltOperations
 from services.registry import Registry
 from services.registry.testing import write_jsonl
 from services.settings import Settings
-from tests.data_templates import migrated_data_template
+from tests.data_templates import copy_migrated_data
 from tests.workers.conftest import save_tiny_bert, toy_rows
 
 BACKBONE = "tiny-bert"
@@ -63,15 +62,8 @@ def toy_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return files
 
 
-@pytest.fixture(scope="session")
-def templates() -> dict[str, Path]:
-    """A migrated registry and an initialised MLflow SQLite database, copied per test (tests/data_templates.py)."""
-    folder = migrated_data_template()
-    return {"registry": folder / "registry.db", "mlflow": folder / "mlflow.db"}
-
-
 @pytest.fixture(scope="package")
-def service(tmp_path_factory: pytest.TempPathFactory, templates, tiny_bert_dir: Path) -> Iterator[Any]:
+def service(tmp_path_factory: pytest.TempPathFactory, tiny_bert_dir: Path) -> Iterator[Any]:
     """The whole service in this process (`ApiServer`: API on a loopback port, dispatcher, local Ray), the
     tiny backbone registered; started once for the end-to-end and page tests (each on tasks of its own,
     run one after the other in the cluster group: tests/tiers.py) and stopped when this folder's tests end,
@@ -79,11 +71,8 @@ def service(tmp_path_factory: pytest.TempPathFactory, templates, tiny_bert_dir: 
     from services.api.server import ApiServer
     from services.dispatcher import DispatcherConfig
 
-    data = tmp_path_factory.mktemp("service") / "data"
-    data.mkdir()
-    shutil.copyfile(templates["mlflow"], data / "mlflow.db")
     settings = Settings(
-        data_dir=data,
+        data_dir=copy_migrated_data(tmp_path_factory.mktemp("service") / "data"),
         ray_address=None,
         lease_seconds=20,
         heartbeat_seconds=1,
@@ -93,7 +82,7 @@ def service(tmp_path_factory: pytest.TempPathFactory, templates, tiny_bert_dir: 
     config = DispatcherConfig(
         namespace="api-service", heartbeat_seconds=1.0, poll_seconds=0.2, max_workers_per_node=2
     )
-    running = ApiServer(settings, port=0, num_cpus=2, dispatcher_config=config).start()  # migrates itself
+    running = ApiServer(settings, port=0, num_cpus=2, dispatcher_config=config).start()
     try:
         client = PeltClient(running.url, token=running.token, settings=running.settings)
         client.register_backbone(BACKBONE, str(tiny_bert_dir))
@@ -103,13 +92,10 @@ def service(tmp_path_factory: pytest.TempPathFactory, templates, tiny_bert_dir: 
 
 
 @pytest.fixture
-def settings(tmp_path: Path, templates: dict[str, Path], tiny_bert_dir: Path) -> Settings:
-    data = tmp_path / "data"
-    data.mkdir()
-    shutil.copyfile(templates["registry"], data / "registry.db")
-    shutil.copyfile(templates["mlflow"], data / "mlflow.db")
+def settings(tmp_path: Path, tiny_bert_dir: Path) -> Settings:
+    """A data folder of the test's own, copied from a migrated one (tests/data_templates.py)."""
     return Settings(
-        data_dir=data,
+        data_dir=copy_migrated_data(tmp_path / "data"),
         ray_address=None,
         max_request_bytes=64 * 1024,
         max_upload_bytes=2 * 1024 * 1024,
