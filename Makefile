@@ -9,6 +9,10 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 # the browser tests drive Debian's chromium, never a browser download
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
+# Python caches compiled bytecode even where the environment turns it off (PYTHONDONTWRITEBYTECODE=1):
+# otherwise every test process, Ray worker and `pelt` child recompiles pelt's modules, and pytest
+# re-rewrites every test module in each of its processes (collection alone: 18.3 s without, 11.3 s with)
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: install demo test test-fast lint bench clean
 
