@@ -9,7 +9,8 @@ fails, which is the point: anything a job trains lives in its own delta.
 bfloat16 has no numpy dtype, so bf16 tensors travel as uint16 and are viewed back as bf16.
 
 Per node, a light `BackboneHost` actor (workers/backbone_host.py) publishes each (backbone, dtype)
-once and owns the copy; `NodeBackbones` is what a worker calls to map its node's copy.
+once and owns the copy; `NodeBackbones` is what a worker calls to map its node's copy (the first
+worker to ask loads it for the host).
 
 Inside one worker process, jobs that train at once (job slots) each get a `replicate`d backbone: another
 module tree over the very same tensors, because pelt_core keeps a forward's routing state on the
@@ -17,7 +18,10 @@ backbone's modules; their shared tokenizer is wrapped in a `SerializedTokenizer`
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
+import gc
 import json
 import threading
 import warnings
@@ -28,7 +32,7 @@ import torch
 from torch import nn
 
 from pelt_core.backbones import Backbone, resolve_backbone
-from workers.backbone_host import HOST_PREFIX, BackboneHandle, BackboneHost, host_name, node_host
+from workers.backbone_host import HOST_PREFIX, LOAD_GROUP, BackboneHandle, BackboneHost, host_name, node_host
 
 __all__ = [
     "HOST_PREFIX",
@@ -45,6 +49,7 @@ __all__ = [
     "materialize",
     "node_host",
     "publish_backbone",
+    "release_free_memory",
     "replicate",
     "to_shareable",
 ]
@@ -209,11 +214,30 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
 
 
-class NodeBackbones:
-    """What a worker calls for a backbone: the node's shared copy, mapped zero-copy into this process."""
+def release_free_memory() -> bool:
+    """Give the memory this process freed back to the system (glibc's `malloc_trim`; a no-op elsewhere):
+    after a load, the model's freed tensors would otherwise stay in the allocator's free lists and count
+    in this process's resident memory. True if glibc released anything."""
+    gc.collect()  # a loaded model's reference cycles, if any, before the trim
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False
 
-    def __init__(self, namespace: str | None = None) -> None:
+
+class NodeBackbones:
+    """What a worker calls for a backbone: the node's shared copy, mapped zero-copy into this process.
+
+    With `load_here` (a worker actor with `load_backbone` and `release_free_memory` methods in a
+    `LOAD_GROUP` of one thread, as `PeltWorker`), a backbone the node has not published yet is loaded in
+    this process for the host, and the loading's garbage given back afterwards by a call queued behind the
+    load in that thread (so after the load's return value is stored and dropped); otherwise the host
+    loads it in a one-off task."""
+
+    def __init__(self, namespace: str | None = None, load_here: bool = False) -> None:
         self.namespace = namespace
+        self.load_here = load_here
 
     def prestart(self) -> None:
         """Start the node's host now (in the background), so the first job does not wait for it."""
@@ -224,8 +248,21 @@ class NodeBackbones:
         import ray
 
         canonical = resolve_backbone(name)[0]  # one key per model, whatever alias a job used
-        handle = ray.get(node_host(self.namespace).handle.remote(canonical, dtype))
+        loader = _this_actor() if self.load_here else None
+        handle = ray.get(node_host(self.namespace).handle.remote(canonical, dtype, loader=loader))
+        if loader is not None:  # give back what a load here left behind, once the load's thread let go of it
+            ray.get(loader.release_free_memory.options(concurrency_group=LOAD_GROUP).remote())
         return materialize(handle), handle.num_bytes
+
+
+def _this_actor() -> Any:
+    """This process's own actor handle (None outside an actor)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:  # not an actor
+        return None
 
 
 class LocalBackbones:

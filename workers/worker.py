@@ -32,8 +32,9 @@ For each job it:
    reading anything with the registry's backbone facts, else once the backbone is mapped;
 1. renews the lease from a heartbeat thread every `heartbeat_seconds` (also while the backbone loads
    or the delta uploads), sending the trainer's last progress {step, total, loss, tokens_per_second};
-2. takes the backbone from its warm cache, or maps the node's shared copy (`NodeBackbones`): the
-   weights are read-only views of the node's object store, never written;
+2. takes the backbone from its warm cache, or maps the node's shared copy (`NodeBackbones`; the first
+   worker to ask for a backbone loads it for the node's host): the weights are read-only views of the
+   node's object store, never written;
 3. trains with `pelt_core.train`, whose stop flag is raised by a cancel request (seen at heartbeat, or
    pushed by the dispatcher through `stop`), by a shutdown (`stop(..., "release")`) or by a lost lease;
 4. writes the delta through the `DeltaSink`, then records the result through the lease.
@@ -298,7 +299,7 @@ class PeltWorker:
         if backbones is None:
             from workers.backbone_store import NodeBackbones
 
-            backbones = NodeBackbones(self.config.namespace)
+            backbones = NodeBackbones(self.config.namespace, load_here=True)
             backbones.prestart()
         self._source = backbones
         self._backbones: OrderedDict[tuple[str, str], _Warm] = OrderedDict()
@@ -363,8 +364,24 @@ class PeltWorker:
         attempt.stop(reason, "cancellation requested" if reason == "cancel" else "released by the dispatcher")
         return True
 
+    def load_backbone(
+        self, name: str, dtype: str = "float32", attn_implementation: str = "sdpa"
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load a backbone for this node's host (metadata, arrays): the host calls it (in the actor's
+        `LOAD_GROUP` thread) when this worker asks for a backbone the node has not published yet, and
+        owns the arrays it returns (workers/backbone_host.py)."""
+        from workers.backbone_store import load_shareable
+
+        return load_shareable(name, dtype, attn_implementation)
+
+    def release_free_memory(self) -> bool:
+        """Give what this process freed back to the system (after a `load_backbone`)."""
+        from workers.backbone_store import release_free_memory
+
+        return release_free_memory()
+
     def memory(self) -> dict[str, int]:
-        """This process's memory (bytes): rss, pss, and uss (private_clean + private_dirty)."""
+        """This process's memory (bytes): rss, pss, uss (private_clean + private_dirty) and anonymous."""
         return process_memory()
 
     def ping(self) -> int:
@@ -635,7 +652,9 @@ def result_fields(result: Any, backbone: Backbone) -> dict[str, Any]:
 
 
 def process_memory(pid: int | str = "self") -> dict[str, int]:
-    """rss, pss and uss of a process in bytes, from /proc/<pid>/smaps_rollup (Linux)."""
+    """rss, pss and uss of a process in bytes, from /proc/<pid>/smaps_rollup (Linux), and `anonymous`: its
+    heap and other private memory, without the shared memory it maps (a node's shared backbones: pages a
+    process wrote there count in its uss until another process reads them)."""
     fields: dict[str, int] = {}
     with open(f"/proc/{pid}/smaps_rollup") as handle:
         for line in handle:
@@ -646,6 +665,7 @@ def process_memory(pid: int | str = "self") -> dict[str, int]:
         "rss": fields.get("Rss", 0),
         "pss": fields.get("Pss", 0),
         "uss": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0),
+        "anonymous": fields.get("Anonymous", 0),
     }
 
 
@@ -669,10 +689,13 @@ def _node_id() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def worker_actor_class() -> Any:
-    """PeltWorker as a Ray actor class (the dispatcher sets name, node, CPUs and concurrency)."""
+    """PeltWorker as a Ray actor class (the dispatcher sets name, node, CPUs and concurrency), with a
+    thread of its own for the loads its node's backbone host asks of it."""
     import ray
 
-    return ray.remote(PeltWorker)
+    from workers.backbone_host import LOAD_GROUP
+
+    return ray.remote(concurrency_groups={LOAD_GROUP: 1})(PeltWorker)
 
 
 __all__ = [
