@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pelt_core.errors import BackboneError
 from pelt_core.limits import (
     BACKBONE_CONFIG,
     BACKBONE_WEIGHT_BYTES_ALLOWANCE,
@@ -33,10 +34,6 @@ from pelt_core.limits import (
     REQUIRED_BACKBONE_CONFIG,
     LimitError,
 )
-
-
-class BackboneError(ValueError):
-    """A backbone cannot be found, or its architecture is not supported."""
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from pelt_core.errors import DataError
 from pelt_core.json_nesting import json_depth, too_deep_line
 from pelt_core.labels import ProblemTypeError, class_names, infer_problem_type, label_index
 from pelt_core.limits import MAX_DATASET_BYTES, MAX_JSON_ROW_DEPTH, dev_split_rows
 from pelt_core.parquet_size import WORKER_BATCH_BYTES, DecodedSizeError, check_parquet_decoded_size
 from pelt_core.saved_dataset import SavedDatasetError, load_saved_dataset
 from pelt_core.vocabulary import LABEL_FIELD_CANDIDATES, find_text_fields
-
-
-class DataError(ValueError):
-    """A dataset file cannot be read or lacks a field the task needs; the message names it."""
 
 
 def load_table(path: str | Path, split: str | None = None, *, max_decoded_bytes: int = MAX_DATASET_BYTES):

@@ -44,12 +44,11 @@ class ErrorView:
 
 def expected_errors() -> tuple[type[Exception], ...]:
     """The error classes the service raises on purpose: the API answers them with `classify`'s view
-    (imported late: pelt_core pulls in torch)."""
-    from pelt_core.backbones import BackboneError
-    from pelt_core.compose import CompositionError
+    (from modules that import no torch: an API that never composes or predicts never loads it)."""
+    from pelt_core.compose_options import CompositionError
     from pelt_core.config import ConfigError
-    from pelt_core.data import DataError
     from pelt_core.delta_format import DeltaError
+    from pelt_core.errors import BackboneError, DataError
     from pelt_core.spec import SpecError
     from services.delta_store.errors import DeltaStoreError
     from services.registry.errors import RegistryError

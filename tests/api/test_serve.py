@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,21 @@ from services.api.server import ApiServer
 from services.client import PeltClient
 from services.registry import SchemaOutOfDateError
 from services.settings import Settings
+from tests.data_templates import copy_migrated_data
+
+WITHOUT_TORCH = """
+import sys
+from services.api.server import ApiServer
+from services.client import PeltClient
+from services.settings import Settings
+
+settings = Settings(data_dir=sys.argv[1], ray_address=None)
+with ApiServer(settings, port=0, dispatcher=False, upgrade=False) as server:
+    client = PeltClient(server.url, settings=settings)
+    answers = [client.http.get("/v1/tasks").status_code, client.http.get("/v1/tasks/missing").status_code]
+    answers.append(client.http.post("/v1/jobs", json={"task": "missing", "seed": "x"}).status_code)
+print(answers, sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
 
 
 def test_an_embedded_service_starts_migrated_with_a_local_token_and_answers_over_http(tmp_path):
@@ -28,6 +46,20 @@ def test_an_embedded_service_starts_migrated_with_a_local_token_and_answers_over
             == 401
         )
     assert (tmp_path / "pelt" / "api_token").stat().st_mode & 0o777 == 0o600
+
+
+def test_an_api_that_neither_composes_nor_predicts_never_imports_torch(tmp_path):
+    """Errors included (a 404, a 422): the API process recognises pelt_core's errors without loading torch."""
+    data_dir = copy_migrated_data(tmp_path / "pelt")
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH, str(data_dir)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[200, 404, 422] []", done.stdout
 
 
 def test_a_second_start_keeps_the_token_of_the_first(tmp_path):
