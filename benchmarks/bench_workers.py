@@ -122,7 +122,7 @@ def sample(
 def object_store_resident() -> int:
     """Bytes of this Ray node's object store (its /dev/shm file, held open by the raylet) resident in RAM,
     by mincore(2): every object-store page counted once, whoever touched it (PSS misses pages that only
-    an exited process touched, such as the loader that wrote a backbone)."""
+    an exited process touched, such as a loader task that wrote a backbone and exited)."""
     import ctypes
 
     import psutil

@@ -44,7 +44,7 @@ class LoadedBackbone:
 
 
 def _packaged() -> tuple[dict[str, Any], dict[str, str]]:
-    from pelt_core.backbones import BACKBONE_ALIASES, PACKAGED_BACKBONES
+    from pelt_core.backbone_names import BACKBONE_ALIASES, PACKAGED_BACKBONES
 
     return PACKAGED_BACKBONES, BACKBONE_ALIASES
 
@@ -140,7 +140,7 @@ class SubprocessBackboneLoader:
         self.settings = settings
 
     def __call__(self, source: str) -> LoadedBackbone:
-        from pelt_core.backbones import BackboneError
+        from pelt_core.errors import BackboneError
 
         memory, timeout = (
             self.settings.backbone_load_memory_bytes,

@@ -184,7 +184,7 @@ class PeltOperations:
         to the packaged backbones, which ship with pelt and are trusted: any other name that is not
         registered (a model folder, even one inside PELT_BACKBONE_DIRS, or any path) is UnknownBackboneError,
         a 404, before anything is loaded or written. Keep that check first."""
-        from pelt_core.backbones import BACKBONE_ALIASES, PACKAGED_BACKBONES
+        from pelt_core.backbone_names import BACKBONE_ALIASES, PACKAGED_BACKBONES
 
         try:
             record = self.registry.get_backbone(name)
@@ -212,7 +212,7 @@ class PeltOperations:
 
     def _load_backbone(self, location: BackboneSource) -> Any:
         """The loaded backbone at a located source; a failure is a 422 on `source` without server paths."""
-        from pelt_core.backbones import BackboneError
+        from pelt_core.errors import BackboneError
 
         loader = self._backbone_loader or SubprocessBackboneLoader(self.settings)
         try:

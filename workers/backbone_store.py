@@ -19,7 +19,6 @@ backbone's modules; their shared tokenizer is wrapped in a `SerializedTokenizer`
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import gc
 import json
@@ -107,7 +106,7 @@ def load_shareable(
 
 def publish_backbone(name: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> BackboneHandle:
     """Load `name` once in this process and put its tensors into the object store of this node
-    (this process owns the copy; a node's BackboneHost publishes through a task instead)."""
+    (this process owns the copy; a node's BackboneHost has a worker or a one-off task load it instead)."""
     import ray
 
     meta, payload = load_shareable(name, dtype, attn_implementation)
@@ -214,15 +213,21 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
 
 
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None (another C library)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def release_free_memory() -> bool:
     """Give the memory this process freed back to the system (glibc's `malloc_trim`; a no-op elsewhere):
     after a load, the model's freed tensors would otherwise stay in the allocator's free lists and count
     in this process's resident memory. True if glibc released anything."""
     gc.collect()  # a loaded model's reference cycles, if any, before the trim
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return False
-    trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)
+    trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
 
 
@@ -232,8 +237,8 @@ class NodeBackbones:
     With `load_here` (a worker actor with `load_backbone` and `release_free_memory` methods in a
     `LOAD_GROUP` of one thread, as `PeltWorker`), a backbone the node has not published yet is loaded in
     this process for the host, and the loading's garbage given back afterwards by a call queued behind the
-    load in that thread (so after the load's return value is stored and dropped); otherwise the host
-    loads it in a one-off task."""
+    load in that thread (so after the load's return value is stored and dropped; not waited for, and a
+    no-op unless this process loaded); otherwise the host loads it in a one-off task."""
 
     def __init__(self, namespace: str | None = None, load_here: bool = False) -> None:
         self.namespace = namespace
@@ -251,7 +256,7 @@ class NodeBackbones:
         loader = _this_actor() if self.load_here else None
         handle = ray.get(node_host(self.namespace).handle.remote(canonical, dtype, loader=loader))
         if loader is not None:  # give back what a load here left behind, once the load's thread let go of it
-            ray.get(loader.release_free_memory.options(concurrency_group=LOAD_GROUP).remote())
+            loader.release_free_memory.options(concurrency_group=LOAD_GROUP).remote()  # not waited for
         return materialize(handle), handle.num_bytes
 
 

@@ -308,6 +308,7 @@ class PeltWorker:
         self._attempts: dict[int, _Attempt] = {}  # running jobs by id, in the order they started
         self._finished: list[JobOutcome] = []
         self._started = time.time()
+        self._loaded_for_host = False  # a backbone loaded here for the node's host since the last release
 
     # --- what the dispatcher calls ----------------------------------------------------------------
 
@@ -372,12 +373,17 @@ class PeltWorker:
         owns the arrays it returns (workers/backbone_host.py)."""
         from workers.backbone_store import load_shareable
 
+        self._loaded_for_host = True
         return load_shareable(name, dtype, attn_implementation)
 
     def release_free_memory(self) -> bool:
-        """Give what this process freed back to the system (after a `load_backbone`)."""
+        """Give what this process freed back to the system, once after each `load_backbone` (a no-op
+        otherwise). True if anything was released."""
         from workers.backbone_store import release_free_memory
 
+        if not self._loaded_for_host:
+            return False
+        self._loaded_for_host = False
         return release_free_memory()
 
     def memory(self) -> dict[str, int]:

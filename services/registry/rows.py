@@ -74,7 +74,7 @@ def backbone_filter_ids(session: Session, name: str) -> list[int]:
     that name; for a packaged backbone (`pelt_core.backbones`: its name or an alias), every registered row
     under any of its names (jobs submitted as `minilm` are found by `all-minilm-l6-v2`), none while no
     submit has registered it (the filter matches nothing); UnknownBackboneError for any other name."""
-    from pelt_core.backbones import BACKBONE_ALIASES, PACKAGED_BACKBONES
+    from pelt_core.backbone_names import BACKBONE_ALIASES, PACKAGED_BACKBONES
 
     canonical = BACKBONE_ALIASES.get(name, name)
     if canonical not in PACKAGED_BACKBONES:

@@ -4,6 +4,7 @@ serve."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import subprocess
@@ -18,17 +19,42 @@ from services.registry import SchemaOutOfDateError
 from services.settings import Settings
 from tests.data_templates import copy_migrated_data
 
+TINY_FACTS = {  # a registered backbone's shape (tests/security/test_limits.py's tiny BERT)
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "head_dim": 8,
+    "intermediate_size": 64,
+    "max_positions": 64,
+    "vocab_size": 114,
+    "num_parameters": 40_000,
+}
+
 WITHOUT_TORCH = """
-import sys
+import json, sys
+from pathlib import Path
 from services.api.server import ApiServer
 from services.client import PeltClient
+from services.registry import Registry
 from services.settings import Settings
 
 settings = Settings(data_dir=sys.argv[1], ray_address=None)
+train = Path(sys.argv[1]) / "train.jsonl"
+train.write_text("".join(json.dumps({"sentence": f"row {i}", "label": i % 2}) + "\\n" for i in range(8)))
+with Registry(settings=settings) as registry:
+    registry.register_task("toy", {"train": str(train)}, text_fields=["sentence"])
+    registry.register_backbone("tiny", "/nowhere/tiny", "sha256:0", json.loads(sys.argv[2]))
 with ApiServer(settings, port=0, dispatcher=False, upgrade=False) as server:
-    client = PeltClient(server.url, settings=settings)
-    answers = [client.http.get("/v1/tasks").status_code, client.http.get("/v1/tasks/missing").status_code]
-    answers.append(client.http.post("/v1/jobs", json={"task": "missing", "seed": "x"}).status_code)
+    http = PeltClient(server.url, settings=settings).http
+    job = {"task": "toy", "method": "lora", "backbone": "tiny"}
+    answers = [
+        http.get("/v1/tasks").status_code,
+        http.get("/v1/tasks/missing").status_code,  # the registry's NotFoundError
+        http.post("/v1/jobs", json={**job, "backbone": "missing"}).status_code,  # the backbone names' check
+        http.post("/v1/jobs", json={**job, "hyperparameters": {"r": 10**6}}).status_code,  # the limits
+        http.post("/v1/jobs", json=job).status_code,  # queued
+    ]
 print(answers, sorted(m for m in ("torch", "transformers") if m in sys.modules))
 """
 
@@ -49,17 +75,18 @@ def test_an_embedded_service_starts_migrated_with_a_local_token_and_answers_over
 
 
 def test_an_api_that_neither_composes_nor_predicts_never_imports_torch(tmp_path):
-    """Errors included (a 404, a 422): the API process recognises pelt_core's errors without loading torch."""
+    """Listing, refusing (404s, a 422 from pelt_core's limits) and queueing a job on a registered backbone:
+    the API process checks names, numbers and errors without loading torch."""
     data_dir = copy_migrated_data(tmp_path / "pelt")
     done = subprocess.run(
-        [sys.executable, "-c", WITHOUT_TORCH, str(data_dir)],
+        [sys.executable, "-c", WITHOUT_TORCH, str(data_dir), json.dumps(TINY_FACTS)],
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parents[2],
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[200, 404, 422] []", done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[200, 404, 404, 422, 201] []", done.stdout
 
 
 def test_a_second_start_keeps_the_token_of_the_first(tmp_path):

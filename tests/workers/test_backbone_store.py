@@ -70,39 +70,41 @@ def test_worker_actors_on_one_node_map_one_published_copy(local_ray, tiny_backbo
     assert all(extra < 0.25 * shared for extra in growth), (growth, shared)
 
 
-def test_a_backbone_whose_loading_worker_dies_is_loaded_by_the_next_worker_that_asks(
+def test_a_published_backbone_outlives_the_worker_that_loaded_it_and_a_dead_loader_publishes_nothing(
     local_ray, tiny_backbone
 ):
-    """The host publishes nothing when the worker loading for it dies: the next request loads again."""
+    """The host owns what a worker loads for it: the copy stays when that worker dies. A loader that is dead
+    when the host asks it publishes nothing, and the next request loads again; without a loader, a one-off
+    task loads."""
     ray = local_ray
     from workers.backbone_host import node_host
     from workers.worker import WorkerConfig, worker_actor_class
 
-    namespace = "dying-loader-test"
+    namespace = "loader-lifetime-test"
     config = WorkerConfig(namespace=namespace)
-    doomed = (
-        worker_actor_class()
-        .options(name="doomed", namespace=namespace, max_concurrency=4)
-        .remote("doomed", config)
-    )
-    survivor = (
-        worker_actor_class()
-        .options(name="survivor", namespace=namespace, max_concurrency=4)
-        .remote("survivor", config)
+    doomed, loader, reader = (
+        worker_actor_class().options(name=name, namespace=namespace, max_concurrency=4).remote(name, config)
+        for name in ("doomed", "loader", "reader")
     )
     host = node_host(namespace)
     try:
-        ray.get([doomed.ping.remote(), survivor.ping.remote()])
-        ray.kill(doomed)  # it dies before its load is stored: the host's request to it fails
+        ray.get([worker.ping.remote() for worker in (doomed, loader, reader)])
+        ray.kill(doomed)
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(host.handle.remote(tiny_backbone[0], loader=doomed))
         assert ray.get(host.published.remote()) == []
-        warmed = ray.get(survivor.warm.remote(tiny_backbone[0]))
-        (entry,) = ray.get(host.published.remote())
+        loaded = ray.get(loader.warm.remote(tiny_backbone[0]))  # the first to ask loads it for the host
+        ray.kill(loader)
+        mapped = ray.get(reader.warm.remote(tiny_backbone[0]))  # the copy the dead loader wrote
+        by_task = ray.get(host.handle.remote(tiny_backbone[0], "bfloat16"))  # no loader: a one-off task
+        published = ray.get(host.published.remote())
     finally:
-        ray.kill(survivor)
+        for worker in (loader, reader):
+            ray.kill(worker)
         ray.kill(host)
-    assert entry["content_hash"] == tiny_backbone[1] and warmed["shared_bytes"] == entry["num_bytes"]
+    assert mapped == loaded and mapped["shared_bytes"] > 0
+    assert by_task.dtype == "bfloat16" and by_task.content_hash == tiny_backbone[1]
+    assert sorted(p["dtype"] for p in published) == ["bfloat16", "float32"]
 
 
 @pytest.fixture(scope="module")
