@@ -9,7 +9,8 @@ instead of running out of memory.
 
 Its budget: PELT_WORKER_MEMORY_BYTES in the worker's own environment where set, else the memory of its
 machine as its process sees it (`pelt_core.limits.machine_memory_bytes`: physical memory, cgroup limit,
-RLIMIT_AS). Cheap: a job costs one estimate, nothing is read for it.
+RLIMIT_AS). Cheap: a job costs one estimate, nothing is read for it. And what a process's memory is now
+(`process_memory`: what a worker reports).
 """
 
 from __future__ import annotations
@@ -64,4 +65,22 @@ class JobMemoryCheck:
             ) from None
 
 
-__all__ = ["BUDGET_VARIABLE", "JobMemoryCheck", "worker_memory_budget"]
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """rss, pss and uss of a process in bytes, from /proc/<pid>/smaps_rollup (Linux), and `anonymous`: its
+    heap and other private memory, without the shared memory it maps (a node's shared backbones: pages a
+    process wrote there count in its uss until another process reads them)."""
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as handle:
+        for line in handle:
+            parts = line.split()
+            if len(parts) >= 3 and parts[0].endswith(":"):
+                fields[parts[0][:-1]] = int(parts[1]) * 1024
+    return {
+        "rss": fields.get("Rss", 0),
+        "pss": fields.get("Pss", 0),
+        "uss": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0),
+        "anonymous": fields.get("Anonymous", 0),
+    }
+
+
+__all__ = ["BUDGET_VARIABLE", "JobMemoryCheck", "process_memory", "worker_memory_budget"]

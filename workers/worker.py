@@ -73,7 +73,7 @@ from pelt_core.spec import SpecError
 from pelt_core.train import Progress, TrainingCancelled, TrainingError, train
 from workers.job import DeltaSink, JobLease, JobOutcome, JobSpec, LeaseLost
 from workers.loss_curve import LossCurve
-from workers.memory_budget import JobMemoryCheck, worker_memory_budget
+from workers.memory_budget import JobMemoryCheck, process_memory, worker_memory_budget
 from workers.pack_runner import PackRunner
 
 log = logging.getLogger("pelt.workers")
@@ -657,24 +657,6 @@ def result_fields(result: Any, backbone: Backbone) -> dict[str, Any]:
     }
 
 
-def process_memory(pid: int | str = "self") -> dict[str, int]:
-    """rss, pss and uss of a process in bytes, from /proc/<pid>/smaps_rollup (Linux), and `anonymous`: its
-    heap and other private memory, without the shared memory it maps (a node's shared backbones: pages a
-    process wrote there count in its uss until another process reads them)."""
-    fields: dict[str, int] = {}
-    with open(f"/proc/{pid}/smaps_rollup") as handle:
-        for line in handle:
-            parts = line.split()
-            if len(parts) >= 3 and parts[0].endswith(":"):
-                fields[parts[0][:-1]] = int(parts[1]) * 1024
-    return {
-        "rss": fields.get("Rss", 0),
-        "pss": fields.get("Pss", 0),
-        "uss": fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0),
-        "anonymous": fields.get("Anonymous", 0),
-    }
-
-
 def _finite(value: float) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
@@ -709,7 +691,6 @@ __all__ = [
     "PeltWorker",
     "WorkerBusyError",
     "WorkerConfig",
-    "process_memory",
     "result_fields",
     "worker_actor_class",
 ]

@@ -13,23 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from pelt_core.backbones import backbone_facts
+from pelt_core.testing import tiny_bert_config
 from services.api.server import ApiServer
 from services.client import PeltClient
 from services.registry import SchemaOutOfDateError
 from services.settings import Settings
 from tests.data_templates import copy_migrated_data
-
-TINY_FACTS = {  # a registered backbone's shape (tests/security/test_limits.py's tiny BERT)
-    "hidden_size": 32,
-    "num_layers": 2,
-    "num_heads": 4,
-    "num_kv_heads": 4,
-    "head_dim": 8,
-    "intermediate_size": 64,
-    "max_positions": 64,
-    "vocab_size": 114,
-    "num_parameters": 40_000,
-}
 
 WITHOUT_TORCH = """
 import json, sys
@@ -79,7 +69,7 @@ def test_an_api_that_neither_composes_nor_predicts_never_imports_torch(tmp_path)
     the API process checks names, numbers and errors without loading torch."""
     data_dir = copy_migrated_data(tmp_path / "pelt")
     done = subprocess.run(
-        [sys.executable, "-c", WITHOUT_TORCH, str(data_dir), json.dumps(TINY_FACTS)],
+        [sys.executable, "-c", WITHOUT_TORCH, str(data_dir), json.dumps(backbone_facts(tiny_bert_config()))],
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parents[2],
