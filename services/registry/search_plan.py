@@ -13,7 +13,8 @@ The space of a method, around its preset (what the search varies; the rest of th
 - a size per kind of module the method has: `r` (LoRA rank), `bottleneck` (adapter width),
   `prefix_length`, each one of {preset / 2, preset, preset × 2};
 - a mixture's per-module rates: `<role>.lr_multiplier` of every module that trains at its own multiple
-  of the job's rate (UniPELT's), log-uniform over [multiplier / 2, multiplier × 2].
+  of the job's rate (UniPELT's), log-uniform over [multiplier / 2, multiplier × 2]; modules of one kind
+  at one multiplier (UniPELT's LoRA on W_q and on W_v) are one module to the search and share the draw.
 A hyperparameter the user fixes is left out of the space (a fixed size or `lr_multiplier`, however it is
 spelled, fixes every dimension of that field). A method whose space is finite (only sizes, or nothing left)
 gets at most as many configurations as it has distinct points; the draws never repeat a configuration.
@@ -72,7 +73,17 @@ class Choice:
         return "one of " + ", ".join(str(value) for value in self.values)
 
 
-Dimension = LogUniform | Choice
+@dataclass(frozen=True)
+class SameAs:
+    """A dimension tied to another of the same method: it takes the value drawn for `key`."""
+
+    key: str
+
+    def describe(self) -> str:
+        return f"the same as {self.key}"
+
+
+Dimension = LogUniform | Choice | SameAs
 
 
 def method_space(spec: Mapping[str, Any], fixed: Mapping[str, Any] = ()) -> dict[str, Dimension]:
@@ -87,12 +98,16 @@ def method_space(spec: Mapping[str, Any], fixed: Mapping[str, Any] = ()) -> dict
             sizes.setdefault(key, int(module["size"]))
     for key, size in sizes.items():
         space[key] = Choice(tuple(sorted({max(1, round(size * factor)) for factor in SIZE_FACTORS})))
+    leads: dict[tuple[str, float], str] = {}  # (kind, multiplier) -> the key drawn for those modules
     for role, module in (spec.get("modules") or {}).items():
         multiplier = float(module.get("lr_multiplier", 1.0))
         if multiplier != 1.0:
-            space[f"{role}.lr_multiplier"] = LogUniform(
-                multiplier / MULTIPLIER_SPAN, multiplier * MULTIPLIER_SPAN
-            )
+            key, lead = f"{role}.lr_multiplier", leads.get((module_kind(module), multiplier))
+            if lead is None:
+                leads[(module_kind(module), multiplier)] = key
+                space[key] = LogUniform(multiplier / MULTIPLIER_SPAN, multiplier * MULTIPLIER_SPAN)
+            else:
+                space[key] = SameAs(lead)
     aliases = {"lr": "learning_rate", "rank": "r", "l": "prefix_length"}
     left_out = {aliases.get(key, key) for key in fixed}
     fields = {key.rsplit(".", 1)[-1] for key in fixed}  # `size`, `q.size`, `r`, `lr_multiplier`, ...
@@ -100,7 +115,11 @@ def method_space(spec: Mapping[str, Any], fixed: Mapping[str, Any] = ()) -> dict
         left_out.update(SIZE_KEYS.values())  # any size fixed: the sizes are the user's
     if "lr_multiplier" in fields:
         left_out.update(key for key in space if key.endswith(".lr_multiplier"))
-    return {key: dimension for key, dimension in space.items() if key not in left_out}
+    return {
+        key: dimension
+        for key, dimension in space.items()
+        if key not in left_out and not (isinstance(dimension, SameAs) and dimension.key in left_out)
+    }
 
 
 def distinct_points(space: Mapping[str, Dimension]) -> float:
@@ -110,7 +129,8 @@ def distinct_points(space: Mapping[str, Dimension]) -> float:
     for dimension in space.values():
         if isinstance(dimension, LogUniform):
             return math.inf
-        count *= len(dimension.values)
+        if isinstance(dimension, Choice):
+            count *= len(dimension.values)
     return count
 
 
@@ -142,7 +162,9 @@ def draw_configurations(
         if len(seen[method]) >= distinct_points(spaces[method]):
             continue  # every point of this method is drawn
         while True:
-            values = {key: dimension.draw(rng) for key, dimension in spaces[method].items()}
+            space = spaces[method]
+            values = {key: d.draw(rng) for key, d in space.items() if not isinstance(d, SameAs)}
+            values |= {key: values[d.key] for key, d in space.items() if isinstance(d, SameAs)}
             identity = repr(sorted(values.items()))
             if identity not in seen[method]:
                 break
@@ -270,6 +292,7 @@ __all__ = [
     "Configuration",
     "LogUniform",
     "Rung",
+    "SameAs",
     "Schedule",
     "SearchPlanError",
     "distinct_points",

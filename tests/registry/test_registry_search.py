@@ -14,6 +14,7 @@ from services.registry.models import SearchTrial
 from services.registry.search_plan import (
     Choice,
     LogUniform,
+    SameAs,
     SearchPlanError,
     draw_configurations,
     method_space,
@@ -57,6 +58,24 @@ def test_each_method_varies_its_learning_rate_sizes_and_a_mixtures_module_rates_
     assert any(key.endswith(".lr_multiplier") for key in unipelt)
     assert set(method_space(pelt_core.get_method("bitfit").to_dict())) == {"learning_rate"}
     assert method_space(pelt_core.get_method("bitfit").to_dict(), {"lr": 1e-3}) == {}  # fixed: not searched
+
+
+def test_a_mixtures_modules_of_one_kind_share_one_drawn_rate_and_other_kinds_draw_their_own():
+    unipelt = method_space(pelt_core.get_method("unipelt").to_dict())
+    assert unipelt["lora_q.lr_multiplier"] == LogUniform(pytest.approx(1.0), pytest.approx(4.0))
+    assert unipelt["lora_v.lr_multiplier"] == SameAs("lora_q.lr_multiplier")
+    assert unipelt["lora_v.lr_multiplier"].describe() == "the same as lora_q.lr_multiplier"
+    assert "adapter.lr_multiplier" not in unipelt  # the adapter learns at the job's rate: `learning_rate`
+    assert isinstance(unipelt["prefix.lr_multiplier"], LogUniform)
+    for configuration in draw_configurations({"unipelt": unipelt}, 6, seed=3):
+        values = configuration.hyperparameters
+        assert values["lora_v.lr_multiplier"] == values["lora_q.lr_multiplier"]
+        assert 1.0 * 0.99 <= values["lora_q.lr_multiplier"] <= 4.0 * 1.01
+        pelt_core.get_method("unipelt").with_overrides(  # a job of this configuration is a valid spec
+            {k: v for k, v in values.items() if k.endswith(".lr_multiplier")}
+        )
+    fixed = method_space(pelt_core.get_method("unipelt").to_dict(), {"lora_q.lr_multiplier": 3.0})
+    assert not any(key.endswith(".lr_multiplier") for key in fixed)  # one fixed: the user's rates
 
 
 def test_configurations_are_drawn_in_turns_per_method_and_the_same_seed_draws_the_same():
