@@ -247,6 +247,8 @@ DEFAULT_COMPOSE_MEMORY_BYTES = (
     4 << 30
 )  # PELT_COMPOSE_MEMORY_BYTES: one composition's estimated memory for its deltas
 MAX_PAGE_LIMIT = 1_000  # rows of one list answer (GET /v1/jobs, /v1/audit: `limit`); clients page beyond it
+MAX_PREDICT_ROWS = 256  # texts (or text pairs) of one prediction request; clients split larger inputs
+MAX_PREDICT_TEXT_CHARS = 10_000  # characters of one text of a prediction request (a pair: each side)
 
 
 # --- the backbone: ranges that depend on it, and a job's memory --------------------------------------------
@@ -622,6 +624,9 @@ def limits_table_markdown() -> str:
         "modules for TIES/DARE; computed in a child process bounded by that + 3 GiB |",
         f"| rows of one list answer | <= {MAX_PAGE_LIMIT:,} | `limit` of `GET /v1/jobs` and `GET /v1/audit`; "
         "clients page with `offset` beyond it |",
+        f"| rows of one prediction request | <= {MAX_PREDICT_ROWS:,} | `POST /v1/tasks/{{task}}/predict`, "
+        f"`pelt predict` (which splits a longer `--file`); each text <= {MAX_PREDICT_TEXT_CHARS:,} characters "
+        "(a pair: each side), tokens beyond `max_length` 128 cut |",
     ]
     return "\n".join(lines) + "\n"
 
@@ -655,6 +660,8 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_MODULES",
     "MAX_PAGE_LIMIT",
+    "MAX_PREDICT_ROWS",
+    "MAX_PREDICT_TEXT_CHARS",
     "MAX_TAR_HEADER_BYTES",
     "MAX_TRAIN_STEPS",
     "REQUIRED_BACKBONE_CONFIG",

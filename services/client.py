@@ -43,6 +43,7 @@ from services.api.schemas import (
     LeaderboardRowOut,
     LossHistoryOut,
     MethodOut,
+    PredictOut,
     ResultOut,
     SweepCheckOut,
     SweepOut,
@@ -346,6 +347,19 @@ class PeltClient(SearchesClient):
     def loss_history(self, job_id: int) -> LossHistoryOut:
         """The loss curve of the job's current attempt: `.points` are [step, loss], steps increasing."""
         return LossHistoryOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}/loss"))
+
+    def predict(
+        self, task: str, texts: Sequence[str | tuple[str, str]], *, version: str | int | None = None
+    ) -> PredictOut:
+        """Predictions from a task's stored delta, served by the service (`best` by default; an alias
+        such as best-lora, or a version number): `.predictions` holds one per text, in order ({label,
+        score}, {labels, scores} or {value}); `.version` and `.method` say which version answered. A task
+        trained on pairs takes (text, text_pair) tuples. At most 256 texts per call (a 413 beyond)."""
+        body = {
+            "texts": [text if isinstance(text, str) else list(text) for text in texts],
+            "version": None if version is None else str(version),
+        }
+        return PredictOut.model_validate(self._post(f"/v1/tasks/{task}/predict", body))
 
     def result(self, job_id: int) -> ResultOut:
         return ResultOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}/result"))

@@ -104,6 +104,7 @@ class PeltOperations:
         self.uploads = TaskUploads(registry, self.settings)
         # compositions computed at once, each in a child process (PELT_COMPOSE_CONCURRENCY)
         self._compose_slots = threading.BoundedSemaphore(self.settings.compose_concurrency)
+        self._predictions: Any = None  # services.predicting.PredictionService, made at the first prediction
 
     # --- tasks -----------------------------------------------------------------------------------
 
@@ -502,6 +503,17 @@ class PeltOperations:
             near = difflib.get_close_matches(method, exc.existing, n=3, cutoff=0.6)
             known = [*near, *(name for name in exc.existing if name not in near)]
             raise UnknownMethodError("method", method, known) from None
+
+    def predict(self, task: str, texts: Any, version: str | int | None = None) -> Any:
+        """Predictions for `texts` from a version of a task (`best` by default, an alias or a number),
+        served by its backbone's Ray Serve replicas (`services.predicting`): a `Prediction`."""
+        self._store()
+        with self._backbone_lock:
+            if self._predictions is None:
+                from services.predicting import PredictionService
+
+                self._predictions = PredictionService(self, self.settings)
+        return self._predictions.predict(task, texts, version)
 
     def archive_version(self, task: str, version: str | int) -> Any:
         """Archive a version of a task (an admin's; audited): no pull by name or alias answers with it

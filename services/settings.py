@@ -56,6 +56,13 @@ PELT_WORKER_MEMORY_BYTES  a worker's memory for one job: a job whose estimate (b
                           submission, and failed by a worker whose own budget it exceeds (default: the memory
                           of the process's machine, pelt_core.limits.machine_memory_bytes: the least of physical
                           memory, the cgroup's limit and RLIMIT_AS; each worker reads its own machine's)
+PELT_PREDICT_REPLICAS, PELT_PREDICT_CPUS_PER_REPLICA, PELT_PREDICT_THREADS   the prediction endpoint's replicas
+                          per backbone (default 1), the CPUs Ray reserves for each (default 0: they share the
+                          node with the training workers) and the threads of each (default 1)
+PELT_PREDICT_MAX_DELTAS, PELT_PREDICT_MAX_DELTA_BYTES   the deltas one replica holds at most, by count and by
+                          bytes (default 64 and 1 GiB; the least recently used go first)
+PELT_PREDICT_MAX_QUEUED   prediction requests waiting for a replica (default 256); beyond: 503 with Retry-After
+PELT_PREDICT_TIMEOUT_SECONDS   how long a prediction may take, the replica's start included (default 120)
 PELT_LEASE_SECONDS, PELT_HEARTBEAT_SECONDS, PELT_MAX_ATTEMPTS,
 PELT_RETRY_BACKOFF_SECONDS, PELT_RETRY_BACKOFF_MAX_SECONDS, PELT_DB_BUSY_TIMEOUT_SECONDS   queue knobs
 """
@@ -164,6 +171,25 @@ class Settings(BaseSettings):
         default=2,
         ge=1,
         description="compositions computed at once; one beyond them is a 503 with Retry-After",
+    )
+    predict_replicas: int = Field(default=1, ge=1, le=64, description="prediction replicas per backbone")
+    predict_cpus_per_replica: float = Field(
+        default=0.0, ge=0, description="CPUs Ray reserves for each prediction replica (0: shared)"
+    )
+    predict_threads: int = Field(
+        default=1, ge=1, le=256, description="torch threads of each prediction replica"
+    )
+    predict_max_deltas: int = Field(
+        default=64, ge=1, description="deltas one prediction replica holds at most"
+    )
+    predict_max_delta_bytes: int = Field(
+        default=1 << 30, gt=0, description="bytes of the deltas one prediction replica holds at most"
+    )
+    predict_max_queued: int = Field(
+        default=256, ge=1, description="prediction requests waiting for a replica; one beyond is a 503"
+    )
+    predict_timeout_seconds: float = Field(
+        default=120.0, gt=0, description="how long one prediction may take, the replica's start included"
     )
     sandbox_warm_seconds: float = Field(
         default=300.0,

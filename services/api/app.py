@@ -3,7 +3,7 @@
 
 Every route under /v1 needs `Authorization: Bearer <token>` (tokens: `pelt token create`; only their
 SHA-256 is stored); /health answers without one. Each route declares the scope it needs with one of
-READ, WRITE, ADMIN (`services.api.dependencies`): read < write < admin; a token without it gets a 403
+READ, PREDICT, WRITE, ADMIN (`services.api.dependencies`): read < predict < write < admin; a token without it gets a 403
 naming the scope, from the request's headers before any of its body is read (so are the body bounds and
 the upload slots: `services.api.middleware`; a refused request's connection is closed). Errors are JSON
 {"error": {status, type, field, message}}, their messages without server paths or store URIs

@@ -43,7 +43,7 @@ async def authenticated(
 
 
 def requires(scope: str) -> Any:
-    """The dependency by which a route declares the scope it needs (read < write < admin): a token
+    """The dependency by which a route declares the scope it needs (read < predict < write < admin): a token
     without it gets a 403 naming the scope."""
 
     async def check(token: Annotated[ApiTokenRecord, Depends(authenticated)]) -> ApiTokenRecord:
@@ -60,7 +60,7 @@ def requires(scope: str) -> Any:
     return Depends(check)
 
 
-READ, WRITE, ADMIN = requires("read"), requires("write"), requires("admin")
+READ, PREDICT, WRITE, ADMIN = requires("read"), requires("predict"), requires("write"), requires("admin")
 Caller = Annotated[ApiTokenRecord, Depends(authenticated)]
 Operations = Annotated[PeltOperations, Depends(operations)]
 

@@ -12,6 +12,8 @@ from pelt_core.limits import (
     INT32_MAX,
     MAX_COMPOSE_ALIASES,
     MAX_COMPOSE_SOURCES,
+    MAX_PREDICT_ROWS,
+    MAX_PREDICT_TEXT_CHARS,
     SEED,
     SWEEP_LIST_LENGTH,
     TRAIN_RANGES,
@@ -211,6 +213,36 @@ class SearchOut(Response):
     best_so_far: list[dict[str, float | int]] = Field(
         description="the best dev score against the budget spent: one point per job as the jobs ended "
         "({spent, dev: the best so far, job_id: the job that ended there})"
+    )
+
+
+TextPair = Annotated[list[str], Field(min_length=2, max_length=2, description="[text, text_pair]")]
+
+
+class PredictIn(Request):
+    texts: list[str | TextPair] = Field(
+        description=f"the rows: texts, or [text, text_pair] pairs for a task trained on pairs; at most "
+        f"{MAX_PREDICT_ROWS} (413 beyond), each text at most {MAX_PREDICT_TEXT_CHARS:,} characters"
+    )
+    version: str | None = Field(
+        default=None,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="which version answers: an alias (best, best-lora, one you set) or a version number; "
+        "default best",
+    )
+
+
+class PredictOut(Response):
+    task: str
+    version: str = Field(description="the version that answered")
+    method: str | None = Field(description="the method it was trained with")
+    kind: str = Field(description="job, composed or imported")
+    backbone: str
+    sha256: str = Field(description="of the delta file that answered, as the store recorded it")
+    predictions: list[dict[str, Any]] = Field(
+        description="one per row, in order: {label, score} (single-label), {labels, scores} (multi-label) "
+        "or {value} (regression)"
     )
 
 

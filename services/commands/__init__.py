@@ -8,7 +8,8 @@
 - `jobs`: `pelt submit`, `sweep`, `jobs`, `watch`, `cancel`, `result`, `events`;
 - `deltas`: `pelt leaderboard`, `pull`, `compose`, `versions list|archive`;
 - `admin`: `pelt token create|list|revoke` (run next to the registry: tokens are made and revoked there,
-  never over the API; each has a scope: read, write or admin) and `pelt audit`;
+  never over the API; each has a scope: read, predict, write or admin) and `pelt audit`;
+- `predict`: `pelt predict TASK TEXT...` (or `--file`), predictions from a running service;
 - `search`: `pelt search TASK --budget N` (a budget-aware method search), `show`, `list`, `cancel`;
 - `study`: `pelt study`, UniPELT's low-resource study through the service (`services.study`);
 - `common`: what they share (the service's refusals as click errors, `--set` parsing, tables).
@@ -30,6 +31,7 @@ from services.commands.jobs import (
     watch_command,
 )
 from services.commands.methods import method_group
+from services.commands.predict import predict_command
 from services.commands.search import search_group
 from services.commands.serve import serve_command
 from services.commands.study import study_command
@@ -50,6 +52,7 @@ SERVICE_COMMANDS = [
     events_command,
     leaderboard_command,
     pull_command,
+    predict_command,
     compose_command,
     versions_group,
     token_group,

@@ -31,10 +31,11 @@ def _cli_actor() -> str:
 @click.argument("name")
 @click.option(
     "--scope",
-    type=click.Choice(["read", "write", "admin"]),
+    type=click.Choice(["read", "predict", "write", "admin"]),
     default="write",
     show_default=True,
-    help="read: every GET; write: read + submit, cancel, register tasks and methods, compose; "
+    help="read: every GET; predict: read + predict (an application that only asks for predictions); "
+    "write: predict + submit, cancel, register tasks and methods, compose; "
     "admin: write + register backbones, full job errors, the audit trail",
 )
 @click.option(

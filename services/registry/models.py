@@ -54,7 +54,7 @@ class JobStatus(enum.StrEnum):
 TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 SEARCH_STATUSES = ("running", "succeeded", "failed", "cancelled")  # running → one of the other three
 SOURCE_KINDS = ("files", "datasets")
-TOKEN_SCOPES = ("read", "write", "admin")  # each scope includes the ones before it
+TOKEN_SCOPES = ("read", "predict", "write", "admin")  # each scope includes the ones before it
 JOB_DEVICES = ("any", "cpu", "gpu")  # what a job needs to run on; `any`: either
 DEFAULT_JOB_DEVICE = "any"
 
@@ -320,7 +320,7 @@ class ApiToken(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)
-    scope: Mapped[str] = mapped_column(String(16))  # read < write < admin (TOKEN_SCOPES)
+    scope: Mapped[str] = mapped_column(String(16))  # read < predict < write < admin (TOKEN_SCOPES)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))  # the secret's first characters, to tell tokens apart
     created_at: Mapped[datetime]

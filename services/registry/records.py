@@ -349,7 +349,7 @@ class ApiTokenRecord:
     created_at: datetime
     revoked_at: datetime | None
     last_used_at: datetime | None
-    scope: str  # read < write < admin (models.TOKEN_SCOPES)
+    scope: str  # read < predict < write < admin (models.TOKEN_SCOPES)
 
     @property
     def active(self) -> bool:

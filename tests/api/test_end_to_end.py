@@ -172,3 +172,97 @@ def test_pelt_search_runs_its_rungs_through_the_dispatcher_and_answers_with_an_i
         r for r in client.leaderboard_raw("toy-search").rows if r.config_id == search.chosen["config_id"]
     )
     assert (row.seeds, row.ci_low) == (3, pytest.approx(search.chosen["ci_low"]))
+
+
+def test_predict_by_task_name_serves_each_version_from_one_backbone_and_follows_the_best(
+    server, toy_files, tmp_path
+):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray import serve
+
+    from services.client import PeltAPIError
+    from workers.serving import app_name
+
+    client = PeltClient(server.url, token=server.token, settings=server.settings)
+    task = "toy-serve"
+    client.register_task(
+        task,
+        toy_files["train"],
+        toy_files["validation"],
+        text_fields=["sentence"],
+        label_names=["negative", "positive"],
+    )
+    sweep = client.sweep(
+        task, ["lora", "bitfit", "prefix"], backbone=BACKBONE, seeds=[0], hyperparameters=TRAINING
+    )
+    ended = client.wait(sweep, timeout=300, poll_seconds=0.5, progress=False)
+    assert [job.status for job in ended] == ["succeeded"] * 3, [(j.id, j.last_error) for j in ended]
+    by_method = {v.method: v for v in client.versions(task)}
+    texts = ["w1 w2 w3 good great", "w1 w2 bad awful", "w3 w4 w5"]
+
+    # a version whose file no longer matches its recorded sha256 is refused, and never held
+    (stored,) = [
+        path
+        for path in server.settings.data_dir.rglob("delta.safetensors")
+        if by_method["prefix"].run_id in str(path)
+    ]
+    stored.write_bytes(stored.read_bytes()[:-8] + b"tampered")
+    with pytest.raises(PeltAPIError) as error:
+        client.predict(task, texts, version=by_method["prefix"].version)
+    assert error.value.status == 500 and "sha256" in str(error.value)
+    client.archive_version(task, by_method["prefix"].version)  # out of the best's way below
+
+    # every other version answers as its pulled delta does alone; requests for them arrive mixed
+    def alone(version: str) -> list[dict]:
+        return client.pull(task, version=version, device="cpu").predict(texts)
+
+    expected = {v.version: alone(v.version) for v in (by_method["lora"], by_method["bitfit"])}
+    asked = [("best-lora", by_method["lora"].version), ("best-bitfit", by_method["bitfit"].version)] * 6
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda pair: client.predict(task, texts, version=pair[0]), asked))
+    for (_, version), answer in zip(asked, answers, strict=True):
+        assert answer.version == version and answer.backbone == BACKBONE
+        assert [p["label"] for p in answer.predictions] == [p["label"] for p in expected[version]]
+        assert [p["score"] for p in answer.predictions] == pytest.approx(
+            [p["score"] for p in expected[version]], abs=1e-5
+        )
+    replica = serve.get_app_handle(app_name(BACKBONE))
+    held = replica.held.remote().result(timeout_s=60)
+    assert sorted(held) == sorted(f"{task}/{v}" for v in expected)  # one replica, one backbone, both deltas
+
+    # the best by default, and the next request follows a new best (here: the best archived)
+    best = client.delta_info(task)
+    assert client.predict(task, texts).version == best.version
+    client.archive_version(task, best.version)
+    after = client.predict(task, texts)
+    assert after.version != best.version and after.version == client.delta_info(task).version
+    with pytest.raises(PeltAPIError) as error:
+        client.predict(task, texts, version=best.version)
+    assert error.value.status == 404 and "archived" in str(error.value)
+    with pytest.raises(PeltAPIError) as error:
+        client.predict(task, texts, version=99)
+    assert error.value.status == 404 and "99" in str(error.value)
+    with pytest.raises(PeltAPIError) as error:
+        client.predict(task, [("a", "pair")], version=after.version)
+    assert error.value.status == 422 and "single texts" in str(error.value)
+
+    # the command line: texts in, a line each; JSON Lines in, JSON Lines out
+    out = cli(server, "predict", task, "w1 good great", "w2 bad awful", "--version", after.version)
+    assert out.count("\n") == 3 and f"({task} version {after.version}, {after.method})" in out
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"sentence": "w1 good great", "id": 1}\n"w2 bad awful"\n')
+    cli(
+        server,
+        "predict",
+        task,
+        "--file",
+        str(rows),
+        "--out",
+        str(tmp_path / "out.jsonl"),
+        "--version",
+        after.version,
+    )
+    written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [w.get("id") for w in written] == [1, None] and written[1]["text"] == "w2 bad awful"
+    assert all(w["prediction"]["label"] in {"negative", "positive"} for w in written)

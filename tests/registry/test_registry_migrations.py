@@ -398,3 +398,28 @@ def test_0013_downgrade_leaves_a_key_several_tokens_used_on_its_oldest_row(db_ur
         _keyed_job(connection, own, "retry-1", "carol")  # unique across tokens again
     db.upgrade(db_url, "head")
     assert ("retry-1", "bob") in _rows(db_url, "jobs", "idempotency_key", "submitted_by")
+
+
+def test_0015_adds_the_predict_scope_and_its_downgrade_makes_predict_tokens_read_tokens(db_url: str) -> None:
+    db.upgrade(db_url, "0014")
+    with db.connect(db_url) as engine, engine.begin() as connection:
+        with pytest.raises(IntegrityError), connection.begin_nested():
+            _token(connection, "app", "predict")  # not a scope before 0015
+        _token(connection, "reader", "read")
+    db.upgrade(db_url, "head")
+    with db.connect(db_url) as engine, engine.begin() as connection:
+        _token(connection, "app", "predict")
+    assert _rows(db_url, "api_tokens", "name", "scope") == {("reader", "read"), ("app", "predict")}
+
+    db.downgrade(db_url, "0014")
+    assert _rows(db_url, "api_tokens", "name", "scope") == {("reader", "read"), ("app", "read")}  # narrower
+    db.upgrade(db_url, "head")
+
+
+def _token(connection: Connection, name: str, scope: str) -> None:
+    tokens = Table("api_tokens", MetaData(), autoload_with=connection)
+    connection.execute(
+        tokens.insert().values(
+            name=name, scope=scope, token_hash=name * 8, prefix=name[:8], created_at=datetime.now(UTC)
+        )
+    )

@@ -32,6 +32,8 @@ ADMIN_ROUTES = {
     ("get", "/v1/audit"),
     ("post", "/v1/tasks/{name}/deltas/{version}/archive"),
 }
+PREDICT_ROUTES = {("post", "/v1/tasks/{name}/predict")}
+SCOPES = ("read", "predict", "write", "admin")  # each includes the ones before it
 SET_UP = [
     (None, "backbone.register", BACKBONE),
     (None, "token.create", "tests"),
@@ -39,9 +41,12 @@ SET_UP = [
 
 
 def needed_scope(method: str, path: str) -> str:
-    """What each route should need: GETs read, other methods write, and the admin routes admin."""
+    """What each route should need: GETs read, prediction predict, other methods write, and the admin
+    routes admin."""
     if (method, path) in ADMIN_ROUTES:
         return "admin"
+    if (method, path) in PREDICT_ROUTES:
+        return "predict"
     return "read" if method == "get" else "write"
 
 
@@ -63,7 +68,8 @@ def concrete(path: str) -> str:
 
 def tokens(api: Api) -> dict[str, str]:
     return {
-        scope: api.registry.create_api_token(f"{scope}-user", scope=scope)[1] for scope in ("read", "write")
+        scope: api.registry.create_api_token(f"{scope}-user", scope=scope)[1]
+        for scope in ("read", "predict", "write")
     } | {"admin": api.token}
 
 
@@ -107,7 +113,7 @@ def test_every_route_needs_the_scope_it_declares_and_a_403_names_it_and_writes_n
                 headers={"Authorization": f"Bearer {secret}"},
                 **({"json": {}} if method == "post" else {}),
             )
-            allowed = ["read", "write", "admin"].index(scope) >= ["read", "write", "admin"].index(needed)
+            allowed = SCOPES.index(scope) >= SCOPES.index(needed)
             if allowed:
                 assert response.status_code != 403, (scope, method, path, response.text)
             else:

@@ -1,9 +1,9 @@
 """The API's routes by resource, each module a thin `APIRouter` over the service layer
-(`services.operations.PeltOperations`): tasks, leaderboard, methods, backbones, jobs, sweeps, deltas
+(`services.operations.PeltOperations`): tasks, predictions, leaderboard, methods, backbones, jobs, sweeps, deltas
 (composition included), audit, and health (the one route without a token).
 
 Every route under /v1 needs a token (`services.api.dependencies.authenticated`) and declares the scope
-it needs (READ, WRITE, ADMIN); its error answers are documented as `ErrorOut`.
+it needs (READ, PREDICT, WRITE, ADMIN); its error answers are documented as `ErrorOut`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from services.api.routes import (
     methods,
     page,
     plots,
+    predict,
     searches,
     sweeps,
     tasks,
@@ -37,6 +38,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 V1_ROUTERS = (
     tasks.router,
+    predict.router,
     leaderboard.router,
     plots.router,
     methods.router,

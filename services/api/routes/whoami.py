@@ -14,7 +14,7 @@ router = APIRouter(tags=["tokens"])
 
 class WhoAmIOut(BaseModel):
     name: str = Field(description="the token's name")
-    scope: str = Field(description="read, write or admin (read < write < admin)")
+    scope: str = Field(description="read, predict, write or admin (read < predict < write < admin)")
 
 
 @router.get("/whoami", response_model=WhoAmIOut, dependencies=[READ])
