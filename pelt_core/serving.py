@@ -7,21 +7,30 @@ A request names a `DeltaKey`: a task's version as the registry resolved it, with
 A new version of a task (a new best) is a new key, so it is served from its first request while the old
 one ages out of the cache. The cache loads a key on its first use through the `load` function it is given
 (which checks the file against the key's sha256: a delta that fails the check raises, is never cached,
-and fails only the requests that named it) and evicts the least recently used deltas beyond a count and
-a byte bound.
+and fails only the requests that named it; the failure is remembered for `retry_seconds`, so a bad
+version is not downloaded again at every request) and evicts the least recently used deltas beyond a
+count and a byte bound.
+
+Torch-free at import (the model code loads when a predictor runs): the service names keys without
+loading torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from pelt_core.backbones import Backbone
-from pelt_core.compose_serving import MultiTaskModel
-from pelt_core.model import JobDelta
-from pelt_core.predictions import Text, check_text_form
+if TYPE_CHECKING:
+    from pelt_core.backbones import Backbone
+    from pelt_core.model import JobDelta
+
+Text = str | tuple[str, str]  # a text, or a (text, text_pair) pair (as pelt_core.predictions)
+LOAD, INPUT, FORWARD = "load", "input", "forward"  # where a request failed
 
 
 @dataclass(frozen=True)
@@ -52,32 +61,44 @@ class CacheStats:
 
 class DeltaCache:
     """Loaded deltas by key, the least recently used evicted past `max_count` deltas or `max_bytes` bytes
-    (a delta larger than `max_bytes` alone is still served, as the only one held). Thread-safe: loads are
-    serialized, so two requests for a new key load it once."""
+    (a delta larger than `max_bytes` alone is still served, as the only one held). A key whose load failed
+    raises the same error again for `retry_seconds` without loading. Thread-safe: loads are serialized,
+    so two requests for a new key load it once."""
 
     def __init__(
-        self, load: Callable[[DeltaKey], JobDelta], max_count: int = 64, max_bytes: int = 1 << 30
+        self,
+        load: Callable[[DeltaKey], JobDelta],
+        max_count: int = 64,
+        max_bytes: int = 1 << 30,
+        retry_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_count < 1 or max_bytes < 1:
             raise ValueError(f"max_count and max_bytes must be positive, got {max_count} and {max_bytes}")
         self._load, self.max_count, self.max_bytes = load, max_count, max_bytes
+        self.retry_seconds, self._clock = retry_seconds, clock
         self._held: OrderedDict[DeltaKey, tuple[JobDelta, int]] = OrderedDict()
+        self._failed: dict[DeltaKey, tuple[float, Exception]] = {}
         self._lock = threading.Lock()
         self.stats = CacheStats()
 
     def __len__(self) -> int:
-        return len(self._held)
+        with self._lock:
+            return len(self._held)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._held
+        with self._lock:
+            return key in self._held
 
     @property
     def bytes(self) -> int:
-        return sum(size for _, size in self._held.values())
+        with self._lock:
+            return self._bytes()
 
     def held_keys(self) -> list[DeltaKey]:
         """Held keys, least recently used first."""
-        return list(self._held)
+        with self._lock:
+            return list(self._held)
 
     def get(self, key: DeltaKey) -> JobDelta:
         """The delta of `key`, loaded on its first use; raises what `load` raised (nothing is cached)."""
@@ -87,28 +108,27 @@ class DeltaCache:
                 self._held.move_to_end(key)
                 self.stats.hits += 1
                 return held[0]
+            failed = self._failed.get(key)
+            if failed is not None and self._clock() < failed[0]:
+                raise failed[1]
             try:
                 delta = self._load(key).eval()
-            except Exception:
+            except Exception as exc:
                 self.stats.failed_loads += 1
+                self._failed[key] = (self._clock() + self.retry_seconds, exc)
                 raise
+            self._failed.pop(key, None)
             self.stats.loads += 1
             self._held[key] = (delta, delta_bytes(delta))
-            self._evict()
+            while len(self._held) > 1 and (
+                len(self._held) > self.max_count or self._bytes() > self.max_bytes
+            ):
+                self._held.popitem(last=False)
+                self.stats.evictions += 1
             return delta
 
-    def drop(self, keep: Callable[[DeltaKey], bool]) -> list[DeltaKey]:
-        """Forget every held key for which `keep(key)` is false (a version archived or deleted)."""
-        with self._lock:
-            gone = [key for key in self._held if not keep(key)]
-            for key in gone:
-                del self._held[key]
-            return gone
-
-    def _evict(self) -> None:
-        while len(self._held) > 1 and (len(self._held) > self.max_count or self.bytes > self.max_bytes):
-            self._held.popitem(last=False)
-            self.stats.evictions += 1
+    def _bytes(self) -> int:
+        return sum(size for _, size in self._held.values())
 
 
 @dataclass
@@ -117,6 +137,14 @@ class Request:
 
     key: DeltaKey
     texts: Sequence[Text]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a request got no predictions: where it failed (`LOAD`, `INPUT` or `FORWARD`) and the error."""
+
+    phase: str
+    error: Exception
 
 
 class MixedPredictor:
@@ -128,37 +156,80 @@ class MixedPredictor:
     ) -> None:
         self.backbone, self.cache, self.batch_rows, self.max_length = backbone, cache, batch_rows, max_length
 
-    def predict(self, requests: Sequence[Request]) -> list[list[dict] | Exception]:
-        """Per request, in order: its rows' predictions (`pelt_core.predictions`' format), or the error
-        that stopped it (its delta failed to load or its texts do not fit its task); one request's error
-        never fails another's rows."""
-        routes: dict[DeltaKey, str] = {}
-        deltas: dict[str, JobDelta] = {}
-        answers: list[list[dict] | Exception] = [[] for _ in requests]
-        items: list[tuple[str, Text]] = []
-        owners: list[int] = []
+    def predict(
+        self, requests: Sequence[Request], forward_lock: threading.Lock | None = None
+    ) -> list[list[dict] | Failure]:
+        """Per request, in order: its rows' predictions (`pelt_core.predictions`' format), or the Failure
+        that stopped it: its delta failed to load, its texts do not fit its task, or its own rows failed
+        in the forward (a shared forward that fails is run again request by request, so one request's
+        failure never fails another's rows). Deltas load before `forward_lock` is taken: a download does
+        not hold up the forwards of deltas already loaded."""
+        from pelt_core.predictions import check_text_form
+
+        answers: list[list[dict] | Failure] = [[] for _ in requests]
+        deltas: dict[DeltaKey, JobDelta] = {}
         for position, request in enumerate(requests):
             try:
-                if request.key not in routes:
-                    delta = self.cache.get(request.key)
-                    routes[request.key] = f"d{len(routes)}"
-                    deltas[routes[request.key]] = delta
-                delta = deltas[routes[request.key]]
-                check_text_form(request.texts, delta.text_fields, f"{request.key} text")
-            except Exception as exc:  # this request's own failure
-                answers[position] = exc
+                if request.key not in deltas:
+                    deltas[request.key] = self.cache.get(request.key)
+                delta = deltas[request.key]
+            except Exception as exc:
+                answers[position] = Failure(LOAD, exc)
                 continue
-            items.extend((routes[request.key], text) for text in request.texts)
-            owners.extend([position] * len(request.texts))
-        if items:
-            model = MultiTaskModel(self.backbone, deltas).eval()
-            rows = model.predict(items, batch_size=self.batch_rows, max_length=self.max_length)
-            for owner, row in zip(owners, rows, strict=True):
-                row.pop("task")
-                answer = answers[owner]
-                assert isinstance(answer, list)
-                answer.append(row)
+            try:
+                check_text_form(request.texts, delta.text_fields, f"{request.key} text")
+            except ValueError as exc:
+                answers[position] = Failure(INPUT, exc)
+        ready = [p for p, answer in enumerate(answers) if isinstance(answer, list)]
+        with forward_lock or contextlib.nullcontext():
+            try:
+                rows = self._forward([requests[p] for p in ready], deltas)
+            except Exception:
+                rows = None
+            if rows is None:  # again one request at a time: the failure is that request's own
+                rows = []
+                for position in ready:
+                    try:
+                        rows.append(self._forward([requests[position]], deltas)[0])
+                    except Exception as exc:
+                        answers[position] = Failure(FORWARD, exc)
+                ready = [p for p in ready if isinstance(answers[p], list)]
+        for position, predictions in zip(ready, rows, strict=True):
+            answers[position] = predictions
+        return answers
+
+    def _forward(self, requests: Sequence[Request], deltas: dict[DeltaKey, JobDelta]) -> list[list[dict]]:
+        from pelt_core.compose_serving import MultiTaskModel
+
+        if not requests:
+            return []
+        routes = {key: f"d{index}" for index, key in enumerate(dict.fromkeys(r.key for r in requests))}
+        model = MultiTaskModel(self.backbone, {routes[key]: deltas[key] for key in routes}).eval()
+        items = [(routes[request.key], text) for request in requests for text in request.texts]
+        rows = model.predict(items, batch_size=self.batch_rows, max_length=self.max_length)
+        answers, start = [], 0
+        for request in requests:
+            block = rows[start : start + len(request.texts)]
+            answers.append([{k: v for k, v in row.items() if k != "task"} for row in block])
+            start += len(request.texts)
         return answers
 
 
-__all__ = ["CacheStats", "DeltaCache", "DeltaKey", "MixedPredictor", "Request", "delta_bytes"]
+def describe_failure(failure: Failure) -> dict[str, Any]:
+    """A failure as plain data (it crosses processes): {"phase", "type", "error"}."""
+    return {"phase": failure.phase, "type": type(failure.error).__name__, "error": str(failure.error)}
+
+
+__all__ = [
+    "FORWARD",
+    "INPUT",
+    "LOAD",
+    "CacheStats",
+    "DeltaCache",
+    "DeltaKey",
+    "Failure",
+    "MixedPredictor",
+    "Request",
+    "delta_bytes",
+    "describe_failure",
+]

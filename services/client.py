@@ -55,6 +55,9 @@ from services.client_searches import SearchesClient
 from services.settings import Settings, get_settings
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+PREDICT_WAIT_SECONDS = (
+    300.0  # how long `predict` waits for an answer (a backbone's first one starts its replicas)
+)
 
 
 class PeltAPIError(Exception):
@@ -355,11 +358,15 @@ class PeltClient(SearchesClient):
         such as best-lora, or a version number): `.predictions` holds one per text, in order ({label,
         score}, {labels, scores} or {value}); `.version` and `.method` say which version answered. A task
         trained on pairs takes (text, text_pair) tuples. At most 256 texts per call (a 413 beyond)."""
+        if isinstance(texts, str):
+            raise TypeError(f"texts: give a list of texts, e.g. [{texts[:40]!r}], not one string")
         body = {
             "texts": [text if isinstance(text, str) else list(text) for text in texts],
             "version": None if version is None else str(version),
         }
-        return PredictOut.model_validate(self._post(f"/v1/tasks/{task}/predict", body))
+        # the service answers within its PELT_PREDICT_TIMEOUT_SECONDS (120 s by default, a 503 then): wait longer
+        answer = self._request("POST", f"/v1/tasks/{task}/predict", json=body, timeout=PREDICT_WAIT_SECONDS)
+        return PredictOut.model_validate(answer.json())
 
     def result(self, job_id: int) -> ResultOut:
         return ResultOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}/result"))

@@ -170,8 +170,16 @@ def demo_command(
             f"\npulled {task.name}'s best delta by task name: version {model.version} "
             f"({model.info.method}, sha256 {model.sha256[:12]}…)"
         )
-        for sentence, prediction in zip(DEMO_SENTENCES, model.predict(DEMO_SENTENCES), strict=True):
+        pulled = model.predict(DEMO_SENTENCES)
+        for sentence, prediction in zip(DEMO_SENTENCES, pulled, strict=True):
             click.echo(f"  {prediction['label']:<9}{prediction['score']:.2f}  {sentence}")
+        served = client.predict(task.name, DEMO_SENTENCES)
+        same = [p["label"] for p in served.predictions] == [p["label"] for p in pulled]
+        click.echo(
+            f"\nthe same sentences through the service's prediction endpoint (POST /v1/tasks/{task.name}/predict, "
+            f"Ray Serve): version {served.version}, {'the same labels' if same else 'OTHER LABELS'} as the "
+            f'pulled delta; from a shell: pelt predict {task.name} "a gripping film"'
+        )
     click.echo(
         f"\ndemo finished in {time.perf_counter() - started:.0f} s. Everything stays in {settings.data_dir}: "
         f"run `pelt serve`, then e.g. `pelt leaderboard {task.name}` or `pelt pull {task.name} -o delta/`"

@@ -32,6 +32,7 @@ from services.backbones import (
     shown_source,
 )
 from services.errors import ServiceError
+from services.predicting import Prediction, PredictionService
 from services.registry import (
     AlreadyExistsError,
     AuditEventRecord,
@@ -104,7 +105,7 @@ class PeltOperations:
         self.uploads = TaskUploads(registry, self.settings)
         # compositions computed at once, each in a child process (PELT_COMPOSE_CONCURRENCY)
         self._compose_slots = threading.BoundedSemaphore(self.settings.compose_concurrency)
-        self._predictions: Any = None  # services.predicting.PredictionService, made at the first prediction
+        self.predictions = PredictionService(self, self.settings)  # starts nothing until the first prediction
 
     # --- tasks -----------------------------------------------------------------------------------
 
@@ -504,16 +505,12 @@ class PeltOperations:
             known = [*near, *(name for name in exc.existing if name not in near)]
             raise UnknownMethodError("method", method, known) from None
 
-    def predict(self, task: str, texts: Any, version: str | int | None = None) -> Any:
+    async def predict(self, task: str, texts: Any, version: str | int | None = None) -> Prediction:
         """Predictions for `texts` from a version of a task (`best` by default, an alias or a number),
-        served by its backbone's Ray Serve replicas (`services.predicting`): a `Prediction`."""
+        served by its backbone's Ray Serve replicas (`services.predicting`); awaited without holding a
+        thread (the checks and the resolution run on the thread pool)."""
         self._store()
-        with self._backbone_lock:
-            if self._predictions is None:
-                from services.predicting import PredictionService
-
-                self._predictions = PredictionService(self, self.settings)
-        return self._predictions.predict(task, texts, version)
+        return await self.predictions.predict(task, texts, version)
 
     def archive_version(self, task: str, version: str | int) -> Any:
         """Archive a version of a task (an admin's; audited): no pull by name or alias answers with it

@@ -1,31 +1,41 @@
 """Predicting by task name: the service side of `POST /v1/tasks/{task}/predict`.
 
 A request names a task, texts (or text pairs) and which version answers (an alias, `best` by default,
-`best-<method>`, or a version number). The service checks the rows against the limits table, resolves
-the version in the registry and delta store at every request (a new best answers from the next request
-on; an archived version answers to no alias), and sends (task, version, sha256) with the rows to the
-Ray Serve application of the backbone the version was trained on (`workers.serving`), starting that
-application at its first request. The replica checks the delta's file against the sha256 the store
-recorded before it serves it. Nothing here loads torch: the replicas do.
+`best-<method>`, or a version number). The service checks the rows against the limits table and the
+task's text fields, resolves the version in the registry and delta store at every request (a new best
+answers from the next request on; an archived version is never served), and sends (task, version, sha256)
+with the rows to the Ray Serve application of the backbone the version was trained on
+(`workers.serving`), starting that application at its first request. The replica checks the delta's file
+against the sha256 the store recorded before it serves it.
+
+The route awaits the replica without holding a thread: the checks and the resolution run on the API's
+thread pool, the wait does not. At most PELT_PREDICT_MAX_QUEUED predictions wait in this process (a
+503 with Retry-After beyond), and Ray Serve bounds the requests waiting for its replicas the same way.
+Nothing here loads torch: the replicas do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pelt_core.limits import MAX_PREDICT_ROWS, MAX_PREDICT_TEXT_CHARS
+from pelt_core.serving import FORWARD, INPUT, DeltaKey
 from services.errors import ServiceError
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
 
-SERVE_NAMESPACE_APPS = "pelt"  # Ray namespace the API joins to reach Serve
+DEFAULT_NAMESPACE = "pelt"  # the Ray namespace the API joins when no dispatcher joined one before it
+START_RETRY_SECONDS = 30.0  # after a backbone's replicas failed to start, the next try waits this long
+INTEGRITY_ERRORS = ("DeltaError", "DeltaIntegrityError")  # a file that is not what the store recorded
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,17 @@ class Prediction:
     rows: list[dict[str, Any]]
 
 
+@dataclass(frozen=True)
+class Planned:
+    """A checked request, ready for its backbone's replicas."""
+
+    info: Any
+    backbone: str
+    key: DeltaKey
+    rows: list[Any]
+    method: Any  # the replicas' `predict` handle
+
+
 class VersionFetcher:
     """What a replica calls to get a version's files: the delta store's download (checked against the
     sha256 the store recorded) into `dest`. Picklable: the store's URIs travel to the replica."""
@@ -52,9 +73,10 @@ class VersionFetcher:
         return self.store.download(key.task, key.version, dest=dest / "delta")
 
 
-def check_rows(texts: Any) -> list[str | tuple[str, str]]:
+def check_rows(texts: Any, text_fields: Sequence[str] | None = None) -> list[str | tuple[str, str]]:
     """The request's rows as texts and (text, text_pair) tuples; a ServiceError naming `texts` (422, or
-    413 beyond MAX_PREDICT_ROWS rows) for anything else, before any model work."""
+    413 beyond MAX_PREDICT_ROWS rows or MAX_PREDICT_TEXT_CHARS characters) for anything else, and for a
+    pair given to a task trained on single texts (or the reverse), before any model work."""
     if not isinstance(texts, list) or not texts:
         raise ServiceError("give at least one text to predict", status=422, field="texts")
     if len(texts) > MAX_PREDICT_ROWS:
@@ -64,20 +86,19 @@ def check_rows(texts: Any) -> list[str | tuple[str, str]]:
             status=413,
             field="texts",
         )
+    pairs = None if not text_fields else len(text_fields) == 2
     rows: list[str | tuple[str, str]] = []
     for position, text in enumerate(texts):
-        parts = [text] if isinstance(text, str) else text
-        if not (
-            isinstance(parts, list | tuple)
-            and len(parts) in (1, 2)
-            and all(isinstance(p, str) for p in parts)
-        ) or (not isinstance(text, str) and len(parts) != 2):
+        is_pair = (
+            isinstance(text, list | tuple) and len(text) == 2 and all(isinstance(part, str) for part in text)
+        )
+        if not (isinstance(text, str) or is_pair):
             raise ServiceError(
-                f"texts[{position}]: a text or a [text, text_pair] pair of strings, got {type(text).__name__}",
+                f"texts[{position}]: a text or a [text, text_pair] pair of strings, got {text!r:.80}",
                 status=422,
                 field="texts",
             )
-        for part in parts:
+        for part in (text,) if isinstance(text, str) else text:
             if len(part) > MAX_PREDICT_TEXT_CHARS:
                 raise ServiceError(
                     f"texts[{position}]: {len(part):,} characters; a text holds at most "
@@ -85,7 +106,16 @@ def check_rows(texts: Any) -> list[str | tuple[str, str]]:
                     status=413,
                     field="texts",
                 )
-        rows.append(text if isinstance(text, str) else (parts[0], parts[1]))
+        if pairs is not None and is_pair != pairs:
+            shape = (
+                f"[{text_fields[0]}, {text_fields[1]}] pairs" if pairs else f"single texts ({text_fields[0]})"
+            )
+            raise ServiceError(
+                f"texts[{position}]: this task was trained on {shape}; give every row that way",
+                status=422,
+                field="texts",
+            )
+        rows.append(text if isinstance(text, str) else (text[0], text[1]))
     return rows
 
 
@@ -102,19 +132,75 @@ def version_reference(task: str, version: str | int | None) -> Any:
     return DeltaRef(task, alias=text)
 
 
+def busy(message: str, retry_after: float) -> ServiceError:
+    return ServiceError(message, status=503, retry_after=retry_after)
+
+
 class PredictionService:
     """Resolves versions and sends rows to the backbones' Serve applications (one per backbone, started
     at its first request). `operations`: the service layer (registry, delta store, settings)."""
 
     def __init__(self, operations: Any, settings: Settings) -> None:
         self.operations, self.settings = operations, settings
-        self._handles: dict[str, Any] = {}
-        self._lock = threading.Lock()
+        self._methods: dict[str, Any] = {}  # backbone name -> its replicas' `predict` handle
+        self._starting: dict[str, threading.Event] = {}  # backbone name -> set once its start ended
+        self._start_errors: dict[str, tuple[float, str]] = {}  # backbone name -> (retry at, why)
+        self._lock = threading.Lock()  # guards the three dicts; never held while waiting
+        self._waiting = 0  # predictions this process has in flight (the event loop's thread only)
 
-    def predict(self, task: str, texts: Any, version: str | int | None = None) -> Prediction:
-        rows = check_rows(texts)
-        self.operations.get_task(task)  # an unknown task: 404 naming the known ones
+    async def predict(self, task: str, texts: Any, version: str | int | None = None) -> Prediction:
+        """Check, resolve, and await the replicas' answer (a ServiceError with the status for each refusal)."""
+        from starlette.concurrency import run_in_threadpool
+
+        if self._waiting >= self.settings.predict_max_queued:
+            raise busy(
+                f"{self._waiting} predictions are in flight here (PELT_PREDICT_MAX_QUEUED); try again", 1
+            )
+        self._waiting += 1
+        try:
+            planned = await run_in_threadpool(self.plan, task, texts, version)
+            answer = await self._await(planned)
+        finally:
+            self._waiting -= 1
+        if "failure" in answer:
+            raise self._failure(planned.info, answer["failure"])
+        return Prediction(
+            task=planned.info.task,
+            version=str(planned.info.version),
+            method=planned.info.method,
+            kind=planned.info.kind,
+            sha256=planned.info.sha256,
+            backbone=planned.backbone,
+            rows=answer["rows"],
+        )
+
+    def plan(self, task: str, texts: Any, version: str | int | None = None) -> Planned:
+        """The blocking part, on a worker thread: the checks, the resolution, the replicas' handle."""
+        if not isinstance(texts, list) or not texts or len(texts) > MAX_PREDICT_ROWS:
+            check_rows(texts)  # the count first: nothing is read for a request refused by its size
+        record = self.operations.get_task(task)  # an unknown task: 404 naming the known ones
+        rows = check_rows(texts, record.text_fields)
         info = self._resolve(task, version)
+        backbone = self._backbone_of(info)
+        method = self._method(backbone)
+        return Planned(info, backbone.name, DeltaKey(info.task, int(info.version), info.sha256), rows, method)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _resolve(self, task: str, version: str | int | None) -> Any:
+        """The version that answers, resolved now (a new best answers from the next request on)."""
+        from services.delta_store import DeltaNotFoundError
+
+        try:
+            info = self.operations.delta_info(version_reference(task, version))
+        except DeltaNotFoundError:
+            if not self.operations.delta_versions(task):
+                raise ServiceError(
+                    f"task {task!r} has no trained version yet: predict once one of its jobs has succeeded",
+                    status=404,
+                    field="version",
+                ) from None
+            raise
         if info.archived:  # it answers to its number for pulls, never for predictions
             raise ServiceError(
                 f"{task} version {info.version} is archived; it is not served (predict with another "
@@ -129,39 +215,13 @@ class PredictionService:
                 status=409,
                 field="version",
             )
-        backbone = self._backbone_of(info)
-        from pelt_core.serving import DeltaKey
+        if not info.sha256:
+            from services.delta_store.errors import DeltaIntegrityError
 
-        key = DeltaKey(info.task, int(info.version), info.sha256)
-        answer = self._call(backbone, key, rows)
-        if "error" in answer:
-            raise self._replica_error(info, answer)
-        return Prediction(
-            task=info.task,
-            version=str(info.version),
-            method=info.method,
-            kind=info.kind,
-            sha256=info.sha256,
-            backbone=backbone.name,
-            rows=answer["rows"],
-        )
-
-    # --- internals -------------------------------------------------------------------------------
-
-    def _resolve(self, task: str, version: str | int | None) -> Any:
-        """The version that answers, resolved now (a new best answers from the next request on)."""
-        from services.delta_store import DeltaNotFoundError
-
-        try:
-            return self.operations.delta_info(version_reference(task, version))
-        except DeltaNotFoundError:
-            if not self.operations.delta_versions(task):
-                raise ServiceError(
-                    f"task {task!r} has no trained version yet: predict once one of its jobs has succeeded",
-                    status=404,
-                    field="version",
-                ) from None
-            raise
+            raise DeltaIntegrityError(
+                f"{task} version {info.version} has no recorded sha256; it is not served"
+            )
+        return info
 
     def _backbone_of(self, info: Any) -> Any:
         """The registered backbone the version was trained on: a 409 naming both when the registry's
@@ -181,7 +241,7 @@ class PredictionService:
         except UnknownBackboneError:
             raise ServiceError(
                 f"{info.task} version {info.version} was trained on backbone {name!r}, which this service "
-                "no longer has (`pelt backbones` lists them)",
+                "no longer has (`pelt backbone list` lists them)",
                 status=409,
                 field="version",
             ) from None
@@ -195,82 +255,137 @@ class PredictionService:
             )
         return record
 
-    def _call(self, backbone: Any, key: Any, rows: Sequence[Any]) -> dict[str, Any]:
-        from ray.serve.exceptions import BackPressureError
+    async def _await(self, planned: Planned) -> dict[str, Any]:
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-        handle = self._handle(backbone)
+        timeout = self.settings.predict_timeout_seconds
+        response = planned.method.remote((planned.key, planned.rows))
         try:
-            return handle.predict.remote((key, list(rows))).result(
-                timeout_s=self.settings.predict_timeout_seconds
-            )
-        except BackPressureError:
-            raise ServiceError(
-                "the prediction replicas are busy (PELT_PREDICT_MAX_QUEUED requests wait already); try again",
-                status=503,
-                retry_after=1,
-            ) from None
+            return await asyncio.wait_for(_result(response), timeout)
         except TimeoutError:
-            raise ServiceError(
-                f"the prediction took longer than {self.settings.predict_timeout_seconds:g} s "
-                "(PELT_PREDICT_TIMEOUT_SECONDS); try again",
-                status=503,
-                retry_after=5,
+            response.cancel()
+            raise busy(
+                f"the prediction took longer than {timeout:g} s (PELT_PREDICT_TIMEOUT_SECONDS); try again", 5
+            ) from None
+        except BackPressureError:
+            raise busy(
+                "the prediction replicas are busy (PELT_PREDICT_MAX_QUEUED wait already); try again", 1
+            ) from None
+        except (RayActorError, DeploymentUnavailableError) as exc:
+            with self._lock:
+                self._methods.pop(planned.backbone, None)  # the next request finds or starts them again
+            raise busy(
+                f"the prediction replicas of {planned.backbone!r} are unavailable ({exc}); try again", 5
             ) from None
 
-    def _handle(self, backbone: Any) -> Any:
+    def _method(self, backbone: Any) -> Any:
+        """The `predict` handle of the backbone's replicas, their application started (or joined) at the
+        first request: a 503 while they start (the first request waits up to the prediction timeout),
+        and for START_RETRY_SECONDS after they failed to."""
         with self._lock:
-            handle = self._handles.get(backbone.name)
-            if handle is None:
-                handle = self._deploy(backbone)
-                self._handles[backbone.name] = handle
-            return handle
+            method = self._methods.get(backbone.name)
+            if method is not None:
+                return method
+            failed = self._start_errors.get(backbone.name)
+            if failed is not None and time.monotonic() < failed[0]:
+                raise busy(failed[1], max(1.0, failed[0] - time.monotonic()))
+            started = self._starting.get(backbone.name)
+            if started is None:
+                started = self._starting[backbone.name] = threading.Event()
+                threading.Thread(
+                    target=self._start, args=(backbone, started), name=f"serve-{backbone.name}", daemon=True
+                ).start()
+        if not started.wait(self.settings.predict_timeout_seconds):
+            raise busy(
+                f"the prediction replicas of backbone {backbone.name!r} are still starting; try again", 10
+            )
+        with self._lock:
+            method = self._methods.get(backbone.name)
+            if method is not None:
+                return method
+            failed = self._start_errors.get(backbone.name)
+        raise busy(
+            failed[1] if failed else "the prediction replicas did not start; try again", START_RETRY_SECONDS
+        )
+
+    def _start(self, backbone: Any, started: threading.Event) -> None:
+        """On its own thread: join the backbone's Serve application, or deploy it, and keep its handle."""
+        try:
+            method = self._deploy(backbone)
+            with self._lock:
+                self._methods[backbone.name] = method
+                self._start_errors.pop(backbone.name, None)
+        except Exception as exc:
+            log.exception("the prediction replicas of backbone %s did not start", backbone.name)
+            with self._lock:
+                self._start_errors[backbone.name] = (
+                    time.monotonic() + START_RETRY_SECONDS,
+                    f"the prediction replicas of backbone {backbone.name!r} did not start: {exc}",
+                )
+        finally:
+            with self._lock:
+                self._starting.pop(backbone.name, None)
+            started.set()
 
     def _deploy(self, backbone: Any) -> Any:
-        """Start (or join) the backbone's Serve application; a 503 naming the cause when it cannot start."""
+        import ray
         from ray import serve
 
         from services.dispatcher import connect_ray
         from workers.serving import ReplicaConfig, app_name, predict_application
 
-        connect_ray(self.settings, namespace=SERVE_NAMESPACE_APPS, log_to_driver=False)
+        connect_ray(self.settings, namespace=DEFAULT_NAMESPACE, log_to_driver=False)
         serve.start(proxy_location="Disabled")
-        name = app_name(backbone.name)
-        config = ReplicaConfig(
-            backbone_name=backbone.name,
-            backbone_source=backbone.source,
-            content_hash=backbone.content_hash,
-            max_deltas=self.settings.predict_max_deltas,
-            max_delta_bytes=self.settings.predict_max_delta_bytes,
-            threads=self.settings.predict_threads,
-        )
-        app = predict_application(
-            config,
-            VersionFetcher(self.operations.store),
-            replicas=self.settings.predict_replicas,
-            cpus_per_replica=self.settings.predict_cpus_per_replica,
-            max_queued_requests=self.settings.predict_max_queued,
-        )
-        log.info("starting the prediction replicas of backbone %s (%s)", backbone.name, name)
-        try:
-            return serve.run(app, name=name, route_prefix=None)
-        except Exception as exc:
-            with contextlib.suppress(Exception):  # already gone
-                serve.delete(name)
-            raise ServiceError(
-                f"the prediction replicas of backbone {backbone.name!r} did not start: {exc}",
-                status=503,
-                retry_after=30,
-            ) from None
+        name = app_name(ray.get_runtime_context().namespace, backbone.name)
+        running = serve.status().applications.get(name)
+        if running is not None and running.status in ("RUNNING", "DEPLOYING"):
+            handle = serve.get_app_handle(name)  # another API process (or this one, before) started it
+        else:
+            if running is not None:
+                with contextlib.suppress(Exception):
+                    serve.delete(name)
+            config = ReplicaConfig(
+                backbone_name=backbone.name,
+                backbone_source=backbone.source,
+                content_hash=backbone.content_hash,
+                max_deltas=self.settings.predict_max_deltas,
+                max_delta_bytes=self.settings.predict_max_delta_bytes,
+                threads=self.settings.predict_threads,
+            )
+            app = predict_application(
+                config,
+                VersionFetcher(self.operations.store),
+                replicas=self.settings.predict_replicas,
+                cpus_per_replica=self.settings.predict_cpus_per_replica,
+                max_queued_requests=self.settings.predict_max_queued,
+            )
+            log.info("starting the prediction replicas of backbone %s (%s)", backbone.name, name)
+            try:
+                handle = serve.run(app, name=name, route_prefix=None)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    serve.delete(name)  # a replica that cannot start is not retried forever
+                raise
+        return handle.options(method_name="predict")  # initialised here, once: shared by every request
 
-    def _replica_error(self, info: Any, answer: dict[str, Any]) -> Exception:
+    def _failure(self, info: Any, failure: dict[str, Any]) -> Exception:
+        """The error of a request the replica could not answer, by where it failed."""
         from services.delta_store.errors import DeltaIntegrityError
 
-        kind, message = answer.get("type"), answer.get("error", "")
-        if kind in ("DeltaError", "DeltaIntegrityError"):
-            return DeltaIntegrityError(f"{info.task} version {info.version}: {message}; it is not served")
-        if kind == "ValueError":
+        kind, message = failure.get("type"), failure.get("error", "")
+        where = f"{info.task} version {info.version}"
+        if kind in INTEGRITY_ERRORS:
+            return DeltaIntegrityError(f"{where}: {message}; it is not served")
+        if failure.get("phase") == INPUT:
             return ServiceError(message, status=422, field="texts")
-        return ServiceError(f"{info.task} version {info.version} failed to predict: {message}", status=500)
+        if failure.get("phase") == FORWARD:
+            return ServiceError(f"{where} failed to predict: {message}", status=500)
+        return busy(f"{where} could not be loaded ({kind}: {message}); try again", 5)
+
+
+async def _result(response: Any) -> Any:
+    return await response
 
 
 __all__ = ["Prediction", "PredictionService", "VersionFetcher", "check_rows", "version_reference"]

@@ -61,8 +61,10 @@ PELT_PREDICT_REPLICAS, PELT_PREDICT_CPUS_PER_REPLICA, PELT_PREDICT_THREADS   the
                           node with the training workers) and the threads of each (default 1)
 PELT_PREDICT_MAX_DELTAS, PELT_PREDICT_MAX_DELTA_BYTES   the deltas one replica holds at most, by count and by
                           bytes (default 64 and 1 GiB; the least recently used go first)
-PELT_PREDICT_MAX_QUEUED   prediction requests waiting for a replica (default 256); beyond: 503 with Retry-After
-PELT_PREDICT_TIMEOUT_SECONDS   how long a prediction may take, the replica's start included (default 120)
+PELT_PREDICT_MAX_QUEUED   predictions in flight in one API process, and waiting at the replicas (default 256);
+                          beyond: 503 with Retry-After
+PELT_PREDICT_TIMEOUT_SECONDS   how long a prediction may take (default 120; beyond: 503, the call cancelled); the
+                          first request of a backbone waits this long for its replicas to start
 PELT_LEASE_SECONDS, PELT_HEARTBEAT_SECONDS, PELT_MAX_ATTEMPTS,
 PELT_RETRY_BACKOFF_SECONDS, PELT_RETRY_BACKOFF_MAX_SECONDS, PELT_DB_BUSY_TIMEOUT_SECONDS   queue knobs
 """
@@ -186,10 +188,10 @@ class Settings(BaseSettings):
         default=1 << 30, gt=0, description="bytes of the deltas one prediction replica holds at most"
     )
     predict_max_queued: int = Field(
-        default=256, ge=1, description="prediction requests waiting for a replica; one beyond is a 503"
+        default=256, ge=1, description="predictions in flight in an API process and waiting at the replicas"
     )
     predict_timeout_seconds: float = Field(
-        default=120.0, gt=0, description="how long one prediction may take, the replica's start included"
+        default=120.0, gt=0, description="how long one prediction (or a backbone's replicas' start) may take"
     )
     sandbox_warm_seconds: float = Field(
         default=300.0,

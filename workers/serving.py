@@ -7,7 +7,8 @@ delta's modules (`pelt_core.serving.MixedPredictor`). A request names a `DeltaKe
 sha256) that the service resolved from the registry; a replica loads a key it does not hold through the
 `fetch` function it was built with (a download of the version's files) and checks the file against the
 key's sha256 before it serves it (`pelt_core.delta.load_delta`): a file that fails the check fails the
-requests that named it, and is never held. Ray Serve bounds each replica's requests in flight and the
+requests that named it, and is never held (a download happens before the forward lock: it does not hold
+up the answers of deltas already held). Ray Serve bounds each replica's requests in flight and the
 requests waiting for one (`max_ongoing_requests`, `max_queued_requests`): beyond that a call is refused
 at once (`ray.serve.exceptions.BackPressureError`), never queued without bound.
 
@@ -26,7 +27,7 @@ from typing import Any
 
 from ray import serve
 
-APP_PREFIX = "pelt-predict"  # an application per backbone: pelt-predict-<backbone name>
+APP_PREFIX = "pelt-predict"  # an application per backbone: pelt-predict-<namespace>-<backbone name>
 MAX_BATCH_REQUESTS = 32  # requests answered together (their rows: `batch_rows` per backbone forward)
 BATCH_WAIT_SECONDS = 0.005  # how long a replica waits for more requests before it answers the ones it has
 
@@ -47,9 +48,10 @@ class ReplicaConfig:
     device: str = "cpu"
 
 
-def app_name(backbone: str) -> str:
-    """The Serve application of a backbone (Serve names allow what registry names allow)."""
-    return f"{APP_PREFIX}-{backbone}"
+def app_name(namespace: str, backbone: str) -> str:
+    """The Serve application of a backbone for the pelt service of a Ray namespace (Serve's application
+    names are the cluster's: two services on one cluster keep theirs apart)."""
+    return f"{APP_PREFIX}-{namespace}-{backbone}"
 
 
 class PredictReplica:
@@ -72,7 +74,9 @@ class PredictReplica:
         self.config, self.fetch, self.backbone = config, fetch, backbone
         self.cache = DeltaCache(self._load, max_count=config.max_deltas, max_bytes=config.max_delta_bytes)
         self.predictor = MixedPredictor(backbone, self.cache, config.batch_rows, config.max_length)
-        self._forward = threading.Lock()  # one batch at a time: it takes the replica's threads
+        self._forward = (
+            threading.Lock()
+        )  # one forward at a time (it takes the replica's threads); loads wait not
 
     def _load(self, key: Any) -> Any:
         from pelt_core.delta import load_delta
@@ -85,29 +89,21 @@ class PredictReplica:
     @serve.batch(max_batch_size=MAX_BATCH_REQUESTS, batch_wait_timeout_s=BATCH_WAIT_SECONDS)
     async def predict(self, requests: list[tuple[Any, list[Any]]]) -> list[dict[str, Any]]:
         """Answer (DeltaKey, texts) requests that arrived together: per request {"rows": predictions} or
-        {"error": message, "type": the error's class name}."""
+        {"failure": {"phase", "type", "error"}} (`pelt_core.serving.describe_failure`)."""
         return await asyncio.to_thread(self._answer, requests)
 
     def _answer(self, requests: Sequence[tuple[Any, list[Any]]]) -> list[dict[str, Any]]:
-        from pelt_core.serving import Request
+        from pelt_core.serving import Request, describe_failure
 
-        with self._forward:
-            answers = self.predictor.predict([Request(key, texts) for key, texts in requests])
+        answers = self.predictor.predict([Request(key, texts) for key, texts in requests], self._forward)
         return [
-            {"rows": answer}
-            if isinstance(answer, list)
-            else {"error": str(answer), "type": type(answer).__name__}
+            {"rows": answer} if isinstance(answer, list) else {"failure": describe_failure(answer)}
             for answer in answers
         ]
 
     def held(self) -> list[str]:
         """The versions this replica holds, least recently used first (`task/version`)."""
         return [str(key) for key in self.cache.held_keys()]
-
-    def forget(self, keep: Sequence[tuple[str, int]]) -> list[str]:
-        """Drop every held version not in `keep` ((task, version) pairs): archived or deleted ones."""
-        wanted = {(task, int(version)) for task, version in keep}
-        return [str(key) for key in self.cache.drop(lambda key: (key.task, key.version) in wanted)]
 
 
 def predict_application(

@@ -18,6 +18,7 @@ from pelt_core.limits import INT32_MAX, MAX_PAGE_LIMIT
 from services.errors import ServiceError
 from services.operations import PeltOperations
 from services.registry import ApiTokenRecord
+from services.registry.models import TOKEN_SCOPES
 
 UNAUTHORIZED = (
     "missing, unknown or revoked token: send 'Authorization: Bearer <token>' (create one with "
@@ -60,7 +61,8 @@ def requires(scope: str) -> Any:
     return Depends(check)
 
 
-READ, PREDICT, WRITE, ADMIN = requires("read"), requires("predict"), requires("write"), requires("admin")
+SCOPE_DEPENDENCIES = {scope: requires(scope) for scope in TOKEN_SCOPES}  # one per scope, in order
+READ, PREDICT, WRITE, ADMIN = (SCOPE_DEPENDENCIES[scope] for scope in ("read", "predict", "write", "admin"))
 Caller = Annotated[ApiTokenRecord, Depends(authenticated)]
 Operations = Annotated[PeltOperations, Depends(operations)]
 

@@ -28,14 +28,14 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.connections import CONNECTION_STATE_KEY
-from services.api.dependencies import ADMIN, READ, UNAUTHORIZED, WRITE
+from services.api.dependencies import SCOPE_DEPENDENCIES, UNAUTHORIZED
 from services.api.error_handlers import internal_error
 from services.errors import ErrorView, ServiceError, classify
 from services.registry import ApiTokenRecord, acting_as
 
 log = logging.getLogger("pelt.api")
 
-SCOPE_CHECKS = (READ.dependency, WRITE.dependency, ADMIN.dependency)  # how routes declare their scope
+SCOPE_CHECKS = tuple(d.dependency for d in SCOPE_DEPENDENCIES.values())  # how routes declare their scope
 
 
 def refusal(view: ErrorView) -> JSONResponse:
@@ -49,7 +49,7 @@ def refusal(view: ErrorView) -> JSONResponse:
 
 @dataclass(frozen=True)
 class DeclaredScope:
-    """A route's path pattern and methods, with the scope checks (READ, WRITE, ADMIN) among its
+    """A route's path pattern and methods, with the scope checks (READ, PREDICT, WRITE, ADMIN) among its
     dependencies: the ones FastAPI runs, and the OpenAPI schema shows, once the body is parsed."""
 
     pattern: re.Pattern[str]

@@ -15,6 +15,8 @@ from pelt_core.limits import MAX_PREDICT_ROWS
 from services.client import PeltClient
 from services.commands.common import client_errors
 
+CHUNK_BYTES = 512 * 1024  # JSON bytes of one request's rows: half the service's default body bound
+
 
 def read_rows(path: Path, text_fields: list[str]) -> Iterator[tuple[dict[str, Any], str | tuple[str, str]]]:
     """(the line's object, its text or pair) for each line of a JSON Lines file: an object with the
@@ -54,13 +56,30 @@ def read_rows(path: Path, text_fields: list[str]) -> Iterator[tuple[dict[str, An
             yield row, (values[0], values[1]) if pair else values[0]
 
 
+def chunks(rows: list[Any], max_bytes: int = CHUNK_BYTES) -> Iterator[list[Any]]:
+    """Rows in requests of at most MAX_PREDICT_ROWS rows and about `max_bytes` of JSON each (the service
+    takes 1 MiB bodies by default); a row above `max_bytes` alone goes in a request of its own."""
+    chunk: list[Any] = []
+    size = 0
+    for row in rows:
+        row_bytes = len(json.dumps(row, ensure_ascii=False).encode()) + 2
+        if chunk and (len(chunk) == MAX_PREDICT_ROWS or size + row_bytes > max_bytes):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(row)
+        size += row_bytes
+    if chunk:
+        yield chunk
+
+
 def predict_rows(
     client: PeltClient, task: str, rows: list[Any], version: str | None
 ) -> tuple[Any, list[dict]]:
-    """The predictions of every row, MAX_PREDICT_ROWS per request, and the last answer (its version)."""
+    """The predictions of every row, a request per chunk, every chunk answered by the version the first
+    one was (a new best landing halfway does not mix versions); and the last answer."""
     answer, predictions = None, []
-    for start in range(0, len(rows), MAX_PREDICT_ROWS):
-        answer = client.predict(task, rows[start : start + MAX_PREDICT_ROWS], version=version)
+    for chunk in chunks(rows):
+        answer = client.predict(task, chunk, version=version if answer is None else answer.version)
         predictions.extend(answer.predictions)
     return answer, predictions
 

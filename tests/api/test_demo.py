@@ -1,5 +1,5 @@
 """`pelt demo --fast`: the README's demo on the same code path (embedded service, real MiniLM backbone, real
-Rotten Tomatoes data, five methods through the HTTP client), with fewer rows and steps. A second run finds
+Rotten Tomatoes data, five methods through the HTTP client, the best then predicting through the service), with fewer rows and steps. A second run finds
 its sweep by idempotency key and trains nothing again."""
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def test_the_demo_runs_the_whole_service_and_a_rerun_trains_nothing_twice(tmp_pa
     assert "pulled rotten_tomatoes-dev64's best delta by task name" in first
     predictions = first.split("sha256")[1].splitlines()[1:5]
     assert all(line.split()[0] in ("positive", "negative") for line in predictions), predictions
+    assert "prediction endpoint (POST /v1/tasks/rotten_tomatoes-dev64/predict, Ray Serve)" in first
+    assert "the same labels as the pulled delta" in first  # served as the pulled delta predicts alone
     assert (tmp_path / "pelt" / "api_token").stat().st_mode & 0o777 == 0o600
 
     second = run_demo(tmp_path / "pelt")

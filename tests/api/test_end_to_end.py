@@ -179,6 +179,7 @@ def test_predict_by_task_name_serves_each_version_from_one_backbone_and_follows_
 ):
     from concurrent.futures import ThreadPoolExecutor
 
+    import ray
     from ray import serve
 
     from services.client import PeltAPIError
@@ -227,7 +228,7 @@ def test_predict_by_task_name_serves_each_version_from_one_backbone_and_follows_
         assert [p["score"] for p in answer.predictions] == pytest.approx(
             [p["score"] for p in expected[version]], abs=1e-5
         )
-    replica = serve.get_app_handle(app_name(BACKBONE))
+    replica = serve.get_app_handle(app_name(ray.get_runtime_context().namespace, BACKBONE))
     held = replica.held.remote().result(timeout_s=60)
     assert sorted(held) == sorted(f"{task}/{v}" for v in expected)  # one replica, one backbone, both deltas
 

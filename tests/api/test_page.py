@@ -428,3 +428,42 @@ def test_a_method_search_shows_its_row_and_its_best_so_far_plot(tab: PageSession
     page.click("#forget-token")
     assert page.locator("#searches tbody tr").count() == 0 and page.locator("#search-plot svg").count() == 0
     assert page.locator("#search-plot-caption").inner_text() == ""
+
+
+def test_the_predict_box_labels_texts_with_the_best_version_and_says_which_answered(
+    tab: PageSession, trained: Trained
+):
+    page = tab.page
+    tab.sign_in(trained.token)
+    tab.open_task(TASK)
+    page.locator("#predict-section").wait_for()
+    assert page.locator("#predict-pairs").is_hidden()  # a single-text task: one box
+    page.fill("#predict-texts", "w1 w2 good great\n\nw1 w2 bad awful")
+    page.click("#predict-button")
+    page.locator("#predictions tbody tr").nth(1).wait_for()
+    best = trained.client.delta_info(TASK)
+    served = trained.client.predict(TASK, ["w1 w2 good great", "w1 w2 bad awful"])
+    cells = page.locator("#predictions tbody td").all_inner_texts()
+    assert cells[0::2] == ["w1 w2 good great", "w1 w2 bad awful"]  # the blank line is no row
+    assert cells[1::2] == [f"{p['label']} ({p['score']:.3f})" for p in served.predictions]
+    assert f"version {best.version} ({best.method}) answered" in page.inner_text("#predict-answer")
+
+    page.fill("#predict-version", "99")
+    page.click("#predict-button")
+    tab.wait_until("() => document.querySelector('#predict-answer').classList.contains('error')")
+    assert "99" in page.inner_text("#predict-answer")
+    tab.screenshot("predict")
+    assert tab.csp_violations() == [] and tab.dialogs == []
+
+
+def test_a_read_token_gets_no_predict_box_and_a_predict_token_does(tab: PageSession, trained: Trained):
+    _, reader = trained.registry.create_api_token("page-dashboard", scope="read")
+    tab.sign_in(reader)
+    tab.open_task(TASK)
+    tab.page.locator("#leaderboard tbody tr").first.wait_for()
+    assert tab.page.locator("#predict-section").is_hidden()
+    tab.page.click("#forget-token")
+    _, app = trained.registry.create_api_token("page-app", scope="predict")
+    tab.sign_in(app)
+    tab.open_task(TASK)
+    tab.page.locator("#predict-section").wait_for()

@@ -11,7 +11,17 @@ import pytest
 from pelt_core import get_method
 from pelt_core.delta_format import DeltaError
 from pelt_core.model import JobDelta, PeltModel, predict
-from pelt_core.serving import DeltaCache, DeltaKey, MixedPredictor, Request, delta_bytes
+from pelt_core.serving import (
+    FORWARD,
+    INPUT,
+    LOAD,
+    DeltaCache,
+    DeltaKey,
+    Failure,
+    MixedPredictor,
+    Request,
+    delta_bytes,
+)
 
 from .conftest import trained_like
 
@@ -95,14 +105,59 @@ def test_a_request_whose_delta_fails_to_load_or_whose_texts_do_not_fit_fails_alo
         ]
     )
 
-    assert isinstance(answers[0], DeltaError) and "sha256" in str(answers[0])
+    assert answers[0].phase == LOAD and isinstance(answers[0].error, DeltaError)
+    assert "sha256" in str(answers[0].error)
     assert [row["label"] for row in answers[1]] == [
         r["label"] for r in predict(PeltModel(backbone, good), ["a film", "another"])
     ]
-    assert isinstance(answers[2], ValueError) and "premise, hypothesis" in str(answers[2])
+    assert answers[2].phase == INPUT and "premise, hypothesis" in str(answers[2].error)
     assert key("tampered") not in predictor.cache  # a delta that failed its check is never held
-    predictor.predict([Request(key("tampered"), ["again"])])
-    assert loads.loaded.count(key("tampered")) == 2  # and is checked again next time
+
+
+def test_a_failed_load_is_not_tried_again_until_its_retry_time(make_backbone):
+    backbone = make_backbone()
+    now = [0.0]
+    loads = Loads({key("good"): make(backbone, "bitfit", 1)})
+    cache = DeltaCache(loads, retry_seconds=30, clock=lambda: now[0])
+    for _ in range(3):
+        with pytest.raises(DeltaError, match="sha256"):
+            cache.get(key("tampered"))
+    assert loads.loaded.count(key("tampered")) == 1  # not downloaded again at every request
+    now[0] = 31.0
+    with pytest.raises(DeltaError):
+        cache.get(key("tampered"))
+    assert loads.loaded.count(key("tampered")) == 2 and cache.stats.failed_loads == 2
+
+
+def test_a_request_whose_rows_fail_in_the_forward_fails_alone(make_backbone, monkeypatch):
+    backbone = make_backbone()
+    good, broken = make(backbone, "bitfit", 1), make(backbone, "lora", 2)
+    predictor = MixedPredictor(backbone, DeltaCache(Loads({key("good"): good, key("broken"): broken})))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("bad head")
+
+    monkeypatch.setattr(broken.head, "forward", fail)
+    answers = predictor.predict(
+        [Request(key("broken"), ["a film"]), Request(key("good"), ["a film", "more"])]
+    )
+
+    assert (
+        isinstance(answers[0], Failure)
+        and answers[0].phase == FORWARD
+        and "bad head" in str(answers[0].error)
+    )
+    alone = predict(PeltModel(backbone, good), ["a film", "more"])
+    assert [r["label"] for r in answers[1]] == [r["label"] for r in alone]
+
+
+def test_naming_a_delta_loads_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, pelt_core.serving; assert 'torch' not in sys.modules, 'torch loaded'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_cache_loads_once_and_evicts_the_least_recently_used_beyond_its_count(make_backbone):
@@ -135,14 +190,6 @@ def test_the_cache_keeps_within_its_bytes_and_a_new_version_is_a_new_entry(make_
     assert DeltaCache(loads, max_bytes=1).get(key("t", 1)) is first  # too big alone: served, held alone
 
 
-def test_dropping_forgets_the_versions_no_longer_served(make_backbone):
-    backbone = make_backbone()
-    loads = Loads({key("t", 1): make(backbone, "bitfit", 1), key("u", 1): make(backbone, "bitfit", 2)})
-    cache = DeltaCache(loads)
-    cache.get(key("t", 1))
-    cache.get(key("u", 1))
-
-    assert cache.drop(lambda held: held.task != "t") == [key("t", 1)]
-    assert cache.held_keys() == [key("u", 1)]
+def test_the_cache_bounds_are_positive():
     with pytest.raises(ValueError, match="positive"):
-        DeltaCache(loads, max_count=0)
+        DeltaCache(lambda key: None, max_count=0)

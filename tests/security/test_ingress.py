@@ -162,7 +162,7 @@ def test_a_read_tokens_large_upload_is_not_read_after_its_403(served: ApiServer,
 
 
 def test_every_v1_route_declares_one_scope_which_is_checked_from_the_headers():
-    """A route added without READ, WRITE or ADMIN would reach its body parsing with any token."""
+    """A route added without READ, PREDICT, WRITE or ADMIN would reach its body parsing with any token."""
     from fastapi.routing import APIRoute
 
     from services.api.middleware import declared_scopes

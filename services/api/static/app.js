@@ -21,7 +21,7 @@
   const OP_TAG = "pelt.composition.op";
 
   const state = {
-    scope: null, // the token's scope: read, write or admin
+    scope: null, // the token's scope: read, predict, write or admin
     name: null, // the token's name: a write token cancels only the jobs it submitted
     task: null, // the name in view
     deltasOnly: false, // the view shows only the delta versions of a name (no task behind it)
@@ -57,7 +57,7 @@
 
   // A fetch with the token in the Authorization header. A 401 ends the session (the token is dropped,
   // the data cleared) and throws; any other refusal throws an ApiError with the service's message.
-  async function request(path, { method = "GET" } = {}) {
+  async function request(path, { method = "GET", json = undefined } = {}) {
     const token = storedToken();
     if (!token) {
       refuse();
@@ -65,9 +65,12 @@
     }
     let response;
     try {
+      const headers = { Authorization: `Bearer ${token}`, Accept: "application/json, image/svg+xml, */*" };
+      if (json !== undefined) headers["Content-Type"] = "application/json";
       response = await fetch(path, {
         method,
-        headers: { Authorization: `Bearer ${token}`, Accept: "application/json, image/svg+xml, */*" },
+        headers,
+        body: json === undefined ? undefined : JSON.stringify(json),
         cache: "no-store",
         credentials: "omit",
         referrerPolicy: "no-referrer",
@@ -120,6 +123,10 @@
     return state.scope === "write" || state.scope === "admin";
   }
 
+  function canPredict() {
+    return state.scope === "predict" || canWrite();
+  }
+
   // An admin token cancels any job; a write token the jobs it submitted.
   function canCancel(job) {
     return state.scope === "admin" || (state.scope === "write" && job.submitted_by === state.name);
@@ -168,6 +175,8 @@
     }
     for (const table of ["leaderboard", "searches", "jobs", "deltas"]) byId(table).tBodies[0].replaceChildren();
     byId("search-plot-figure").hidden = true;
+    resetPredict(null);
+    for (const id of ["predict-texts", "predict-pairs", "predict-version"]) byId(id).value = "";
     state.searchRunning = false;
     state.searchPlot = "";
     resetSelect(byId("k-filter"), "all K");
@@ -248,6 +257,7 @@
     resetSelect(byId("k-filter"), "all K");
     resetSelect(byId("sweep-filter"), "all jobs");
     for (const id of ["leaderboard-section", "plots-section", "searches-section", "jobs-section"]) byId(id).hidden = deltasOnly;
+    resetPredict(deltasOnly ? null : undefined);
     byId("task-view").hidden = false;
     return state.generation;
   }
@@ -258,6 +268,7 @@
     if (generation !== state.generation) return;
     byId("task-description").textContent = task.description || "";
     renderFacts(task);
+    resetPredict(task);
     await Promise.all([
       loadLeaderboard(generation),
       loadPlots(generation),
@@ -679,6 +690,72 @@
     return svg;
   }
 
+  // --- predictions -----------------------------------------------------------------------------------
+
+  // The predict box of the task in view: hidden for a read token and for a name without a task behind
+  // it; a second text box for a task trained on pairs. `task` undefined: keep the box as it is, empty.
+  function resetPredict(task) {
+    const section = byId("predict-section");
+    if (task !== undefined) {
+      section.hidden = task === null || !canPredict();
+      const pairs = task !== null && task.text_fields.length === 2;
+      byId("predict-pairs").hidden = !pairs;
+      byId("predict-pairs-label").hidden = !pairs;
+      byId("predict-texts-label").textContent = pairs ? `${task.text_fields[0]}, one per line` : "texts, one per line";
+      if (pairs) byId("predict-pairs-label").textContent = `${task.text_fields[1]}, line by line`;
+    }
+    byId("predict-answer").hidden = true;
+    byId("predictions").hidden = true;
+    byId("predictions").tBodies[0].replaceChildren();
+  }
+
+  async function predict() {
+    const lines = (id) => byId(id).value.split("\n").map((line) => line.trim());
+    const firsts = lines("predict-texts");
+    const pairs = byId("predict-pairs").hidden ? null : lines("predict-pairs");
+    const texts = [];
+    firsts.forEach((text, i) => {
+      if (!text) return;
+      texts.push(pairs ? [text, pairs[i] || ""] : text);
+    });
+    const answer = byId("predict-answer");
+    if (texts.length === 0) {
+      showMessage(answer, "Type a text to predict.", true);
+      return;
+    }
+    const version = byId("predict-version").value.trim();
+    const generation = state.generation;
+    const button = byId("predict-button");
+    button.disabled = true;
+    try {
+      const response = await request(`/v1/tasks/${enc(state.task)}/predict`, {
+        method: "POST",
+        json: { texts, version: version || null },
+      });
+      const body = await response.json();
+      if (generation !== state.generation) return;
+      showMessage(answer, `version ${body.version} (${body.method || body.kind}) answered`, false);
+      byId("predictions").tBodies[0].replaceChildren(
+        ...texts.map((text, i) => {
+          const tr = document.createElement("tr");
+          tr.append(element("td", Array.isArray(text) ? text.join(" | ") : text), element("td", predictionText(body.predictions[i])));
+          return tr;
+        }),
+      );
+      byId("predictions").hidden = false;
+    } catch (error) {
+      if (generation === state.generation) showMessage(answer, error.message, true);
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  function predictionText(prediction) {
+    if ("label" in prediction) return `${prediction.label} (${prediction.score.toFixed(3)})`;
+    if ("labels" in prediction) return prediction.labels.join(", ") || "(none)";
+    return formatMetric(prediction.value);
+  }
+
   // --- delta versions -------------------------------------------------------------------------------
 
   async function loadDeltas(generation) {
@@ -834,6 +911,10 @@
     byId("sweep-filter").addEventListener("change", (event) => {
       state.sweep = event.target.value;
       renderJobs([...state.jobs.values()]);
+    });
+    byId("predict-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      predict().catch(reportError);
     });
     byId("deltas-lookup").addEventListener("submit", (event) => {
       event.preventDefault();
