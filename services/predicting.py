@@ -358,6 +358,7 @@ class PredictionService:
                 VersionFetcher(self.operations.store),
                 replicas=self.settings.predict_replicas,
                 cpus_per_replica=self.settings.predict_cpus_per_replica,
+                resource=self.settings.predict_resource,
                 max_queued_requests=self.settings.predict_max_queued,
             )
             log.info("starting the prediction replicas of backbone %s (%s)", backbone.name, name)

@@ -59,6 +59,9 @@ PELT_WORKER_MEMORY_BYTES  a worker's memory for one job: a job whose estimate (b
 PELT_PREDICT_REPLICAS, PELT_PREDICT_CPUS_PER_REPLICA, PELT_PREDICT_THREADS   the prediction endpoint's replicas
                           per backbone (default 1), the CPUs Ray reserves for each (default 0: they share the
                           node with the training workers) and the threads of each (default 1)
+PELT_PREDICT_RESOURCE     a Ray custom resource each prediction replica takes one unit of, so that the replicas
+                          run only on the nodes started with it (`ray start --resources '{"pelt_predict": 100}'`:
+                          deploy/'s serving nodes); default none: any node
 PELT_PREDICT_MAX_DELTAS, PELT_PREDICT_MAX_DELTA_BYTES   the deltas one replica holds at most, by count and by
                           bytes (default 64 and 1 GiB; the least recently used go first)
 PELT_PREDICT_MAX_QUEUED   predictions in flight in one API process, and waiting at the replicas (default 256);
@@ -177,6 +180,13 @@ class Settings(BaseSettings):
     predict_replicas: int = Field(default=1, ge=1, le=64, description="prediction replicas per backbone")
     predict_cpus_per_replica: float = Field(
         default=0.0, ge=0, description="CPUs Ray reserves for each prediction replica (0: shared)"
+    )
+    predict_resource: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="a Ray custom resource each prediction replica takes one unit of (the serving nodes')",
     )
     predict_threads: int = Field(
         default=1, ge=1, le=256, description="torch threads of each prediction replica"

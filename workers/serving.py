@@ -112,17 +112,23 @@ def predict_application(
     *,
     replicas: int = 1,
     cpus_per_replica: float = 0.0,
+    resource: str | None = None,
     max_ongoing_requests: int = 64,
     max_queued_requests: int = 256,
 ) -> Any:
-    """The Serve application of one backbone, ready for `serve.run(app, name=app_name(...))`."""
+    """The Serve application of one backbone, ready for `serve.run(app, name=app_name(...))`; each replica
+    takes `cpus_per_replica` CPUs and, with `resource`, one unit of that Ray custom resource (only the nodes
+    started with it hold replicas)."""
     deployment = serve.deployment(
         PredictReplica,
         name="predict",
         num_replicas=replicas,
         max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests,
-        ray_actor_options={"num_cpus": cpus_per_replica},
+        ray_actor_options={
+            "num_cpus": cpus_per_replica,
+            **({"resources": {resource: 1}} if resource else {}),
+        },
     )
     return deployment.bind(config, fetch)
 

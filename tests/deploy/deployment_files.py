@@ -336,7 +336,9 @@ def container_command_lines(container: dict[str, Any], environment: Mapping[str,
 
 def kuberay_start_line(cluster: Manifest, group: dict[str, Any] | None) -> list[str]:
     """The `ray start` line KubeRay runs in a head (group None) or worker pod: rayStartParams as
-    `--key=value`, the head's address for workers, `--block`."""
+    `--key=value`, the head's address for workers, `--block`; KubeRay writes it as one shell command line
+    (run by `bash -lc`), so a value is read as the shell reads it (`resources: '"{\"pelt_predict\": 1}"'`
+    arrives as {"pelt_predict": 1})."""
     spec = cluster["spec"]
     params = (spec["headGroupSpec"] if group is None else group).get("rayStartParams", {})
     line = (
@@ -344,7 +346,7 @@ def kuberay_start_line(cluster: Manifest, group: dict[str, Any] | None) -> list[
         if group is None
         else ["ray", "start", f"--address={head_address(cluster)}"]
     )
-    return [*line, *(f"--{key}={value}" for key, value in params.items()), "--block"]
+    return shlex.split(" ".join([*line, *(f"--{key}={value}" for key, value in params.items()), "--block"]))
 
 
 def head_address(cluster: Manifest) -> str:

@@ -2,7 +2,8 @@
 service with the command and the environment compose.yaml gives it (read from the file, translated by
 `Machine`), then used as a user would: register a task, run a sweep from the Python client, SIGKILL the
 dispatcher and the Ray worker node mid-sweep and start them again with the same commands; every job ends
-exactly once with one delta version in MLflow, the leaderboard lists the methods, `pull` by task name predicts.
+exactly once with one delta version in MLflow, the leaderboard lists the methods, `pull` by task name predicts,
+and the API's prediction endpoint answers the same from the replicas it deploys onto the serving node.
 
 How this machine stands in for Compose's containers, network and volumes (`Machine.localize`, `translate`):
 
@@ -34,7 +35,7 @@ How this machine stands in for Compose's containers, network and volumes (`Machi
   stored, until the test lets it go (`tests.workers.hold`), so the jobs are certainly running when their
   node and dispatcher are killed, whatever the machine's speed, without training for long.
 - Scale: one dispatcher (compose runs two: the standby's takeover is tested in
-  tests/workers/test_dispatcher_ha.py) and one ray-worker.
+  tests/workers/test_dispatcher_ha.py), one ray-worker and one ray-predict.
 - Ignored: `image`, `build`, `restart`, `init`, `shm_size` (IGNORED_KEYS says why). Compose's start order
   is kept: a service starts once what it `depends_on` is started, healthy (its own healthcheck command,
   translated) or completed successfully.
@@ -638,6 +639,7 @@ def added_environment(backbones: Path, hold: Hold) -> dict[str, dict[str, str]]:
         "*": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
         "api": backbone_dirs,
         "ray-worker": {**backbone_dirs, "PYTHONPATH": str(ROOT)},
+        "ray-predict": {**backbone_dirs, "PYTHONPATH": str(ROOT)},  # the replicas unpickle the store's fetcher
         "dispatcher": {**backbone_dirs, **QUEUE_KNOBS, **holding},
     }
 
@@ -752,8 +754,12 @@ def test_the_compose_stack_runs_a_sweep_through_a_killed_dispatcher_and_worker_n
 
         frame = client.leaderboard("toy")
         assert sorted(frame["method"]) == ["bitfit", "lora"] and list(frame["runs"]) == [2, 2]
-        predictions = client.pull("toy").predict(["w1 w2 good great", "w3 w4 bad awful"])
+        texts = ["w1 w2 good great", "w3 w4 bad awful"]
+        predictions = client.pull("toy").predict(texts)
         assert all(p["label"] in ("negative", "positive") for p in predictions) and len(predictions) == 2
+        served = client.predict("toy", texts)  # the API deploys the replicas onto the serving node
+        assert [p["label"] for p in served.predictions] == [p["label"] for p in predictions]
+        assert served.version == client.delta_info("toy").version
 
         survivors = stack.down()
         assert not survivors, f"processes left running: {survivors}"

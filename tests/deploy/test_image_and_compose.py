@@ -139,14 +139,23 @@ def test_compose_roles_do_what_the_deployment_needs(compose: dict[str, Any], mon
     serve = lines("api")["pelt serve"]
     assert (serve["dispatcher"], serve["host"], serve["port"]) == (False, "0.0.0.0", 8000)
     assert services["api"]["ports"] == ["127.0.0.1:8000:8000"]
+    api_node = lines("api")["ray start"]  # a Ray node with no CPUs: it deploys and calls the predictors
+    assert api_node["num_cpus"] == 0 and not api_node["head"]
+    predict_node = lines("ray-predict")["ray start"]  # the serving node: replicas, never training workers
+    resource = compose_environment(services["api"])["PELT_PREDICT_RESOURCE"]
+    assert predict_node["num_cpus"] == 0 and json.loads(predict_node["resources"])[resource] >= 1
     dispatcher = lines("dispatcher")
     assert dispatcher["pelt dispatcher"]["delta_store"] == "mlflow"
     assert dispatcher["ray start"]["num_cpus"] == 0 and not dispatcher["ray start"]["head"]
     assert services["dispatcher"]["deploy"]["replicas"] == 2  # a leader and a standby
     head = lines("ray-head")["ray start"]
     assert (head["head"], head["num_cpus"], head["block"]) == (True, 0, True)
-    for worker in ("ray-worker", "ray-gpu-worker"):
-        assert lines(worker)["ray start"]["address"] == f"ray-head:{head['port']}"
+    for worker in ("ray-worker", "ray-gpu-worker", "ray-predict", "api", "dispatcher"):
+        address = lines(worker)["ray start"]["address"]
+        assert address == f"ray-head:{head['port']}" or (
+            address == "$PELT_RAY_ADDRESS"
+            and compose_environment(services[worker])["PELT_RAY_ADDRESS"] == f"ray-head:{head['port']}"
+        ), worker
     server = lines("mlflow")["mlflow server"]
     assert server["serve_artifacts"] and server["host"] == "0.0.0.0"
     assert server["artifacts_destination"].startswith("/var/lib/mlflow/")

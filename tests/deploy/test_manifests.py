@@ -194,6 +194,12 @@ def test_kubernetes_roles_match_the_compose_ones(cluster, compose, monkeypatch):
     assert head["num_cpus"] == 0 and head["include_dashboard"] is False
     (dispatcher_node,) = [p for pod, p in roles["ray start"] if pod == "Deployment/pelt-dispatcher"]
     assert dispatcher_node["num_cpus"] == 0
+    (api_node,) = [p for pod, p in roles["ray start"] if pod == "Deployment/pelt-api"]
+    assert api_node["num_cpus"] == 0  # the API calls the prediction replicas as a Ray node with no CPUs
+    (predict_node,) = [p for group, p in roles["ray start"] if group == "predict"]
+    api = objects_of(cluster, "Deployment")["pelt-api"]["spec"]["template"]["spec"]["containers"][0]
+    resource = container_environment(api, cluster)["PELT_PREDICT_RESOURCE"]
+    assert predict_node["num_cpus"] == 0 and json.loads(predict_node["resources"])[resource] >= 1
     (dispatcher,) = [params for _, params in roles["pelt dispatcher"]]
     assert dispatcher["delta_store"] == "mlflow"
     (token,) = [params for _, params in roles["pelt token create"]]
@@ -203,6 +209,7 @@ def test_kubernetes_roles_match_the_compose_ones(cluster, compose, monkeypatch):
     scripts = {
         "migrate": objects_of(cluster, "Job")["pelt-migrate"]["spec"]["template"],
         "dispatcher": objects_of(cluster, "Deployment")["pelt-dispatcher"]["spec"]["template"],
+        "api": objects_of(cluster, "Deployment")["pelt-api"]["spec"]["template"],
     }
     for service, template in scripts.items():  # the same script as compose.yaml's
         assert template["spec"]["containers"][0]["args"] == compose["services"][service]["command"], service
