@@ -224,36 +224,31 @@ class PredictionService:
         return info
 
     def _backbone_of(self, info: Any) -> Any:
-        """The registered backbone the version was trained on: a 409 naming both when the registry's
-        backbone of that name is another checkpoint now, or has gone."""
+        """The registered backbone the version was trained on, found by the content hash the version
+        records (its name there is what the job loaded: a registered name or the model's folder): a 409
+        naming the backbone and its hash when the registry holds no such checkpoint (any more)."""
         from services.delta_store.values import TAG_BACKBONE, TAG_BACKBONE_HASH
-        from services.registry import UnknownBackboneError
 
         name, trained_on = info.tags.get(TAG_BACKBONE), info.tags.get(TAG_BACKBONE_HASH)
-        if not name or not trained_on:
+        if not trained_on:
             raise ServiceError(
                 f"{info.task} version {info.version} does not record its backbone; it cannot be served",
                 status=409,
                 field="version",
             )
-        try:
-            record = self.operations.registry.get_backbone(name)  # its real source (the API shows another)
-        except UnknownBackboneError:
+        registered = self.operations.registry.list_backbones()  # real sources (the API shows others)
+        matching = [b for b in registered if b.content_hash == trained_on]
+        if not matching:
+            same_name = [b for b in registered if b.name == name or b.source == name]
+            now = f", but that backbone is now {same_name[0].content_hash[:12]}…" if same_name else ""
             raise ServiceError(
-                f"{info.task} version {info.version} was trained on backbone {name!r}, which this service "
-                "no longer has (`pelt backbone list` lists them)",
-                status=409,
-                field="version",
-            ) from None
-        if record.content_hash != trained_on:
-            raise ServiceError(
-                f"{info.task} version {info.version} was trained on backbone {name!r} with content hash "
-                f"{trained_on[:12]}…, but {name!r} is now {record.content_hash[:12]}…: no replica holds "
-                "the backbone it needs",
+                f"{info.task} version {info.version} was trained on backbone {Path(str(name)).name!r} with "
+                f"content hash {trained_on[:12]}…{now}: this service has no backbone with that content "
+                "(`pelt backbone list` lists them)",
                 status=409,
                 field="version",
             )
-        return record
+        return next((b for b in matching if b.name == name or b.source == name), matching[0])
 
     async def _await(self, planned: Planned) -> dict[str, Any]:
         from ray.exceptions import RayActorError

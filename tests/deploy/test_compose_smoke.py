@@ -50,11 +50,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import secrets
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -152,6 +154,24 @@ def refuse(what: str) -> NoReturn:
 # --- translating compose.yaml ----------------------------------------------------------------------------
 
 
+def service_port(host: str) -> int:
+    """A free port for a service, below the kernel's ephemeral range (where every bind to port 0 takes its
+    ports: a Ray node's agents, started in the API's container before the API listens, take several) and
+    above Ray's worker ports (10002-19999): a port chosen here is not taken in the meantime by a process
+    that asked for any port."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(20000, max(20001, min(low, 32768)))
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
+
+
 @dataclass
 class Launch:
     """One process standing for one container: what it runs, with what, and how to ask if it is healthy."""
@@ -180,7 +200,7 @@ class Machine:
         if extra:
             refuse(f"top-level keys {sorted(extra)}")
         for service, port in sorted(container_ports(self.compose)):
-            self.ports[(service, port)] = free_port(LOOPBACK)
+            self.ports[(service, port)] = service_port(LOOPBACK)
         (self.root / "bin").mkdir(parents=True, exist_ok=True)
         ray = self.root / "bin" / "ray"
         ray.write_text(RAY_CLI.format(python=sys.executable))
@@ -639,7 +659,10 @@ def added_environment(backbones: Path, hold: Hold) -> dict[str, dict[str, str]]:
         "*": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
         "api": backbone_dirs,
         "ray-worker": {**backbone_dirs, "PYTHONPATH": str(ROOT)},
-        "ray-predict": {**backbone_dirs, "PYTHONPATH": str(ROOT)},  # the replicas unpickle the store's fetcher
+        "ray-predict": {
+            **backbone_dirs,
+            "PYTHONPATH": str(ROOT),
+        },  # the replicas unpickle the store's fetcher
         "dispatcher": {**backbone_dirs, **QUEUE_KNOBS, **holding},
     }
 
