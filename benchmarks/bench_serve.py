@@ -294,6 +294,7 @@ def main() -> None:
     pools = {t["name"]: task_rows(folders[t["base"]], t["fields"]) for t in tasks}
     result: dict[str, Any] = {"machine": {"cpu": cpu_name(), "flags": cpu_flags(), "cpus": os.cpu_count()}}
 
+    (work / "pelt").mkdir(parents=True, exist_ok=True)
     service = ServiceProcess(work / "pelt")
     try:
         from services.study.plan import register_task_folder

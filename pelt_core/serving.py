@@ -149,7 +149,8 @@ class Failure:
 
 class MixedPredictor:
     """Answers requests for any mix of deltas on one backbone: every row of a call goes through the one
-    backbone, `batch_rows` rows per forward, whatever delta each row names."""
+    backbone, `batch_rows` rows per forward (rows of similar length together), whatever delta each row
+    names."""
 
     def __init__(
         self, backbone: Backbone, cache: DeltaCache, batch_rows: int = 64, max_length: int = 128
@@ -206,13 +207,25 @@ class MixedPredictor:
         routes = {key: f"d{index}" for index, key in enumerate(dict.fromkeys(r.key for r in requests))}
         model = MultiTaskModel(self.backbone, {routes[key]: deltas[key] for key in routes}).eval()
         items = [(routes[request.key], text) for request in requests for text in request.texts]
-        rows = model.predict(items, batch_size=self.batch_rows, max_length=self.max_length)
+        # forwards of rows of similar length (by characters): a short row padded to a long pair's length
+        # would cost as much as the pair; the answers go back in the requests' order
+        order = sorted(range(len(items)), key=lambda i: _characters(items[i][1]))
+        ranked = model.predict(
+            [items[i] for i in order], batch_size=self.batch_rows, max_length=self.max_length
+        )
+        rows: list[dict] = [{}] * len(items)
+        for position, row in zip(order, ranked, strict=True):
+            rows[position] = row
         answers, start = [], 0
         for request in requests:
             block = rows[start : start + len(request.texts)]
             answers.append([{k: v for k, v in row.items() if k != "task"} for row in block])
             start += len(request.texts)
         return answers
+
+
+def _characters(text: Text) -> int:
+    return len(text) if isinstance(text, str) else len(text[0]) + len(text[1])
 
 
 def describe_failure(failure: Failure) -> dict[str, Any]:

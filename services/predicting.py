@@ -34,6 +34,7 @@ from services.settings import Settings
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "pelt"  # the Ray namespace the API joins when no dispatcher joined one before it
+MAX_RESOLUTIONS = 10_000  # (task, version) resolutions kept at once; beyond, the cache starts again
 START_RETRY_SECONDS = 30.0  # after a backbone's replicas failed to start, the next try waits this long
 INTEGRITY_ERRORS = ("DeltaError", "DeltaIntegrityError")  # a file that is not what the store recorded
 
@@ -145,7 +146,10 @@ class PredictionService:
         self._methods: dict[str, Any] = {}  # backbone name -> its replicas' `predict` handle
         self._starting: dict[str, threading.Event] = {}  # backbone name -> set once its start ended
         self._start_errors: dict[str, tuple[float, str]] = {}  # backbone name -> (retry at, why)
-        self._lock = threading.Lock()  # guards the three dicts; never held while waiting
+        self._resolutions: dict[
+            tuple[str, str | None], tuple[float, Any]
+        ] = {}  # (task, version) -> (until, …)
+        self._lock = threading.Lock()  # guards the dicts; never held while waiting
         self._waiting = 0  # predictions this process has in flight (the event loop's thread only)
 
     async def predict(self, task: str, texts: Any, version: str | int | None = None) -> Prediction:
@@ -178,14 +182,33 @@ class PredictionService:
         """The blocking part, on a worker thread: the checks, the resolution, the replicas' handle."""
         if not isinstance(texts, list) or not texts or len(texts) > MAX_PREDICT_ROWS:
             check_rows(texts)  # the count first: nothing is read for a request refused by its size
-        record = self.operations.get_task(task)  # an unknown task: 404 naming the known ones
-        rows = check_rows(texts, record.text_fields)
-        info = self._resolve(task, version)
-        backbone = self._backbone_of(info)
+        fields = self._kept(("fields", task), lambda: list(self.operations.get_task(task).text_fields))
+        rows = check_rows(texts, fields)  # an unknown task was a 404 naming the known ones
+        reference = None if version is None else str(version).strip()
+        info, backbone = self._kept(("version", task, reference), lambda: self._resolved(task, version))
         method = self._method(backbone)
         return Planned(info, backbone.name, DeltaKey(info.task, int(info.version), info.sha256), rows, method)
 
-    # --- internals -------------------------------------------------------------------------------
+    def _resolved(self, task: str, version: str | int | None) -> tuple[Any, Any]:
+        info = self._resolve(task, version)
+        return info, self._backbone_of(info)
+
+    def _kept(self, key: tuple, compute: Any) -> Any:
+        """compute(), as computed at most PELT_PREDICT_RESOLVE_SECONDS ago for `key` (a task's text fields,
+        the version a reference resolves to and its backbone): a new best, or an archived version, takes
+        effect within that time (0: at every request). A refusal (an exception) is never kept."""
+        now = time.monotonic()
+        with self._lock:
+            kept = self._resolutions.get(key)
+        if kept is not None and now < kept[0]:
+            return kept[1]
+        value = compute()
+        if self.settings.predict_resolve_seconds > 0:
+            with self._lock:
+                if len(self._resolutions) >= MAX_RESOLUTIONS:
+                    self._resolutions.clear()
+                self._resolutions[key] = (now + self.settings.predict_resolve_seconds, value)
+        return value
 
     def _resolve(self, task: str, version: str | int | None) -> Any:
         """The version that answers, resolved now (a new best answers from the next request on)."""

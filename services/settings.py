@@ -66,6 +66,8 @@ PELT_PREDICT_MAX_DELTAS, PELT_PREDICT_MAX_DELTA_BYTES   the deltas one replica h
                           bytes (default 64 and 1 GiB; the least recently used go first)
 PELT_PREDICT_MAX_QUEUED   predictions in flight in one API process, and waiting at the replicas (default 256);
                           beyond: 503 with Retry-After
+PELT_PREDICT_RESOLVE_SECONDS   how long the version that answered a task (its best, an alias) answers before it
+                          is resolved again (default 2; 0: at every request): a new best is served within it
 PELT_PREDICT_TIMEOUT_SECONDS   how long a prediction may take (default 120; beyond: 503, the call cancelled); the
                           first request of a backbone waits this long for its replicas to start
 PELT_LEASE_SECONDS, PELT_HEARTBEAT_SECONDS, PELT_MAX_ATTEMPTS,
@@ -199,6 +201,12 @@ class Settings(BaseSettings):
     )
     predict_max_queued: int = Field(
         default=256, ge=1, description="predictions in flight in an API process and waiting at the replicas"
+    )
+    predict_resolve_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        le=3600,
+        description="how long a resolved version answers a task's predictions before it is resolved again",
     )
     predict_timeout_seconds: float = Field(
         default=120.0, gt=0, description="how long one prediction (or a backbone's replicas' start) may take"

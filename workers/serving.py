@@ -125,6 +125,7 @@ def predict_application(
         num_replicas=replicas,
         max_ongoing_requests=max_ongoing_requests,
         max_queued_requests=max_queued_requests,
+        logging_config={"log_level": "WARNING", "enable_access_log": False},  # no line per request
         ray_actor_options={
             "num_cpus": cpus_per_replica,
             **({"resources": {resource: 1}} if resource else {}),

@@ -193,3 +193,32 @@ def test_a_process_with_too_many_predictions_in_flight_refuses_the_next_at_once(
     with pytest.raises(ServiceError, match="PELT_PREDICT_MAX_QUEUED") as error:
         asyncio.run(predictions.predict("t", ["a film"]))
     assert (error.value.status, error.value.retry_after) == (503, 1)
+
+
+def test_a_resolved_version_answers_for_its_resolve_time_then_is_resolved_again(monkeypatch):
+    calls = []
+    operations = SimpleNamespace(get_task=lambda task: SimpleNamespace(text_fields=["sentence"]))
+
+    def service_counting(seconds: float) -> PredictionService:
+        predictions = PredictionService(operations, Settings(predict_resolve_seconds=seconds))
+        monkeypatch.setattr(
+            predictions, "_resolve", lambda task, version: calls.append(version) or len(calls)
+        )
+        monkeypatch.setattr(predictions, "_backbone_of", lambda info: "tiny")
+        return predictions
+
+    predictions = service_counting(30)
+    now = [100.0]
+    monkeypatch.setattr("services.predicting.time.monotonic", lambda: now[0])
+    resolve = lambda version: predictions._kept(  # noqa: E731
+        ("version", "t", version), lambda: predictions._resolved("t", version)
+    )
+    assert resolve(None) == (1, "tiny")
+    assert resolve(None) == (1, "tiny")  # kept
+    assert resolve("best-lora") == (2, "tiny")  # another reference: resolved on its own
+    now[0] += 31
+    assert resolve(None) == (3, "tiny")  # resolved again: a new best is served from now on
+    never = service_counting(0)
+    for _ in range(2):
+        never._kept(("version", "t", None), lambda: never._resolved("t", None))
+    assert len(calls) == 5
