@@ -2,8 +2,9 @@
 
 A request names a task, texts (or text pairs) and which version answers (an alias, `best` by default,
 `best-<method>`, or a version number). The service checks the rows against the limits table and the
-task's text fields, resolves the version in the registry and delta store at every request (a new best
-answers from the next request on; an archived version is never served), and sends (task, version, sha256)
+task's text fields, resolves the version in the registry and delta store (again at most
+PELT_PREDICT_RESOLVE_SECONDS, 2 s, after it last did: a new best answers within that time, and an archived
+version stops being served within it), and sends (task, version, sha256)
 with the rows to the Ray Serve application of the backbone the version was trained on
 (`workers.serving`), starting that application at its first request. The replica checks the delta's file
 against the sha256 the store recorded before it serves it.
@@ -146,9 +147,7 @@ class PredictionService:
         self._methods: dict[str, Any] = {}  # backbone name -> its replicas' `predict` handle
         self._starting: dict[str, threading.Event] = {}  # backbone name -> set once its start ended
         self._start_errors: dict[str, tuple[float, str]] = {}  # backbone name -> (retry at, why)
-        self._resolutions: dict[
-            tuple[str, str | None], tuple[float, Any]
-        ] = {}  # (task, version) -> (until, …)
+        self._resolutions: dict[tuple, tuple[float, Any]] = {}  # key -> (kept until, value): `_kept`
         self._lock = threading.Lock()  # guards the dicts; never held while waiting
         self._waiting = 0  # predictions this process has in flight (the event loop's thread only)
 
@@ -211,7 +210,7 @@ class PredictionService:
         return value
 
     def _resolve(self, task: str, version: str | int | None) -> Any:
-        """The version that answers, resolved now (a new best answers from the next request on)."""
+        """The version that answers, resolved in the store now (`_kept` keeps it a while)."""
         from services.delta_store import DeltaNotFoundError
 
         try:
