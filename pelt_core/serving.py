@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 Text = str | tuple[str, str]  # a text, or a (text, text_pair) pair (as pelt_core.predictions)
 LOAD, INPUT, FORWARD = "load", "input", "forward"  # where a request failed
+PADDING_SLACK = 1.25  # a forward's padded tokens at most this times its rows' own (the packs' rule, pack.py)
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,19 @@ class MixedPredictor:
             answers[position] = predictions
         return answers
 
+    def _lengths(self, texts: Sequence[Text]) -> list[int]:
+        """Tokens of each row as the model will see it (truncated to `max_length`)."""
+        tokenizer = self.backbone.tokenizer
+        options = {"truncation": True, "max_length": self.max_length}
+        return [
+            len(
+                (tokenizer(t, **options) if isinstance(t, str) else tokenizer(t[0], t[1], **options))[
+                    "input_ids"
+                ]
+            )
+            for t in texts
+        ]
+
     def _forward(self, requests: Sequence[Request], deltas: dict[DeltaKey, JobDelta]) -> list[list[dict]]:
         from pelt_core.compose_serving import MultiTaskModel
 
@@ -207,15 +221,15 @@ class MixedPredictor:
         routes = {key: f"d{index}" for index, key in enumerate(dict.fromkeys(r.key for r in requests))}
         model = MultiTaskModel(self.backbone, {routes[key]: deltas[key] for key in routes}).eval()
         items = [(routes[request.key], text) for request in requests for text in request.texts]
-        # forwards of rows of similar length (by characters): a short row padded to a long pair's length
-        # would cost as much as the pair; the answers go back in the requests' order
-        order = sorted(range(len(items)), key=lambda i: _characters(items[i][1]))
-        ranked = model.predict(
-            [items[i] for i in order], batch_size=self.batch_rows, max_length=self.max_length
-        )
+        # forwards of rows of similar length: a short row padded to a long pair's length would cost as much
+        # as the pair; the answers go back in the requests' order
         rows: list[dict] = [{}] * len(items)
-        for position, row in zip(order, ranked, strict=True):
-            rows[position] = row
+        for group in length_groups(self._lengths([text for _, text in items]), self.batch_rows):
+            answered = model.predict(
+                [items[i] for i in group], batch_size=len(group), max_length=self.max_length
+            )
+            for position, row in zip(group, answered, strict=True):
+                rows[position] = row
         answers, start = [], 0
         for request in requests:
             block = rows[start : start + len(request.texts)]
@@ -224,8 +238,22 @@ class MixedPredictor:
         return answers
 
 
-def _characters(text: Text) -> int:
-    return len(text) if isinstance(text, str) else len(text[0]) + len(text[1])
+def length_groups(lengths: Sequence[int], max_rows: int, slack: float = PADDING_SLACK) -> list[list[int]]:
+    """Indices of rows in groups that share one forward: longest first, a row joins the group while padding
+    the group to its longest costs at most `slack` x the group's own tokens, up to `max_rows` rows."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups:
+            group = groups[-1]
+            padded = lengths[group[0]] * (len(group) + 1)
+            if len(group) < max_rows and padded <= slack * (tokens + lengths[i]):
+                group.append(i)
+                tokens += lengths[i]
+                continue
+        groups.append([i])
+        tokens = lengths[i]
+    return groups
 
 
 def describe_failure(failure: Failure) -> dict[str, Any]:
@@ -245,4 +273,5 @@ __all__ = [
     "Request",
     "delta_bytes",
     "describe_failure",
+    "length_groups",
 ]

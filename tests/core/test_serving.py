@@ -193,3 +193,13 @@ def test_the_cache_keeps_within_its_bytes_and_a_new_version_is_a_new_entry(make_
 def test_the_cache_bounds_are_positive():
     with pytest.raises(ValueError, match="positive"):
         DeltaCache(lambda key: None, max_count=0)
+
+
+def test_rows_share_a_forward_only_while_padding_them_to_the_longest_stays_within_the_slack():
+    from pelt_core.serving import length_groups
+
+    lengths = [10, 100, 12, 98, 11, 30]
+    groups = length_groups(lengths, max_rows=64)
+    assert groups == [[1, 3], [5], [2, 4, 0]]  # the long pairs together, the short texts together
+    assert all(len(group) <= 2 for group in length_groups(lengths, max_rows=2))
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
