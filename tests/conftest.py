@@ -12,6 +12,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # imported without them): a local Ray on 127.0.0.1 only, with token authentication (services.dispatcher)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# a Ray head waits this long for its GCS to bind its port (Ray's default, 30 s, ran out once on a loaded
+# 2-core machine, before the GCS had written a line): a deadline for a start, not a margin to race
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 
 def _threads_per_test_process() -> int:
