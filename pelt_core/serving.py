@@ -201,17 +201,23 @@ class MixedPredictor:
         return answers
 
     def _lengths(self, texts: Sequence[Text]) -> list[int]:
-        """Tokens of each row as the model will see it (truncated to `max_length`)."""
-        tokenizer = self.backbone.tokenizer
-        options = {"truncation": True, "max_length": self.max_length}
-        return [
-            len(
-                (tokenizer(t, **options) if isinstance(t, str) else tokenizer(t[0], t[1], **options))[
-                    "input_ids"
-                ]
-            )
-            for t in texts
-        ]
+        """Tokens of each row as the model will see it (truncated to `max_length`): one tokenizer call for
+        the single texts and one for the pairs."""
+        tokenizer, options = self.backbone.tokenizer, {"truncation": True, "max_length": self.max_length}
+        lengths = [0] * len(texts)
+        singles = [i for i, t in enumerate(texts) if isinstance(t, str)]
+        pairs = [i for i, t in enumerate(texts) if not isinstance(t, str)]
+        if singles:
+            encoded = tokenizer([texts[i] for i in singles], **options)["input_ids"]
+            for i, ids in zip(singles, encoded, strict=True):
+                lengths[i] = len(ids)
+        if pairs:
+            encoded = tokenizer([texts[i][0] for i in pairs], [texts[i][1] for i in pairs], **options)[
+                "input_ids"
+            ]
+            for i, ids in zip(pairs, encoded, strict=True):
+                lengths[i] = len(ids)
+        return lengths
 
     def _forward(self, requests: Sequence[Request], deltas: dict[DeltaKey, JobDelta]) -> list[list[dict]]:
         from pelt_core.compose_serving import MultiTaskModel

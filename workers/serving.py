@@ -74,9 +74,8 @@ class PredictReplica:
         self.config, self.fetch, self.backbone = config, fetch, backbone
         self.cache = DeltaCache(self._load, max_count=config.max_deltas, max_bytes=config.max_delta_bytes)
         self.predictor = MixedPredictor(backbone, self.cache, config.batch_rows, config.max_length)
-        self._forward = (
-            threading.Lock()
-        )  # one forward at a time (it takes the replica's threads); loads wait not
+        # one forward at a time (it takes the replica's threads); loading a delta does not wait for it
+        self._forward = threading.Lock()
 
     def _load(self, key: Any) -> Any:
         from pelt_core.delta import load_delta
