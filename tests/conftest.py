@@ -51,3 +51,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     if config.getvalue("dist") in ("load", "loadscope", "loadfile", "loadgroup"):
         return UnitScheduling(config, log)
     return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def patient_ray_starts() -> object:
+    """Every Ray node a test starts in this process gets up to 120 s to register (tests/ray_start.py)."""
+    from tests.ray_start import patient_node_lookup
+
+    with patient_node_lookup():
+        yield

@@ -29,6 +29,7 @@ import pytest
 from ray.cluster_utils import Cluster
 
 from services.dispatcher import loopback_only, require_token_auth
+from services.dispatcher.ray_cluster import private_ray_token
 from services.registry import JobStatus, Registry
 from tests.workers.conftest import ended, submit, wait_for
 from tests.workers.hold import Hold
@@ -42,6 +43,7 @@ def cluster() -> Iterator[object]:
     """Head + one more node, 4 CPUs each; a lost node is declared dead within ~2 s."""
     loopback_only()
     require_token_auth()
+    ensure_ray_token()
     fast_failure_detection = {
         "health_check_initial_delay_ms": 0,
         "health_check_period_ms": 500,
@@ -61,6 +63,18 @@ def cluster() -> Iterator[object]:
         yield cluster
     finally:
         cluster.shutdown()
+
+
+def ensure_ray_token() -> None:
+    """A token for the cluster's processes, as `ray.init` would make for a new local Ray (`Cluster` makes
+    none: on a machine where no Ray ran before, its GCS stops at once for want of a token)."""
+    subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "get-auth-token", "--generate"],
+        check=True,
+        stdout=subprocess.DEVNULL,  # the token itself
+        stderr=subprocess.PIPE,
+    )
+    private_ray_token()
 
 
 # `pelt dispatcher`, its deltas held in the folder given first (see tests.workers.hold.hold_dispatcher_deltas)
