@@ -362,6 +362,9 @@ class PredictionService:
             if running is not None:
                 with contextlib.suppress(Exception):
                     serve.delete(name)
+            shortfall = replica_shortfall(self.settings, ray.cluster_resources())
+            if shortfall:
+                raise RuntimeError(shortfall)
             config = ReplicaConfig(
                 backbone_name=backbone.name,
                 backbone_source=backbone.source,
@@ -369,12 +372,15 @@ class PredictionService:
                 max_deltas=self.settings.predict_max_deltas,
                 max_delta_bytes=self.settings.predict_max_delta_bytes,
                 threads=self.settings.predict_threads,
+                # Ray shows a replica only the GPU it reserved: "cuda" is that one
+                device="cuda" if self.settings.predict_gpus_per_replica else "cpu",
             )
             app = predict_application(
                 config,
                 VersionFetcher(self.operations.store),
                 replicas=self.settings.predict_replicas,
                 cpus_per_replica=self.settings.predict_cpus_per_replica,
+                gpus_per_replica=self.settings.predict_gpus_per_replica,
                 resource=self.settings.predict_resource,
                 max_queued_requests=self.settings.predict_max_queued,
             )
@@ -402,8 +408,34 @@ class PredictionService:
         return busy(f"{where} could not be loaded ({kind}: {message}); try again", 5)
 
 
+def replica_shortfall(settings: Settings, cluster: dict[str, float]) -> str | None:
+    """Why no node of the cluster (its resources: `ray.cluster_resources()`) could hold a prediction replica
+    now, or None. Serve would otherwise wait for such a node without end; the start is tried again after
+    START_RETRY_SECONDS, so a node that joins later is used."""
+    wanted = {
+        "GPU": (settings.predict_gpus_per_replica, "PELT_PREDICT_GPUS_PER_REPLICA"),
+        "CPU": (settings.predict_cpus_per_replica, "PELT_PREDICT_CPUS_PER_REPLICA"),
+    }
+    if settings.predict_resource:
+        wanted[settings.predict_resource] = (1.0, "PELT_PREDICT_RESOURCE")
+    for resource, (amount, variable) in wanted.items():
+        if amount and cluster.get(resource, 0.0) < amount:
+            return (
+                f"{variable} asks each prediction replica for {amount:g} {resource}, and the Ray cluster has "
+                f"{cluster.get(resource, 0.0):g} {resource} in all: start a node that has it, or change {variable}"
+            )
+    return None
+
+
 async def _result(response: Any) -> Any:
     return await response
 
 
-__all__ = ["Prediction", "PredictionService", "VersionFetcher", "check_rows", "version_reference"]
+__all__ = [
+    "Prediction",
+    "PredictionService",
+    "VersionFetcher",
+    "check_rows",
+    "replica_shortfall",
+    "version_reference",
+]

@@ -59,6 +59,9 @@ PELT_WORKER_MEMORY_BYTES  a worker's memory for one job: a job whose estimate (b
 PELT_PREDICT_REPLICAS, PELT_PREDICT_CPUS_PER_REPLICA, PELT_PREDICT_THREADS   the prediction endpoint's replicas
                           per backbone (default 1), the CPUs Ray reserves for each (default 0: they share the
                           node with the training workers) and the threads of each (default 1)
+PELT_PREDICT_GPUS_PER_REPLICA   the GPU share Ray reserves for each prediction replica (default 0: the replica
+                          holds its backbone on the CPU; above 0, at most 1: on its GPU, so replicas land only
+                          on GPU nodes; 0.5 puts two replicas on one GPU)
 PELT_PREDICT_RESOURCE     a Ray custom resource each prediction replica takes one unit of, so that the replicas
                           run only on the nodes started with it (`ray start --resources '{"pelt_predict": 100}'`:
                           deploy/'s serving nodes); default none: any node
@@ -182,6 +185,12 @@ class Settings(BaseSettings):
     predict_replicas: int = Field(default=1, ge=1, le=64, description="prediction replicas per backbone")
     predict_cpus_per_replica: float = Field(
         default=0.0, ge=0, description="CPUs Ray reserves for each prediction replica (0: shared)"
+    )
+    predict_gpus_per_replica: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="GPU share Ray reserves for each prediction replica (0: the replica runs on the CPU)",
     )
     predict_resource: str | None = Field(
         default=None,

@@ -111,12 +111,14 @@ def predict_application(
     *,
     replicas: int = 1,
     cpus_per_replica: float = 0.0,
+    gpus_per_replica: float = 0.0,
     resource: str | None = None,
     max_ongoing_requests: int = 64,
     max_queued_requests: int = 256,
 ) -> Any:
     """The Serve application of one backbone, ready for `serve.run(app, name=app_name(...))`; each replica
-    takes `cpus_per_replica` CPUs and, with `resource`, one unit of that Ray custom resource (only the nodes
+    takes `cpus_per_replica` CPUs, `gpus_per_replica` of a GPU (its backbone then sits on that GPU: Ray
+    shows the replica only the GPU it reserved) and, with `resource`, one unit of that Ray custom resource (only the nodes
     started with it hold replicas)."""
     deployment = serve.deployment(
         PredictReplica,
@@ -127,9 +129,15 @@ def predict_application(
         logging_config={"log_level": "WARNING", "enable_access_log": False},  # no line per request
         ray_actor_options={
             "num_cpus": cpus_per_replica,
+            "num_gpus": gpus_per_replica,
             **({"resources": {resource: 1}} if resource else {}),
         },
     )
+    if bool(gpus_per_replica) != (config.device != "cpu"):
+        raise ValueError(
+            f"a replica on device {config.device!r} with {gpus_per_replica} GPUs: a replica on a GPU reserves "
+            "a share of one, and only such a replica holds its backbone on one"
+        )
     return deployment.bind(config, fetch)
 
 

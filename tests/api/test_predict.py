@@ -14,7 +14,7 @@ from pelt_core.limits import MAX_PREDICT_ROWS, MAX_PREDICT_TEXT_CHARS
 from pelt_core.serving import DeltaKey
 from services.client import PeltAPIError
 from services.errors import ServiceError
-from services.predicting import Planned, PredictionService, check_rows, version_reference
+from services.predicting import Planned, PredictionService, check_rows, replica_shortfall, version_reference
 from services.settings import Settings
 from tests.api.conftest import Api
 
@@ -185,6 +185,36 @@ def test_replicas_that_fail_to_start_answer_503_and_are_not_started_again_at_onc
     monkeypatch.setattr(predictions, "_deploy", lambda backbone: "handle")
     predictions._start_errors["tiny"] = (0.0, "expired")
     assert predictions._method(backbone) == "handle" and predictions._method(backbone) == "handle"
+
+
+def test_replicas_that_no_node_could_hold_fail_their_start_naming_the_setting_instead_of_waiting_forever():
+    cpu_only = {"CPU": 2.0, "memory": 8e9}
+    assert replica_shortfall(Settings(), cpu_only) is None
+    on_gpu = Settings(predict_gpus_per_replica=0.5)
+    assert "PELT_PREDICT_GPUS_PER_REPLICA asks each prediction replica for 0.5 GPU" in replica_shortfall(
+        on_gpu, cpu_only
+    )
+    assert replica_shortfall(on_gpu, cpu_only | {"GPU": 1.0}) is None
+    serving_nodes = Settings(predict_resource="pelt_predict")
+    assert "PELT_PREDICT_RESOURCE" in replica_shortfall(serving_nodes, cpu_only)
+    assert replica_shortfall(serving_nodes, cpu_only | {"pelt_predict": 100.0}) is None
+    assert "PELT_PREDICT_CPUS_PER_REPLICA" in replica_shortfall(
+        Settings(predict_cpus_per_replica=4), cpu_only
+    )
+
+
+def test_a_replica_holds_its_backbone_on_a_gpu_exactly_when_it_reserves_one():
+    from workers.serving import ReplicaConfig, predict_application
+
+    config = ReplicaConfig("tiny", "/models/tiny", "ab" * 32)
+    for device, gpus in (("cpu", 0.5), ("cuda", 0.0)):
+        with pytest.raises(ValueError, match="reserves a share"):
+            predict_application(
+                ReplicaConfig("tiny", "/models/tiny", "ab" * 32, device=device), None, gpus_per_replica=gpus
+            )
+    assert predict_application(config, None) is not None
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        Settings(predict_gpus_per_replica=2)
 
 
 def test_a_process_with_too_many_predictions_in_flight_refuses_the_next_at_once():

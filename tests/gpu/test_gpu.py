@@ -14,7 +14,7 @@ import torch
 
 from pelt_core import TrainConfig
 from pelt_core.delta import load_delta, save_delta
-from pelt_core.methods import list_methods
+from pelt_core.methods import get_method, list_methods
 from pelt_core.model import PeltModel, predict
 from tests.core.test_pack import WORDS, assert_same_delta, job, run_pack, train_alone
 from tests.workers.test_worker import RecordingLease, job_spec
@@ -112,3 +112,41 @@ def test_a_gpu_worker_holds_its_backbone_on_its_gpu_and_records_where_the_job_tr
     assert worker.info()["device"] == "cuda"
     (warm,) = worker._backbones.values()
     assert warm.backbone.device.type == "cuda"
+
+
+def test_a_prediction_replica_on_the_gpu_answers_mixed_methods_as_one_on_the_cpu_does(
+    tiny_backbone, tmp_path
+):
+    """PELT_PREDICT_GPUS_PER_REPLICA: the replica (as Ray Serve builds it, without Serve) holds the backbone
+    and every delta it loads on the GPU, and answers a batch of mixed methods' rows as a CPU replica does."""
+    from pelt_core.backbones import Backbone
+    from pelt_core.model import JobDelta
+    from pelt_core.serving import DeltaKey
+    from tests.core.conftest import trained_like
+    from workers.serving import PredictReplica, ReplicaConfig
+
+    source, content_hash = tiny_backbone
+    backbone = Backbone.load(source)
+    folders, requests = {}, []
+    for seed, method in enumerate(["lora", "pfeiffer", "prefix", "bitfit", "unipelt"]):
+        delta = trained_like(JobDelta(get_method(method), backbone, num_labels=2), seed)
+        delta.text_fields = ("sentence",)
+        saved = save_delta(delta, backbone, tmp_path / method)
+        key = DeltaKey(method, 1, saved.sha256)
+        folders[key] = saved.path
+        requests.append((key, [" ".join(WORDS[seed : seed + 3 + seed]), "good film"]))
+
+    def replica(device: str) -> PredictReplica:
+        config = ReplicaConfig("tiny", source, content_hash, batch_rows=4, device=device)
+        return PredictReplica(config, lambda key, scratch: folders[key])
+
+    on_gpu, on_cpu = replica("cuda"), replica("cpu")
+    got, expected = on_gpu._answer(requests), on_cpu._answer(requests)
+
+    assert on_gpu.backbone.device.type == "cuda"
+    assert all(next(on_gpu.cache.get(key).parameters()).is_cuda for key, _ in requests)
+    for answer, reference in zip(got, expected, strict=True):
+        assert [row["label"] for row in answer["rows"]] == [row["label"] for row in reference["rows"]]
+        assert [row["score"] for row in answer["rows"]] == pytest.approx(
+            [row["score"] for row in reference["rows"]], abs=1e-4
+        )
