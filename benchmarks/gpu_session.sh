@@ -19,6 +19,10 @@ export PYTHONPATH=$PWD
 if [ -f .devbundle/site.tar.xz ]; then
   mkdir -p /tmp/site && tar -xJf .devbundle/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
 fi
+# packages the bundle lacks, packed by hand (benchmarks/README.md: Ray Serve's grpcio-reflection)
+for extra in .devbundle/extra*.tar.xz; do
+  [ -f "$extra" ] && mkdir -p /tmp/site && tar -xJf "$extra" -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
+done
 PYTHON=${PYTHON:-python3}
 
 {
