@@ -55,8 +55,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
 
 @pytest.fixture(scope="session", autouse=True)
 def patient_ray_starts() -> object:
-    """Every Ray node a test starts in this process gets up to 120 s to register (tests/ray_start.py)."""
-    from tests.ray_start import patient_node_lookup
+    """A Ray node a test starts in this process that never comes up is started again (tests/ray_start.py)."""
+    from tests.ray_start import patient_ray_starts as retrying
 
-    with patient_node_lookup():
+    with retrying():
         yield

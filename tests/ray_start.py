@@ -1,50 +1,73 @@
-"""A Ray node started by a test gets as long to register with its GCS as a loaded machine needs.
+"""A Ray node a test starts that never comes up is stopped and started again, instead of failing the test.
 
-Ray waits a fixed 30 s for a starting node's raylet to register with the GCS (`raylet_start_wait_time_s`
-in ray/_private/node.py, not configurable), polling `ray._private.services.get_node`, then gives up with
-"The current node timed out during startup". On a 2-core machine that also runs the suite's other test
-process, a raylet once took longer (tests/workers/test_cluster.py's second node). `patient_node_lookup`
-makes each of those polls wait for the node itself, up to a deadline: a deadline for a start, not a
-margin to race. pelt itself keeps to Ray's public means (services.dispatcher.ray_cluster) and is not
-patched; this applies only in the pytest processes (tests/conftest.py).
+Ray gives a starting node's raylet a fixed 30 s to register with its GCS (ray/_private/node.py, not
+configurable), then raises "The current node timed out during startup". In full runs of the suite on 2
+cores this happened to a test process that had started and stopped Ray before: its GCS ran, but no raylet
+ever wrote a line (the raylet is forked from a process full of gRPC threads; its child can hang before it
+runs). Waiting longer does not help such a start; starting again does. While `patient_ray_starts` is on:
+  - a node whose start times out has every process it started killed (Ray leaves them running), then the
+    error goes on;
+  - `ray.init` that raised it is tried again, up to ATTEMPTS times;
+  - `start_with_retries` does the same for any other start (tests/workers/test_cluster.py's `Cluster`).
+pelt itself keeps to Ray's public means (services.dispatcher.ray_cluster) and is not patched; this applies
+only in the pytest processes (tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-NODE_START_SECONDS = 120.0
-POLL_SECONDS = 0.2
+ATTEMPTS = 3
+START_TIMED_OUT = "timed out during startup"  # Ray's words (ray/_private/node.py)
+_T = TypeVar("_T")
+log = logging.getLogger("tests.ray_start")
 
 
-def patiently(lookup: Callable[..., Any], seconds: float) -> Callable[..., Any]:
-    """`lookup`, retried while it raises RuntimeError (Ray's "node not found yet") for up to `seconds`."""
+def timed_out(exc: BaseException) -> bool:
+    return START_TIMED_OUT in str(exc)
 
-    def patient_lookup(*args: Any, **kwargs: Any) -> Any:
-        deadline = time.monotonic() + seconds
-        while True:
-            try:
-                return lookup(*args, **kwargs)
-            except RuntimeError:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(POLL_SECONDS)
 
-    return patient_lookup
+def start_with_retries(
+    start: Callable[[], _T], clean_up: Callable[[], object], attempts: int = ATTEMPTS
+) -> _T:
+    """`start()`, and after a start that timed out `clean_up()` and `start()` again, `attempts` in all."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except Exception as exc:
+            if not timed_out(exc) or attempt == attempts:
+                raise
+            log.warning("a Ray node did not come up (attempt %d of %d); starting it again", attempt, attempts)
+            clean_up()
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
-def patient_node_lookup(seconds: float = NODE_START_SECONDS) -> Iterator[None]:
-    """While inside, Ray's lookup of a starting node waits up to `seconds` for the node to register."""
-    import ray._private.services as ray_services
+def patient_ray_starts() -> Iterator[None]:
+    """While inside, in-process Ray starts that time out are cleaned up and tried again (module docstring)."""
+    import ray
+    import ray._private.node as ray_node
 
-    # Ray renamed or moved it: this helper no longer applies and must be revisited, not silently skipped
-    original = ray_services.get_node
-    ray_services.get_node = patiently(original, seconds)
+    # Ray renamed or moved these: this helper no longer applies and must be revisited, not silently skipped
+    original_node_init, original_init = ray_node.Node.__init__, ray.init
+
+    def node_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            original_node_init(self, *args, **kwargs)
+        except Exception as exc:
+            if timed_out(exc):
+                with contextlib.suppress(Exception):
+                    self.kill_all_processes(check_alive=False, allow_graceful=False)
+            raise
+
+    def init(*args: Any, **kwargs: Any) -> Any:
+        return start_with_retries(lambda: original_init(*args, **kwargs), ray.shutdown)
+
+    ray_node.Node.__init__, ray.init = node_init, init
     try:
         yield
     finally:
-        ray_services.get_node = original
+        ray_node.Node.__init__, ray.init = original_node_init, original_init

@@ -1,42 +1,57 @@
-"""The tests' patient Ray node lookup (tests/ray_start.py): it waits for a node that registers late, and
-still gives up, with Ray's own error, on one that never does."""
+"""The tests' retry of a Ray start that timed out (tests/ray_start.py): such a start is cleaned up and tried
+again, any other failure is not retried, and the last attempt's error goes on."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests import ray_start
-from tests.ray_start import patient_node_lookup, patiently
+from tests.ray_start import ATTEMPTS, patient_ray_starts, start_with_retries
+
+TIMED_OUT = Exception("The current node timed out during startup. This could happen because ...")
 
 
-def test_a_lookup_that_fails_until_the_node_registers_returns_the_node(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(ray_start, "POLL_SECONDS", 0.0)
-    calls = []
+def test_a_start_that_timed_out_is_cleaned_up_and_tried_again_until_it_comes_up() -> None:
+    outcomes, cleaned = [TIMED_OUT, TIMED_OUT, "node"], []
 
-    def lookup(gcs_address: str, node_id: str) -> dict:
-        calls.append(node_id)
-        if len(calls) < 5:
-            raise RuntimeError(f"node {node_id} not found")
-        return {"node_id": node_id}
+    def start() -> str:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
-    assert patiently(lookup, seconds=60)("127.0.0.1:1", "abc") == {"node_id": "abc"}
-    assert len(calls) == 5
+    assert start_with_retries(start, lambda: cleaned.append(1)) == "node"
+    assert cleaned == [1, 1]
 
 
-def test_a_node_that_never_registers_still_fails_with_rays_error_once_the_deadline_passes() -> None:
-    def lookup(gcs_address: str, node_id: str) -> dict:
-        raise RuntimeError("node not found")
+def test_a_start_that_keeps_timing_out_fails_with_rays_error_after_the_last_attempt() -> None:
+    starts = []
 
-    with pytest.raises(RuntimeError, match="node not found"):
-        patiently(lookup, seconds=0.0)("127.0.0.1:1", "abc")
+    def start() -> None:
+        starts.append(1)
+        raise TIMED_OUT
+
+    with pytest.raises(Exception, match="timed out during startup"):
+        start_with_retries(start, lambda: None)
+    assert len(starts) == ATTEMPTS
 
 
-def test_the_tests_patch_rays_node_lookup_and_put_it_back() -> None:
-    import ray._private.services as ray_services
+def test_any_other_failure_of_a_start_is_not_retried() -> None:
+    starts = []
 
-    original = ray_services.get_node
-    with patient_node_lookup(seconds=1):
-        assert ray_services.get_node is not original
-    assert ray_services.get_node is original
+    def start() -> None:
+        starts.append(1)
+        raise ValueError("bad option")
+
+    with pytest.raises(ValueError, match="bad option"):
+        start_with_retries(start, lambda: None)
+    assert starts == [1]
+
+
+def test_the_tests_patch_ray_init_and_node_start_and_put_them_back() -> None:
+    import ray
+    import ray._private.node as ray_node
+
+    init, node_init = ray.init, ray_node.Node.__init__
+    with patient_ray_starts():
+        assert ray.init is not init and ray_node.Node.__init__ is not node_init
+    assert ray.init is init and ray_node.Node.__init__ is node_init

@@ -147,7 +147,7 @@ def test_pelts_scheduler_hands_the_cluster_group_and_each_module_to_one_process_
     each): the group's tests, across its modules, all run on one process, and each other module on one."""
     checkout = Path(__file__).resolve().parents[1]
     (tmp_path / "tests").mkdir()
-    for name in ("__init__.py", "conftest.py", "tiers.py"):
+    for name in ("__init__.py", "conftest.py", "tiers.py", "ray_start.py"):
         shutil.copyfile(checkout / "tests" / name, tmp_path / "tests" / name)
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\nmarkers =\n    slow: stand-in\n    gpu: stand-in\n    postgres: stand-in\n"

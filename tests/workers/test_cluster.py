@@ -31,6 +31,7 @@ from ray.cluster_utils import Cluster
 from services.dispatcher import loopback_only, require_token_auth
 from services.dispatcher.ray_cluster import private_ray_token
 from services.registry import JobStatus, Registry
+from tests.ray_start import start_with_retries
 from tests.workers.conftest import ended, submit, wait_for
 from tests.workers.hold import Hold
 
@@ -49,16 +50,19 @@ def cluster() -> Iterator[object]:
         "health_check_period_ms": 500,
         "health_check_failure_threshold": 3,
     }
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": SLOTS,
-            "include_dashboard": False,
-            "_system_config": fast_failure_detection,
-        },
+    cluster = start_with_retries(  # a node that never comes up is started again (tests/ray_start.py)
+        lambda: Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": SLOTS,
+                "include_dashboard": False,
+                "_system_config": fast_failure_detection,
+            },
+        ),
+        clean_up=lambda: None,  # the timed-out node's processes are killed already
     )
     try:
-        cluster.add_node(num_cpus=SLOTS)
+        start_with_retries(lambda: cluster.add_node(num_cpus=SLOTS), clean_up=lambda: None)
         cluster.wait_for_nodes()
         yield cluster
     finally:
