@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_NAMESPACE = "pelt"  # the Ray namespace the API joins when no dispatcher joined one before it
 MAX_RESOLUTIONS = 10_000  # (task, version) resolutions kept at once; beyond, the cache starts again
 START_RETRY_SECONDS = 30.0  # after a backbone's replicas failed to start, the next try waits this long
+START_POLL_SECONDS = 0.1  # how often a request waiting for a start looks at what it waits for
 INTEGRITY_ERRORS = ("DeltaError", "DeltaIntegrityError")  # a file that is not what the store recorded
 
 
@@ -147,6 +148,7 @@ class PredictionService:
         self._methods: dict[str, Any] = {}  # backbone name -> its replicas' `predict` handle
         self._starting: dict[str, threading.Event] = {}  # backbone name -> set once its start ended
         self._start_errors: dict[str, tuple[float, str]] = {}  # backbone name -> (retry at, why)
+        self._start_waits: dict[str, str] = {}  # backbone name -> what its starting replicas wait for
         self._resolutions: dict[tuple, tuple[float, Any]] = {}  # key -> (kept until, value): `_kept`
         self._lock = threading.Lock()  # guards the dicts; never held while waiting
         self._waiting = 0  # predictions this process has in flight (the event loop's thread only)
@@ -298,8 +300,9 @@ class PredictionService:
 
     def _method(self, backbone: Any) -> Any:
         """The `predict` handle of the backbone's replicas, their application started (or joined) at the
-        first request: a 503 while they start (the first request waits up to the prediction timeout),
-        and for START_RETRY_SECONDS after they failed to."""
+        first request: a 503 while they start (a request waits up to the prediction timeout, and not at
+        all once the start is known to wait for a node with the resources they ask for), and for
+        START_RETRY_SECONDS after they failed to."""
         with self._lock:
             method = self._methods.get(backbone.name)
             if method is not None:
@@ -313,10 +316,19 @@ class PredictionService:
                 threading.Thread(
                     target=self._start, args=(backbone, started), name=f"serve-{backbone.name}", daemon=True
                 ).start()
-        if not started.wait(self.settings.predict_timeout_seconds):
-            raise busy(
-                f"the prediction replicas of backbone {backbone.name!r} are still starting; try again", 10
-            )
+        deadline = time.monotonic() + self.settings.predict_timeout_seconds
+        while not started.wait(min(START_POLL_SECONDS, max(0.0, deadline - time.monotonic()))):
+            waiting_for = self._start_waits.get(backbone.name)
+            if waiting_for:  # no request waits out the timeout for a node that may never come
+                raise busy(
+                    f"the prediction replicas of backbone {backbone.name!r} wait for a node that can hold "
+                    f"them: {waiting_for}",
+                    START_RETRY_SECONDS,
+                )
+            if time.monotonic() >= deadline:
+                raise busy(
+                    f"the prediction replicas of backbone {backbone.name!r} are still starting; try again", 10
+                )
         with self._lock:
             method = self._methods.get(backbone.name)
             if method is not None:
@@ -343,6 +355,7 @@ class PredictionService:
         finally:
             with self._lock:
                 self._starting.pop(backbone.name, None)
+                self._start_waits.pop(backbone.name, None)
             started.set()
 
     def _deploy(self, backbone: Any) -> Any:
@@ -362,9 +375,11 @@ class PredictionService:
             if running is not None:
                 with contextlib.suppress(Exception):
                     serve.delete(name)
-            shortfall = replica_shortfall(self.settings, ray.cluster_resources())
-            if shortfall:
-                raise RuntimeError(shortfall)
+            shortfall = replica_shortfall(self.settings, ray.available_resources(), ray.cluster_resources())
+            if shortfall:  # Serve waits for such a node (an autoscaler may bring one); requests hear why now
+                log.warning("the prediction replicas of backbone %s wait: %s", backbone.name, shortfall)
+                with self._lock:
+                    self._start_waits[backbone.name] = shortfall
             config = ReplicaConfig(
                 backbone_name=backbone.name,
                 backbone_source=backbone.source,
@@ -408,10 +423,9 @@ class PredictionService:
         return busy(f"{where} could not be loaded ({kind}: {message}); try again", 5)
 
 
-def replica_shortfall(settings: Settings, cluster: dict[str, float]) -> str | None:
-    """Why no node of the cluster (its resources: `ray.cluster_resources()`) could hold a prediction replica
-    now, or None. Serve would otherwise wait for such a node without end; the start is tried again after
-    START_RETRY_SECONDS, so a node that joins later is used."""
+def replica_shortfall(settings: Settings, free: dict[str, float], total: dict[str, float]) -> str | None:
+    """What a prediction replica asks Ray for that no node has free now (`ray.available_resources()`, of
+    `ray.cluster_resources()`), naming the setting that asks for it; None when the resources are free."""
     wanted = {
         "GPU": (settings.predict_gpus_per_replica, "PELT_PREDICT_GPUS_PER_REPLICA"),
         "CPU": (settings.predict_cpus_per_replica, "PELT_PREDICT_CPUS_PER_REPLICA"),
@@ -419,10 +433,11 @@ def replica_shortfall(settings: Settings, cluster: dict[str, float]) -> str | No
     if settings.predict_resource:
         wanted[settings.predict_resource] = (1.0, "PELT_PREDICT_RESOURCE")
     for resource, (amount, variable) in wanted.items():
-        if amount and cluster.get(resource, 0.0) < amount:
+        if amount and free.get(resource, 0.0) < amount:
             return (
-                f"{variable} asks each prediction replica for {amount:g} {resource}, and the Ray cluster has "
-                f"{cluster.get(resource, 0.0):g} {resource} in all: start a node that has it, or change {variable}"
+                f"{variable} asks for {amount:g} {resource} per replica, and the Ray cluster has "
+                f"{free.get(resource, 0.0):g} {resource} free of {total.get(resource, 0.0):g} (training "
+                f"workers hold theirs while they live): add a node that has it, or change {variable}"
             )
     return None
 

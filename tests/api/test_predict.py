@@ -6,6 +6,8 @@ place of Ray Serve). The served path, through Ray Serve, is in test_end_to_end.p
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -187,20 +189,48 @@ def test_replicas_that_fail_to_start_answer_503_and_are_not_started_again_at_onc
     assert predictions._method(backbone) == "handle" and predictions._method(backbone) == "handle"
 
 
-def test_replicas_that_no_node_could_hold_fail_their_start_naming_the_setting_instead_of_waiting_forever():
+def test_replicas_no_node_can_hold_now_answer_503_naming_the_setting_at_once_while_their_start_waits(
+    monkeypatch,
+):
     cpu_only = {"CPU": 2.0, "memory": 8e9}
-    assert replica_shortfall(Settings(), cpu_only) is None
+    assert replica_shortfall(Settings(), cpu_only, cpu_only) is None
     on_gpu = Settings(predict_gpus_per_replica=0.5)
-    assert "PELT_PREDICT_GPUS_PER_REPLICA asks each prediction replica for 0.5 GPU" in replica_shortfall(
-        on_gpu, cpu_only
-    )
-    assert replica_shortfall(on_gpu, cpu_only | {"GPU": 1.0}) is None
+    why = replica_shortfall(on_gpu, cpu_only | {"GPU": 0.0}, cpu_only | {"GPU": 1.0})
+    assert "PELT_PREDICT_GPUS_PER_REPLICA asks for 0.5 GPU per replica" in why and "0 GPU free of 1" in why
+    assert replica_shortfall(on_gpu, cpu_only | {"GPU": 0.5}, cpu_only | {"GPU": 1.0}) is None
     serving_nodes = Settings(predict_resource="pelt_predict")
-    assert "PELT_PREDICT_RESOURCE" in replica_shortfall(serving_nodes, cpu_only)
-    assert replica_shortfall(serving_nodes, cpu_only | {"pelt_predict": 100.0}) is None
+    assert "PELT_PREDICT_RESOURCE" in replica_shortfall(serving_nodes, cpu_only, cpu_only)
+    assert replica_shortfall(serving_nodes, cpu_only | {"pelt_predict": 99.0}, cpu_only) is None
     assert "PELT_PREDICT_CPUS_PER_REPLICA" in replica_shortfall(
-        Settings(predict_cpus_per_replica=4), cpu_only
+        Settings(predict_cpus_per_replica=4), cpu_only, cpu_only
     )
+
+    # the start goes on (Serve waits for a node; an autoscaler may add one), and requests hear why at once
+    predictions = service(predict_timeout_seconds=300)
+    release = threading.Event()
+
+    def deploy(backbone):
+        with predictions._lock:
+            predictions._start_waits[backbone.name] = why
+        release.wait(60)
+        return "handle"
+
+    monkeypatch.setattr(predictions, "_deploy", deploy)
+    backbone = SimpleNamespace(name="tiny")
+    for _ in range(2):  # the request that started it, then one more: neither waits out the 300 s
+        with pytest.raises(ServiceError, match="wait for a node that can hold them") as error:
+            predictions._method(backbone)
+        assert error.value.status == 503 and "PELT_PREDICT_GPUS_PER_REPLICA" in str(error.value)
+    release.set()
+    wait_for(lambda: "tiny" not in predictions._starting)
+    assert predictions._method(backbone) == "handle" and "tiny" not in predictions._start_waits
+
+
+def wait_for(condition, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_a_replica_holds_its_backbone_on_a_gpu_exactly_when_it_reserves_one():
