@@ -171,21 +171,22 @@ def cpu_flags() -> list[str]:
 class ServiceProcess:
     """`pelt serve` on a free loopback port with a fresh data directory, as a user starts it."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, extra_args: Sequence[str] = ()) -> None:
         self.data_dir = work / "data"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         os.environ["PELT_DATA_DIR"] = str(self.data_dir)  # the client finds the local token there
         self.log = (work / "serve.log").open("w")
+        script = Path(sys.executable).with_name(
+            "pelt"
+        )  # none where pelt runs from a source tree (PYTHONPATH)
+        pelt = (
+            [str(script)]
+            if script.is_file()
+            else [sys.executable, "-c", "from services.cli import main; main()"]
+        )
         self.process = subprocess.Popen(
-            [
-                str(Path(sys.executable).with_name("pelt")),
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-            ],
+            [*pelt, "serve", "--host", "127.0.0.1", "--port", str(self.port), *extra_args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "HF_HUB_OFFLINE": "1"},

