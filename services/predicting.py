@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_NAMESPACE = "pelt"  # the Ray namespace the API joins when no dispatcher joined one before it
 MAX_RESOLUTIONS = 10_000  # (task, version) resolutions kept at once; beyond, the cache starts again
 START_RETRY_SECONDS = 30.0  # after a backbone's replicas failed to start, the next try waits this long
+RESOURCE_TOLERANCE = 1e-4  # Ray counts resources in units of 1e-4: 1 - 0.4 - 0.4 leaves 0.2 for a replica
 START_POLL_SECONDS = 0.1  # how often a request waiting for a start looks at what it waits for
 INTEGRITY_ERRORS = ("DeltaError", "DeltaIntegrityError")  # a file that is not what the store recorded
 
@@ -433,7 +434,7 @@ def replica_shortfall(settings: Settings, free: dict[str, float], total: dict[st
     if settings.predict_resource:
         wanted[settings.predict_resource] = (1.0, "PELT_PREDICT_RESOURCE")
     for resource, (amount, variable) in wanted.items():
-        if amount and free.get(resource, 0.0) < amount:
+        if amount and free.get(resource, 0.0) < amount - RESOURCE_TOLERANCE:
             return (
                 f"{variable} asks for {amount:g} {resource} per replica, and the Ray cluster has "
                 f"{free.get(resource, 0.0):g} {resource} free of {total.get(resource, 0.0):g} (training "

@@ -198,6 +198,8 @@ def test_replicas_no_node_can_hold_now_answer_503_naming_the_setting_at_once_whi
     why = replica_shortfall(on_gpu, cpu_only | {"GPU": 0.0}, cpu_only | {"GPU": 1.0})
     assert "PELT_PREDICT_GPUS_PER_REPLICA asks for 0.5 GPU per replica" in why and "0 GPU free of 1" in why
     assert replica_shortfall(on_gpu, cpu_only | {"GPU": 0.5}, cpu_only | {"GPU": 1.0}) is None
+    beside_two_workers = {"GPU": 1.0 - 0.4 - 0.4}  # 0.19999999999999996: Ray's 0.2
+    assert replica_shortfall(Settings(predict_gpus_per_replica=0.2), beside_two_workers, {"GPU": 1.0}) is None
     serving_nodes = Settings(predict_resource="pelt_predict")
     assert "PELT_PREDICT_RESOURCE" in replica_shortfall(serving_nodes, cpu_only, cpu_only)
     assert replica_shortfall(serving_nodes, cpu_only | {"pelt_predict": 99.0}, cpu_only) is None
