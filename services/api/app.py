@@ -16,11 +16,11 @@ assets from a CDN, and /openapi.json then answers without a token).
 
 from __future__ import annotations
 
-from importlib.metadata import version as package_version
 from typing import Any
 
 from fastapi import FastAPI
 
+from pelt_core import __version__ as pelt_version
 from services.api.error_handlers import install_error_handlers
 from services.api.middleware import (
     BodySizeLimitMiddleware,
@@ -48,7 +48,7 @@ def create_app(
     docs = settings.api_docs
     app = FastAPI(
         title="pelt",
-        version=package_version("pelt"),
+        version=pelt_version,  # not the installed package's metadata: pelt also runs from a source tree
         lifespan=lifespan,
         openapi_url=OPENAPI_PATH,
         docs_url="/docs" if docs else None,

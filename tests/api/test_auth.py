@@ -88,3 +88,14 @@ def test_tokens_are_stored_hashed(api: Api):
     with api.registry.engine.connect() as connection:
         stored = [row[0] for row in connection.execute(text("SELECT token_hash FROM api_tokens"))]
     assert api.token not in stored and all(len(value) == 64 for value in stored)
+
+
+def test_the_api_reports_the_version_pyproject_declares_without_reading_installed_metadata(api: Api):
+    """pelt also runs from a source tree on PYTHONPATH (no installed metadata), as on a lent GPU machine."""
+    import tomllib
+    from pathlib import Path
+
+    from pelt_core import __version__
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert api.app.version == __version__ == pyproject["project"]["version"]
