@@ -61,7 +61,7 @@ from bench_search import GLUE, ServiceProcess, cpu_flags, cpu_name, free_port
 METHODS = ("lora", "pfeiffer", "prefix", "bitfit", "unipelt")
 BASES = (("sst2", ("sentence",)), ("rte", ("sentence1", "sentence2")))
 TRAIN_ROWS, POOL_ROWS = 400, 64  # training rows written per base task; validation rows the clients draw from
-BATCH_REQUESTS, BATCH_WAIT_SECONDS = 32, 0.005  # the peer batches as pelt's replicas do
+BATCH_REQUESTS, BATCH_WAIT_SECONDS = 32, 0.0  # the peer batches as pelt's replicas do
 
 
 def write_task_folder(base: str, folder: Path, glue: Path = GLUE) -> None:

@@ -29,7 +29,7 @@ from ray import serve
 
 APP_PREFIX = "pelt-predict"  # an application per backbone: pelt-predict-<namespace>-<backbone name>
 MAX_BATCH_REQUESTS = 32  # requests answered together (their rows: `batch_rows` per backbone forward)
-BATCH_WAIT_SECONDS = 0.005  # how long a replica waits for more requests before it answers the ones it has
+BATCH_WAIT_SECONDS = 0.0  # a batch is what queued while the replica was busy: no request waits for company
 
 
 @dataclass(frozen=True)
