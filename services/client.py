@@ -21,6 +21,7 @@ import json
 import tarfile
 import tempfile
 import time
+import uuid
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
@@ -100,6 +101,8 @@ class PeltClient(SearchesClient):
             http = httpx.Client(base_url=self.url, timeout=timeout)
         http.headers.update(headers)
         self.http = http
+        self.retries, self.retry_seconds = settings.client_retries, settings.client_retry_seconds
+        self._reached = False  # whether the service ever answered this client
         self._backbones: dict[str, Any] = {}
 
     def close(self) -> None:
@@ -113,13 +116,35 @@ class PeltClient(SearchesClient):
 
     # --- plumbing --------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
+    def _request(
+        self, method: str, path: str, *, repeatable: bool | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """One request, tried again (`retry_wait`) while the service refuses it for now or cannot be reached
+        (a refused connection only once the service has answered this client: before, nothing is there to
+        wait for). `repeatable`: whether sending it twice does what sending it once does (default: GET and
+        HEAD)."""
+        if repeatable is None:
+            repeatable = method in ("GET", "HEAD")
+        deadline = time.monotonic() + self.retry_seconds
+        for attempt in range(self.retries + 1):
+            _rewind(kwargs.get("files"))  # an upload tried again sends its files from the start
+            try:
+                response = self.http.request(method, path, **kwargs)
+                failure = None
+            except httpx.TransportError as exc:
+                response, failure = None, exc
+            if response is not None:
+                self._reached = True
+            wait = retry_wait(response, failure, repeatable, attempt)
+            if not self._reached and isinstance(failure, httpx.ConnectError):
+                wait = None  # never reached: no service there (a restart of one reached before is waited out)
+            if wait is None or attempt == self.retries or time.monotonic() + wait > deadline:
+                break
+            time.sleep(wait)
+        if response is None:
             raise PeltAPIError(
                 0,
-                f"cannot reach the pelt service at {self.url} ({exc}); is `pelt serve` "
+                f"cannot reach the pelt service at {self.url} ({failure}); is `pelt serve` "
                 "running? (PELT_API_URL)",
             ) from None
         if response.status_code >= 400:
@@ -150,8 +175,8 @@ class PeltClient(SearchesClient):
             if len(page) < size or (limit is not None and len(rows) >= limit):
                 return rows
 
-    def _post(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        return self._request("POST", path, json=body or {}).json()
+    def _post(self, path: str, body: Mapping[str, Any] | None = None, *, repeatable: bool = False) -> Any:
+        return self._request("POST", path, json=body or {}, repeatable=repeatable).json()
 
     def health(self) -> dict[str, Any]:
         return self._get("/health")
@@ -257,10 +282,11 @@ class PeltClient(SearchesClient):
             "k_shot": k_shot,
             "priority": priority,
             "max_attempts": max_attempts,
-            "idempotency_key": idempotency_key,
+            # a key of the client's own when none is given: a submit tried again never queues twice
+            "idempotency_key": idempotency_key or f"client-{uuid.uuid4().hex}",
             **_placement(device),
         }
-        return JobOut.model_validate(self._post("/v1/jobs", body))
+        return JobOut.model_validate(self._post("/v1/jobs", body, repeatable=True))
 
     def sweep(
         self,
@@ -285,7 +311,10 @@ class PeltClient(SearchesClient):
             task, methods, backbone, seeds, k_values, hyperparameters, method_hyperparameters, device
         )
         body |= {"priority": priority, "max_attempts": max_attempts, "idempotency_key": idempotency_key}
-        return SweepOut.model_validate(self._post("/v1/sweeps", body | ({"again": True} if again else {})))
+        # without `again`, the same sweep again answers with the one queued (its key derived from its jobs)
+        return SweepOut.model_validate(
+            self._post("/v1/sweeps", body | ({"again": True} if again else {}), repeatable=not again)
+        )
 
     def check_sweep(
         self,
@@ -304,7 +333,7 @@ class PeltClient(SearchesClient):
         body = _sweep_body(
             task, methods, backbone, seeds, k_values, hyperparameters, method_hyperparameters, device
         )
-        return SweepCheckOut.model_validate(self._post("/v1/sweeps/check", body)).jobs
+        return SweepCheckOut.model_validate(self._post("/v1/sweeps/check", body, repeatable=True)).jobs
 
     def job(self, job_id: int) -> JobOut:
         return JobOut.model_validate(self._get(f"/v1/jobs/{int(job_id)}"))
@@ -337,12 +366,12 @@ class PeltClient(SearchesClient):
 
     def cancel(self, job_id: int) -> JobOut:
         """Cancel a job this token submitted (any job, with an admin token; else a 403)."""
-        return JobOut.model_validate(self._post(f"/v1/jobs/{int(job_id)}/cancel"))
+        return JobOut.model_validate(self._post(f"/v1/jobs/{int(job_id)}/cancel", repeatable=True))
 
     def cancel_sweep(self, sweep_id: int) -> int:
         """Cancel the unfinished jobs of a sweep this token submitted (any, with an admin token); returns
         how many were cancelled or asked to stop."""
-        return int(self._post(f"/v1/sweeps/{int(sweep_id)}/cancel")["cancelled"])
+        return int(self._post(f"/v1/sweeps/{int(sweep_id)}/cancel", repeatable=True)["cancelled"])
 
     def events(self, job_id: int) -> list[EventOut]:
         return [EventOut.model_validate(e) for e in self._get(f"/v1/jobs/{int(job_id)}/events")]
@@ -365,7 +394,9 @@ class PeltClient(SearchesClient):
             "version": None if version is None else str(version),
         }
         # the service answers within its PELT_PREDICT_TIMEOUT_SECONDS (120 s by default, a 503 then): wait longer
-        answer = self._request("POST", f"/v1/tasks/{task}/predict", json=body, timeout=PREDICT_WAIT_SECONDS)
+        answer = self._request(
+            "POST", f"/v1/tasks/{task}/predict", json=body, timeout=PREDICT_WAIT_SECONDS, repeatable=True
+        )
         return PredictOut.model_validate(answer.json())
 
     def result(self, job_id: int) -> ResultOut:
@@ -513,7 +544,11 @@ class PeltClient(SearchesClient):
     def archive_version(self, task: str, version: str | int) -> VersionOut:
         """Archive a version of a task (an admin token; audited): its aliases go, and no pull by name or
         alias answers with it again; `version=` still pulls it."""
-        return VersionOut.model_validate(self._post(f"/v1/tasks/{task}/deltas/{version}/archive"))
+        # by number it is repeatable; an alias tried again would archive the version that took its place
+        repeatable = str(version).strip().isdigit()
+        return VersionOut.model_validate(
+            self._post(f"/v1/tasks/{task}/deltas/{version}/archive", repeatable=repeatable)
+        )
 
     def delta_info(
         self,
@@ -656,6 +691,52 @@ def _sweep_body(
         "method_hyperparameters": {k: dict(v) for k, v in (method_hyperparameters or {}).items()},
         **_placement(device),
     }
+
+
+RETRY_BASE_SECONDS = 0.5  # the first wait before a try again without Retry-After; doubled each time
+RETRY_MAX_WAIT_SECONDS = 30.0  # no single wait is longer, whatever Retry-After says
+LOST_ANSWER_STATUSES = (502, 503, 504)  # from a proxy, or the service without a Retry-After
+
+
+def retry_wait(
+    response: httpx.Response | None, failure: Exception | None, repeatable: bool, attempt: int
+) -> float | None:
+    """Seconds to wait before trying a request again, or None when it is not tried again: the answer
+    stands, or sending the request again might do twice what it did once.
+
+    - a 503 with Retry-After: pelt refused it before doing anything (busy, starting, other writers held the
+      database): any request, after Retry-After;
+    - the connection could not be made (refused, timed out connecting): nothing was sent: any request;
+    - a lost answer (the connection dropped, a read timed out, a 502/503/504 without Retry-After, as a proxy
+      answers): only a `repeatable` request, since the service may have done it.
+    Waits double from RETRY_BASE_SECONDS (Retry-After when given), at most RETRY_MAX_WAIT_SECONDS."""
+    backoff = min(RETRY_MAX_WAIT_SECONDS, RETRY_BASE_SECONDS * 2**attempt)
+    if failure is not None:
+        never_sent = isinstance(failure, httpx.ConnectError | httpx.ConnectTimeout)
+        return backoff if never_sent or repeatable else None
+    assert response is not None
+    retry_after = response.headers.get("Retry-After")
+    if response.status_code == 503 and retry_after and retry_after.strip().isdigit():
+        return min(RETRY_MAX_WAIT_SECONDS, float(retry_after))
+    if response.status_code in LOST_ANSWER_STATUSES and repeatable and not _pelt_error(response):
+        return backoff
+    return None  # pelt's own refusal without Retry-After (a store an operator must upgrade) stands
+
+
+def _pelt_error(response: httpx.Response) -> bool:
+    """Whether the answer is pelt's own error body ({"error": {...}}), not a proxy's page."""
+    try:
+        return isinstance(response.json().get("error"), dict)
+    except (ValueError, AttributeError):
+        return False
+
+
+def _rewind(files: Mapping[str, Any] | None) -> None:
+    """Every file of an upload back at its start (a try again sends them whole)."""
+    for value in (files or {}).values():
+        handle = value[1] if isinstance(value, tuple) else value
+        if hasattr(handle, "seek"):
+            handle.seek(0)
 
 
 def _placement(device: str) -> dict[str, str]:

@@ -4,6 +4,7 @@ cancel them through /v1/searches."""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,10 @@ class SearchesClient:
             "hyperparameters": dict(hyperparameters or {}),
             "seeds": seeds,
             "seed": seed,
-            "idempotency_key": idempotency_key,
+            # a key of the client's own when none is given: a start tried again never starts two searches
+            "idempotency_key": idempotency_key or f"client-{uuid.uuid4().hex}",
         }
-        return SearchOut.model_validate(self._post("/v1/searches", body))
+        return SearchOut.model_validate(self._post("/v1/searches", body, repeatable=True))
 
     def get_search(self, search_id: int) -> SearchOut:
         """The search with every trial, the best dev score against the budget spent, and its answer."""
@@ -68,7 +70,7 @@ class SearchesClient:
 
     def cancel_search(self, search_id: int) -> SearchOut:
         """Stop a search this token started (any, with an admin token) and cancel its unfinished jobs."""
-        return SearchOut.model_validate(self._post(f"/v1/searches/{int(search_id)}/cancel"))
+        return SearchOut.model_validate(self._post(f"/v1/searches/{int(search_id)}/cancel", repeatable=True))
 
     def wait_search(
         self,

@@ -7,6 +7,9 @@ PELT_MLFLOW_ARTIFACT_ROOT MLflow artifacts of an SQLite/database store (default:
                           a tracking server decides where its artifacts go
 PELT_RAY_ADDRESS          unset: start a local Ray
 PELT_API_URL, PELT_API_TOKEN   client side (the token also from <data_dir>/api_token, which `pelt serve` writes)
+PELT_CLIENT_RETRIES, PELT_CLIENT_RETRY_SECONDS   the client's tries again of one request (default 5, 0: none)
+                          and the seconds they may wait in all (default 60), after a 503 with Retry-After, a
+                          connection that could not be made, and, for requests safe to repeat, a lost answer
 PELT_API_HOST, PELT_API_PORT   where `pelt serve` listens (default 127.0.0.1:8000)
 PELT_MAX_REQUEST_BYTES, PELT_MAX_UPLOAD_BYTES   bounds on a JSON body and on a dataset upload
 PELT_MAX_DATASET_ROWS     rows one split of a task's data may hold (default 5,000,000); beyond: 413
@@ -113,6 +116,10 @@ class Settings(BaseSettings):
     )
     ray_address: str | None = Field(default=None, description="Ray cluster address; None starts a local Ray")
     api_url: str = Field(default="http://127.0.0.1:8000", description="the API's base URL (client side)")
+    client_retries: int = Field(default=5, ge=0, le=100, description="the client's tries again of a request")
+    client_retry_seconds: float = Field(
+        default=60.0, gt=0, le=3600, description="how long the client's tries again of one request may wait"
+    )
     api_token: SecretStr | None = Field(default=None, description="bearer token for the API")
     api_host: str = Field(default="127.0.0.1", description="address `pelt serve` listens on")
     api_port: int = Field(default=8000, ge=0, le=65535, description="port `pelt serve` listens on")

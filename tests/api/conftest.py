@@ -100,6 +100,9 @@ def settings(tmp_path: Path, tiny_bert_dir: Path) -> Settings:
         max_request_bytes=64 * 1024,
         max_upload_bytes=2 * 1024 * 1024,
         backbone_dirs=[tiny_bert_dir.parent],
+        # each refusal reaches the test as the service answered it; the client's tries again are specified
+        # in test_client_retries.py (and run with their defaults against `pelt serve` in other tests)
+        client_retries=0,
     )
 
 
