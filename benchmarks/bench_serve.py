@@ -490,7 +490,7 @@ def main() -> None:
         env={
             **os.environ,
             "PYTHONPATH": os.pathsep.join(
-                [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+                filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])
             ),
         },
     )

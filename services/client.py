@@ -125,7 +125,9 @@ class PeltClient(SearchesClient):
         HEAD)."""
         if repeatable is None:
             repeatable = method in ("GET", "HEAD")
-        deadline = time.monotonic() + self.retry_seconds
+        waited = (
+            0.0  # seconds slept before tries again (the time the requests themselves took is not counted)
+        )
         for attempt in range(self.retries + 1):
             _rewind(kwargs.get("files"))  # an upload tried again sends its files from the start
             try:
@@ -136,11 +138,12 @@ class PeltClient(SearchesClient):
             if response is not None:
                 self._reached = True
             wait = retry_wait(response, failure, repeatable, attempt)
-            if not self._reached and isinstance(failure, httpx.ConnectError):
+            if not self._reached and isinstance(failure, httpx.ConnectError | httpx.ConnectTimeout):
                 wait = None  # never reached: no service there (a restart of one reached before is waited out)
-            if wait is None or attempt == self.retries or time.monotonic() + wait > deadline:
+            if wait is None or attempt == self.retries or waited + wait > self.retry_seconds:
                 break
             time.sleep(wait)
+            waited += wait
         if response is None:
             raise PeltAPIError(
                 0,
@@ -311,7 +314,8 @@ class PeltClient(SearchesClient):
             task, methods, backbone, seeds, k_values, hyperparameters, method_hyperparameters, device
         )
         body |= {"priority": priority, "max_attempts": max_attempts, "idempotency_key": idempotency_key}
-        # without `again`, the same sweep again answers with the one queued (its key derived from its jobs)
+        # without `again`, the same sweep again answers with the one queued (its key derived from its jobs):
+        # a sweep sent again after its answer was lost comes back `already_submitted`, as the sweep it queued
         return SweepOut.model_validate(
             self._post("/v1/sweeps", body | ({"again": True} if again else {}), repeatable=not again)
         )
@@ -694,7 +698,7 @@ def _sweep_body(
 
 
 RETRY_BASE_SECONDS = 0.5  # the first wait before a try again without Retry-After; doubled each time
-RETRY_MAX_WAIT_SECONDS = 30.0  # no single wait is longer, whatever Retry-After says
+RETRY_MAX_WAIT_SECONDS = 30.0  # no single wait is longer; a Retry-After of this or more is not waited for
 LOST_ANSWER_STATUSES = (502, 503, 504)  # from a proxy, or the service without a Retry-After
 
 
@@ -704,8 +708,10 @@ def retry_wait(
     """Seconds to wait before trying a request again, or None when it is not tried again: the answer
     stands, or sending the request again might do twice what it did once.
 
-    - a 503 with Retry-After: pelt refused it before doing anything (busy, starting, other writers held the
-      database): any request, after Retry-After;
+    - a 503 with Retry-After and pelt's error body: pelt refused it before doing anything (busy, starting,
+      other writers held the database): any request, after Retry-After (a proxy's: repeatable requests
+      only); a Retry-After of RETRY_MAX_WAIT_SECONDS or more (replicas waiting for a node that can hold
+      them, a failed start) is the caller's to hear now, not to wait out;
     - the connection could not be made (refused, timed out connecting): nothing was sent: any request;
     - a lost answer (the connection dropped, a read timed out, a 502/503/504 without Retry-After, as a proxy
       answers): only a `repeatable` request, since the service may have done it.
@@ -717,7 +723,9 @@ def retry_wait(
     assert response is not None
     retry_after = response.headers.get("Retry-After")
     if response.status_code == 503 and retry_after and retry_after.strip().isdigit():
-        return min(RETRY_MAX_WAIT_SECONDS, float(retry_after))
+        if float(retry_after) >= RETRY_MAX_WAIT_SECONDS or not (repeatable or _pelt_error(response)):
+            return None
+        return float(retry_after)
     if response.status_code in LOST_ANSWER_STATUSES and repeatable and not _pelt_error(response):
         return backoff
     return None  # pelt's own refusal without Retry-After (a store an operator must upgrade) stands

@@ -425,8 +425,10 @@ class PredictionService:
 
 
 def replica_shortfall(settings: Settings, free: dict[str, float], total: dict[str, float]) -> str | None:
-    """What a prediction replica asks Ray for that no node has free now (`ray.available_resources()`, of
-    `ray.cluster_resources()`), naming the setting that asks for it; None when the resources are free."""
+    """What a prediction replica asks Ray for that the cluster does not have free now, counted over all its
+    nodes (`ray.available_resources()`, of `ray.cluster_resources()`), naming the setting that asks for it;
+    None when it has. A necessary condition only: shares free on different nodes add up here, while a
+    replica needs them on one (Serve then waits, and requests wait up to the timeout, as for any start)."""
     wanted = {
         "GPU": (settings.predict_gpus_per_replica, "PELT_PREDICT_GPUS_PER_REPLICA"),
         "CPU": (settings.predict_cpus_per_replica, "PELT_PREDICT_CPUS_PER_REPLICA"),

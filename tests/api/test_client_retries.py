@@ -35,9 +35,12 @@ REQUEST = httpx.Request("GET", URL)
     ("response", "failure", "repeatable", "wait"),
     [
         (answer(503, "7"), None, False, 7.0),  # pelt refused it before doing anything: any request
-        (answer(503, "900"), None, True, 30.0),  # no wait beyond RETRY_MAX_WAIT_SECONDS
+        (answer(503, "29"), None, False, 29.0),
+        (answer(503, "30"), None, True, None),  # a long wait is the caller's to hear now
+        (answer(503, "7", pelt=False), None, True, 7.0),  # a proxy's Retry-After: repeatable only
+        (answer(503, "7", pelt=False), None, False, None),
         (None, httpx.ConnectError("refused", request=REQUEST), False, 0.5),  # nothing was sent
-        (None, httpx.ConnectTimeout("slow", request=REQUEST), False, 0.5),
+        (None, httpx.ConnectTimeout("slow", request=REQUEST), False, 0.5),  # to a service reached before
         (None, httpx.ReadError("reset", request=REQUEST), True, 0.5),  # a lost answer: repeatable only
         (None, httpx.ReadError("reset", request=REQUEST), False, None),
         (None, httpx.ReadTimeout("slow", request=REQUEST), False, None),
@@ -116,8 +119,11 @@ def test_any_request_is_sent_again_when_the_connection_could_not_be_made_to_a_se
     assert len(seen) == 4 and clock.slept == [0.5, 1.0]
 
 
-def test_a_service_that_never_answered_is_not_waited_for(clock):
-    client, seen = scripted(httpx.ConnectError("connection refused"))
+@pytest.mark.parametrize(
+    "failure", [httpx.ConnectError("connection refused"), httpx.ConnectTimeout("no route")]
+)
+def test_a_service_that_never_answered_is_not_waited_for(clock, failure):
+    client, seen = scripted(failure)
     with pytest.raises(PeltAPIError, match="is `pelt serve` running"):
         client.health()
     assert len(seen) == 1 and clock.slept == []
@@ -140,6 +146,12 @@ def test_the_tries_stop_at_the_count_and_at_the_time_they_may_wait(clock):
     with pytest.raises(PeltAPIError):
         client.health()
     assert clock.slept[3:] == [25.0, 25.0] and len(seen) == 3  # a third wait would pass the 60 s
+
+    started = clock.now  # each request below takes 100 s: only the waits count against the 60
+    client, seen = scripted(*[answer(503, "20")] * 3, httpx.Response(200, json={"status": "ok"}))
+    client.http.event_hooks["request"].append(lambda request: setattr(clock, "now", clock.now + 100))
+    assert client.health() == {"status": "ok"}
+    assert len(seen) == 4 and clock.now - started == 4 * 100 + 3 * 20
 
     client, seen = scripted(answer(503, "1"), client_retries=0)
     with pytest.raises(PeltAPIError):
