@@ -3,10 +3,11 @@ queue's settings and the caches of names that never change."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Self
+from typing import Any, Self
 
 from sqlalchemy import URL, Engine, select
 from sqlalchemy.orm import Session
@@ -69,6 +70,9 @@ class RegistryCore:
         )
         self._names: dict[str, dict[int, str]] = {}  # table → id → name (names never change)
         self._task_metrics: dict[int, str] = {}
+        # rankings kept while their task's results stay the same (services.registry.results `_ranked`)
+        self._leaderboards: dict[tuple, tuple[tuple, Any]] = {}
+        self._leaderboards_lock = threading.Lock()
         self._reap_interval = timedelta(seconds=reap_interval_seconds)
         self._next_reap: datetime | None = None
         self._gate = write_gate(self.engine, settings.db_busy_timeout_seconds)

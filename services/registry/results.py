@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import false, func, select
 from sqlalchemy.orm import Session
@@ -27,6 +27,9 @@ from services.registry.models import Backbone, Job, JobEvent, JobStatus, Method,
 from services.registry.records import JobEventRecord, JobRecord, LossHistoryRecord, ResultRecord
 from services.registry.rows import backbone_filter_ids, find_job, find_task
 from services.registry.validation import check_int
+
+MAX_KEPT_LEADERBOARDS = 256  # rankings a registry keeps (per task, K, backbone, order, split), oldest out
+_Ranked = TypeVar("_Ranked")
 
 
 class JobResults(RegistryCore):
@@ -143,9 +146,17 @@ class JobResults(RegistryCore):
         if k_shot is not None and k_shot != FULL_SET:
             check_int(k_shot, "k_shot", minimum=1)
         _check_order(order_by)
-        runs, direction = self._succeeded_runs(task, k_shot, backbone, split)
-        left_out = set(exclude_job_ids)
-        return rank_methods([run for run in runs if run.job_id not in left_out], direction, order_by)
+        left_out = frozenset(exclude_job_ids)
+        return self._ranked(
+            ("one", task, k_shot, backbone, order_by, split, left_out),
+            task,
+            k_shot,
+            backbone,
+            split,
+            lambda runs, direction: rank_methods(
+                [run for run in runs if run.job_id not in left_out], direction, order_by
+            ),
+        )
 
     def leaderboard_by_k(
         self, task: str, *, backbone: str | None = None, order_by: OrderBy = "mean", split: Split = "test"
@@ -153,55 +164,97 @@ class JobResults(RegistryCore):
         """The task's leaderboard for each K its succeeded jobs used, in one read: K ascending, None (the
         full training set) last; {} while no job has succeeded."""
         _check_order(order_by)
-        runs, direction = self._succeeded_runs(task, None, backbone, split)
-        return rank_by_k(runs, direction, order_by)
+        return self._ranked(
+            ("by_k", task, backbone, order_by, split),
+            task,
+            None,
+            backbone,
+            split,
+            lambda runs, direction: rank_by_k(runs, direction, order_by),
+        )
 
-    def _succeeded_runs(
-        self, task: str, k_shot: int | Literal["full"] | None, backbone: str | None, split: Split
-    ) -> tuple[list[Run], str]:
-        """The task's succeeded jobs as leaderboard runs (only K = `k_shot` when given; their metric on
-        `split`) and its metric's direction; an unknown task or backbone raises its registry error."""
+    def _ranked(
+        self,
+        key: tuple,
+        task: str,
+        k_shot: int | Literal["full"] | None,
+        backbone: str | None,
+        split: Split,
+        rank: Callable[[list[Run], str], _Ranked],
+    ) -> _Ranked:
+        """rank(the task's succeeded runs, its metric's direction), as ranked before for `key` while the
+        task's results are the same ones. A leaderboard over 1,000 results costs about 100 ms of CPU
+        (benchmarks/README.md, bench_api_load.py) and clients poll it; its inputs change only when a job
+        of the task succeeds: results are written once, with their job's last transition, and never
+        change, a succeeded job stays succeeded, and no job or result is ever deleted; so the count of
+        results and the newest one's id (of every task: a new result anywhere drops every kept ranking;
+        results come far less often than polls), read in the same transaction as the runs would be, tell
+        whether a kept ranking holds. The count too: on PostgreSQL a result with a lower id may commit
+        after one with a higher id."""
         if split not in SPLITS:
             raise RegistryValidationError("split", f"must be one of {', '.join(SPLITS)}, got {split!r}")
-        value = Result.primary_metric if split == "test" else Result.dev_primary_metric
         with self._reading() as session:
             task_row = find_task(session, task)
-            query = (
-                select(
-                    Method.name,
-                    Job.id,
-                    Job.seed,
-                    Job.k_shot,
-                    value,
-                    Result.trainable_params,
-                    Result.trainable_percent,
-                    Result.train_seconds,
-                    Result.delta_uri,
-                    Result.delta_sha256,
-                    Job.method_fingerprint,
-                    Backbone.name,
-                    Job.train_config,
-                    Job.method_spec,
-                )
-                .select_from(Result)
-                .join(Job, Result.job_id == Job.id)
-                .join(Method, Job.method_id == Method.id)
-                .join(Backbone, Job.backbone_id == Backbone.id)
-                .where(Job.task_id == task_row.id, Job.status == JobStatus.SUCCEEDED.value)
+            written = session.execute(select(func.count(Result.id), func.max(Result.id))).one()
+            state = (task_row.id, task_row.metric_direction, *written)
+            with self._leaderboards_lock:
+                kept = self._leaderboards.get(key)
+            if kept is not None and kept[0] == state:
+                return kept[1]
+            runs = self._succeeded_runs(session, task_row, k_shot, backbone, split)
+        ranked = rank(runs, task_row.metric_direction)
+        with self._leaderboards_lock:
+            if len(self._leaderboards) >= MAX_KEPT_LEADERBOARDS:
+                self._leaderboards.pop(next(iter(self._leaderboards)))  # the oldest kept
+            self._leaderboards[key] = (state, ranked)
+        return ranked
+
+    def _succeeded_runs(
+        self,
+        session: Session,
+        task_row: Any,
+        k_shot: int | Literal["full"] | None,
+        backbone: str | None,
+        split: Split,
+    ) -> list[Run]:
+        """The task's succeeded jobs as leaderboard runs (only K = `k_shot` when given; their metric on
+        `split`); an unknown backbone raises its registry error."""
+        value = Result.primary_metric if split == "test" else Result.dev_primary_metric
+        query = (
+            select(
+                Method.name,
+                Job.id,
+                Job.seed,
+                Job.k_shot,
+                value,
+                Result.trainable_params,
+                Result.trainable_percent,
+                Result.train_seconds,
+                Result.delta_uri,
+                Result.delta_sha256,
+                Job.method_fingerprint,
+                Backbone.name,
+                Job.train_config,
+                Job.method_spec,
             )
-            if split == "dev":
-                query = query.where(Result.dev_primary_metric.is_not(None))
-            if k_shot == FULL_SET:
-                query = query.where(Job.k_shot.is_(None))
-            elif k_shot is not None:
-                query = query.where(Job.k_shot == k_shot)
-            if backbone is not None:
-                query = _on_backbone(query, backbone_filter_ids(session, backbone))
-            runs = [
-                Run(*fields, backbone=backbone_name, settings=run_settings(train_config, method_spec))
-                for *fields, backbone_name, train_config, method_spec in session.execute(query)
-            ]
-            return runs, task_row.metric_direction
+            .select_from(Result)
+            .join(Job, Result.job_id == Job.id)
+            .join(Method, Job.method_id == Method.id)
+            .join(Backbone, Job.backbone_id == Backbone.id)
+            .where(Job.task_id == task_row.id, Job.status == JobStatus.SUCCEEDED.value)
+        )
+        if split == "dev":
+            query = query.where(Result.dev_primary_metric.is_not(None))
+        if k_shot == FULL_SET:
+            query = query.where(Job.k_shot.is_(None))
+        elif k_shot is not None:
+            query = query.where(Job.k_shot == k_shot)
+        if backbone is not None:
+            query = _on_backbone(query, backbone_filter_ids(session, backbone))
+        return [
+            Run(*fields, backbone=backbone_name, settings=run_settings(train_config, method_spec))
+            for *fields, backbone_name, train_config, method_spec in session.execute(query)
+        ]
 
 
 def _check_order(order_by: str) -> None:

@@ -298,3 +298,25 @@ def test_rows_pool_exactly_the_runs_that_differ_in_their_seed_and_are_ordered(
             assert row.ci_low <= row.mean <= row.ci_high
         else:
             assert row.std is row.ci_low is row.ci_high is None
+
+
+def test_a_ranking_is_kept_while_no_result_is_written_and_the_next_result_is_ranked_at_once(
+    ready: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients poll the leaderboard; it is computed again only when a result has been written since."""
+    first = run_job(ready, "sst2", "lora", 0.80, seed=0)
+    computed = []
+    read_runs = ready._succeeded_runs
+    monkeypatch.setattr(ready, "_succeeded_runs", lambda *a: computed.append(a[2:]) or read_runs(*a))
+
+    rows = ready.leaderboard("sst2")
+    assert ready.leaderboard("sst2") == rows and len(computed) == 1  # kept
+    assert ready.leaderboard_by_k("sst2") == ready.leaderboard_by_k("sst2") and len(computed) == 2
+    best = ready.leaderboard("sst2", order_by="best")
+    assert len(computed) == 3 and best[0].best_job_id == first  # another question: its own ranking
+    assert ready.leaderboard("sst2", exclude_job_ids=[first]) == [] and len(computed) == 4
+
+    second = run_job(ready, "sst2", "bitfit", 0.90, seed=0)  # a result: every kept ranking is stale
+    assert [row.method for row in ready.leaderboard("sst2")] == ["bitfit", "lora"]
+    assert [row.best_job_id for row in ready.leaderboard("sst2")] == [second, first] and len(computed) == 5
+    assert next(iter(ready.leaderboard_by_k("sst2").values()))[0].best_job_id == second
