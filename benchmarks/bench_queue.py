@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from services.registry import Registry, upgrade
 from services.registry.testing import claim_until_empty, scratch_postgres, sqlite_url, write_jsonl
@@ -69,27 +70,24 @@ def prepare(url: str, folder: Path) -> None:
         registry.register_backbone("bench-backbone", "hf:bench", "sha256:" + "0" * 64)
 
 
+def submit_thousand(registry: Registry, key: str) -> Any:
+    """One sweep of 1,000 jobs of the bench task (10 methods x 10 seeds x 10 K values) under `key`."""
+    return registry.submit_sweep(
+        "bench", METHODS, SEEDS, K_VALUES, "bench-backbone", {"epochs": 1}, idempotency_key=key
+    )
+
+
 def bench_submit(url: str, sweeps: int) -> dict[str, float]:
     """Latency of submit_sweep for 1,000 jobs (validation, sweep, jobs and their events, one transaction)."""
     latencies = []
     with Registry(url) as registry:
         for index in range(sweeps):
             began = time.perf_counter()
-            sweep = registry.submit_sweep(
-                "bench",
-                METHODS,
-                SEEDS,
-                K_VALUES,
-                "bench-backbone",
-                {"epochs": 1},
-                idempotency_key=f"sweep-{index}",
-            )
+            sweep = submit_thousand(registry, f"sweep-{index}")
             latencies.append(time.perf_counter() - began)
             assert len(sweep.job_ids) == 1000
         began = time.perf_counter()
-        registry.submit_sweep(
-            "bench", METHODS, SEEDS, K_VALUES, "bench-backbone", {"epochs": 1}, idempotency_key="sweep-0"
-        )
+        submit_thousand(registry, "sweep-0")
         repeat = time.perf_counter() - began
     return {
         "min_ms": 1000 * min(latencies),

@@ -40,8 +40,6 @@ from services.api.schemas import (
     ComposeOut,
     EventOut,
     JobOut,
-    LeaderboardOut,
-    LeaderboardRowOut,
     LossHistoryOut,
     MethodOut,
     PredictOut,
@@ -51,7 +49,9 @@ from services.api.schemas import (
     TaskOut,
     VersionOut,
 )
+from services.client_leaderboards import LeaderboardsClient
 from services.client_progress import draw_progress
+from services.client_retries import retry_wait, rewind_files
 from services.client_searches import SearchesClient
 from services.settings import Settings, get_settings
 
@@ -79,7 +79,7 @@ class JobsFailed(Exception):
         self.jobs = jobs
 
 
-class PeltClient(SearchesClient):
+class PeltClient(LeaderboardsClient, SearchesClient):
     """A session with a pelt service. url: PELT_API_URL (default http://127.0.0.1:8000); token:
     PELT_API_TOKEN, else the secret `pelt serve` left in PELT_DATA_DIR/api_token. `http` replaces the
     underlying httpx.Client (tests pass FastAPI's TestClient)."""
@@ -129,7 +129,7 @@ class PeltClient(SearchesClient):
             0.0  # seconds slept before tries again (the time the requests themselves took is not counted)
         )
         for attempt in range(self.retries + 1):
-            _rewind(kwargs.get("files"))  # an upload tried again sends its files from the start
+            rewind_files(kwargs.get("files"))  # an upload tried again sends its files from the start
             try:
                 response = self.http.request(method, path, **kwargs)
                 failure = None
@@ -446,100 +446,7 @@ class PeltClient(SearchesClient):
             raise JobsFailed(failed)
         return ended
 
-    # --- leaderboard and deltas ------------------------------------------------------------------
-
-    def leaderboard(
-        self,
-        task: str,
-        k_shot: int | str | None = None,
-        backbone: str | None = None,
-        split: str = "test",
-        order_by: str = "mean",
-    ) -> Any:
-        """The task's leaderboard as a pandas DataFrame: one row per method and configuration (K and the
-        settings in `config`; `k_shot="full"`: only the runs on the full training set), seeds pooled,
-        ranked by the mean over seeds (`order_by="best"`: by the best run), with the 95% interval
-        (`ci_low`, `ci_high`) and `tied_with_top` (not separable from rank 1). The metric's name and
-        what the interval and tie test are: `frame.attrs`. `split="dev"`: by the protocol's dev split."""
-        import pandas as pd
-
-        board = self.leaderboard_raw(task, k_shot, backbone, split, order_by)
-        frame = pd.DataFrame(
-            [row.model_dump() for row in board.rows], columns=list(LeaderboardRowOut.model_fields)
-        )
-        frame.attrs.update(
-            task=board.task,
-            metric=board.metric,
-            metric_direction=board.metric_direction,
-            split=board.split,
-            order_by=board.order_by,
-            interval=board.interval,
-            tie_test=board.tie_test,
-        )
-        return frame
-
-    def leaderboard_raw(
-        self,
-        task: str,
-        k_shot: int | str | None = None,
-        backbone: str | None = None,
-        split: str = "test",
-        order_by: str = "mean",
-    ) -> LeaderboardOut:
-        return LeaderboardOut.model_validate(
-            self._get(
-                f"/v1/tasks/{task}/leaderboard",
-                k_shot=k_shot,
-                backbone=backbone,
-                split=split,
-                order_by=order_by,
-            )
-        )
-
-    def leaderboard_by_k(
-        self, task: str, backbone: str | None = None, split: str = "test", order_by: str = "mean"
-    ) -> list[LeaderboardOut]:
-        """The task's leaderboard for each K its jobs used, K ascending (k_shot None: the full training
-        set, last); [] while no job has succeeded. `split="dev"` ranks by the protocol's dev split."""
-        found = self._get(
-            f"/v1/tasks/{task}/leaderboard/by-k", backbone=backbone, split=split, order_by=order_by
-        )
-        return [LeaderboardOut.model_validate(board) for board in found]
-
-    def plot_leaderboard(
-        self,
-        task: str,
-        path: str | Path | None = None,
-        view: str = "pareto",
-        k_shot: int | str | None = None,
-        backbone: str | None = None,
-        *,
-        format: str | None = None,
-    ) -> str | bytes:
-        """The task's leaderboard drawn by the service: view "pareto" (the metric against trainable
-        parameters, the Pareto frontier marked; only K = k_shot when given) or "metric-vs-k" (every K).
-        Returns the SVG text or the PNG bytes, and writes them to `path` when given; the format is the
-        path's suffix (.svg or .png), else `format` ("svg" by default). Nothing is written on an error."""
-        from services.plots import check_view
-
-        check_view(view, k_shot)
-        params = {k: v for k, v in {"k_shot": k_shot, "backbone": backbone}.items() if v is not None}
-        return self._draw(f"/v1/tasks/{task}/plots/{view}", path, format, params)
-
-    def _draw(
-        self, route: str, path: str | Path | None, format: str | None, params: dict[str, Any] | None = None
-    ) -> str | bytes:
-        """GET `route`.svg or .png (the path's suffix, else `format`, "svg" by default): the SVG text or the
-        PNG bytes, written to `path` when given (nothing is written on an error)."""
-        from services.plots import MEDIA_TYPES, format_of
-
-        fmt = format_of(path) if path is not None else (format or "svg")
-        if fmt not in MEDIA_TYPES or (format is not None and format != fmt):
-            raise ValueError(f"format {format!r} does not fit: a plot is svg or png (the path's suffix)")
-        response = self._request("GET", f"{route}.{fmt}", params=params or {})
-        if path is not None:
-            Path(path).write_bytes(response.content)
-        return response.text if fmt == "svg" else response.content
+    # --- deltas (leaderboards and their plots: services/client_leaderboards.py) --------------------
 
     def versions(self, task: str) -> list[VersionOut]:
         """Every stored delta version of the task, newest first."""
@@ -695,56 +602,6 @@ def _sweep_body(
         "method_hyperparameters": {k: dict(v) for k, v in (method_hyperparameters or {}).items()},
         **_placement(device),
     }
-
-
-RETRY_BASE_SECONDS = 0.5  # the first wait before a try again without Retry-After; doubled each time
-RETRY_MAX_WAIT_SECONDS = 30.0  # no single wait is longer; a Retry-After of this or more is not waited for
-LOST_ANSWER_STATUSES = (502, 503, 504)  # from a proxy, or the service without a Retry-After
-
-
-def retry_wait(
-    response: httpx.Response | None, failure: Exception | None, repeatable: bool, attempt: int
-) -> float | None:
-    """Seconds to wait before trying a request again, or None when it is not tried again: the answer
-    stands, or sending the request again might do twice what it did once.
-
-    - a 503 with Retry-After and pelt's error body: pelt refused it before doing anything (busy, starting,
-      other writers held the database): any request, after Retry-After (a proxy's: repeatable requests
-      only); a Retry-After of RETRY_MAX_WAIT_SECONDS or more (replicas waiting for a node that can hold
-      them, a failed start) is the caller's to hear now, not to wait out;
-    - the connection could not be made (refused, timed out connecting): nothing was sent: any request;
-    - a lost answer (the connection dropped, a read timed out, a 502/503/504 without Retry-After, as a proxy
-      answers): only a `repeatable` request, since the service may have done it.
-    Waits double from RETRY_BASE_SECONDS (Retry-After when given), at most RETRY_MAX_WAIT_SECONDS."""
-    backoff = min(RETRY_MAX_WAIT_SECONDS, RETRY_BASE_SECONDS * 2**attempt)
-    if failure is not None:
-        never_sent = isinstance(failure, httpx.ConnectError | httpx.ConnectTimeout)
-        return backoff if never_sent or repeatable else None
-    assert response is not None
-    retry_after = response.headers.get("Retry-After")
-    if response.status_code == 503 and retry_after and retry_after.strip().isdigit():
-        if float(retry_after) >= RETRY_MAX_WAIT_SECONDS or not (repeatable or _pelt_error(response)):
-            return None
-        return float(retry_after)
-    if response.status_code in LOST_ANSWER_STATUSES and repeatable and not _pelt_error(response):
-        return backoff
-    return None  # pelt's own refusal without Retry-After (a store an operator must upgrade) stands
-
-
-def _pelt_error(response: httpx.Response) -> bool:
-    """Whether the answer is pelt's own error body ({"error": {...}}), not a proxy's page."""
-    try:
-        return isinstance(response.json().get("error"), dict)
-    except (ValueError, AttributeError):
-        return False
-
-
-def _rewind(files: Mapping[str, Any] | None) -> None:
-    """Every file of an upload back at its start (a try again sends them whole)."""
-    for value in (files or {}).values():
-        handle = value[1] if isinstance(value, tuple) else value
-        if hasattr(handle, "seek"):
-            handle.seek(0)
 
 
 def _placement(device: str) -> dict[str, str]:

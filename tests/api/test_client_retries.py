@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 import services.client as client_module
-from services.client import PeltAPIError, PeltClient, retry_wait
+from services.client import PeltAPIError, PeltClient
+from services.client_retries import retry_wait
 from services.settings import Settings
 from tests.api.conftest import BACKBONE, Api
 
