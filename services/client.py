@@ -125,9 +125,8 @@ class PeltClient(LeaderboardsClient, SearchesClient):
         HEAD)."""
         if repeatable is None:
             repeatable = method in ("GET", "HEAD")
-        waited = (
-            0.0  # seconds slept before tries again (the time the requests themselves took is not counted)
-        )
+        # seconds slept before tries again (the time the requests themselves took is not counted)
+        waited = 0.0
         for attempt in range(self.retries + 1):
             rewind_files(kwargs.get("files"))  # an upload tried again sends its files from the start
             try:
