@@ -1,0 +1,741 @@
+"""The chaos soak: pelt as deployed (PostgreSQL, the MLflow server, a Ray head, two Ray worker hosts, the
+API and two dispatchers) on hosts that talk over a network, a sweep of small jobs, and faults injected
+while it runs; then the tool checks that nothing was lost and nothing done twice.
+
+    sudo .venv/bin/python benchmarks/soak.py                       # 200 jobs, every fault kind twice
+    sudo .venv/bin/python benchmarks/soak.py --jobs 30 --faults-per-kind 1 --json soak.json
+
+Hosts (`soak_hosts.Network`: one network namespace each, on a bridge no other interface reaches):
+`db` (PostgreSQL, the MLflow server), `api` (a Ray node with no CPUs, `pelt serve --no-dispatcher`, two
+`pelt dispatcher --handover`, one leading and one standing by), `head` (the Ray head, no CPUs), `w1` and
+`w2` (Ray worker nodes, one CPU each), and `client` (this tool: it submits, polls and checks through the
+API as a user would, and reads the registry and MLflow directly for the checks). Every pelt, Ray and MLflow
+process runs as uid 10001, as in pelt's image; PostgreSQL as `postgres`. A supervisor restarts what exits
+on its own (as `restart: unless-stopped` would), and counts it.
+
+Faults, at random moments while jobs run (`FAULTS`): SIGKILL a pelt worker; SIGKILL the leading dispatcher
+(the standby takes over; the killed one comes back as the new standby); cut a worker host's link for longer
+than a lease and restore it; SIGKILL the second worker host's Ray node and start it again; restart
+PostgreSQL (a fast or an immediate shutdown); restart the MLflow server (SIGKILL); restart the API.
+
+Checked at the end (`check`): every job ended once (succeeded, or failed with its error after its attempts;
+none queued, running or cancelled) and no submitted sweep queued twice; exactly one result and one
+`succeeded` event per succeeded job, none for the others; exactly one MLflow model version and one live run
+per succeeded job, none for the others, none without a job; the `best` and `best-<method>` aliases as the
+leaderboard says; every succeeded job's delta, pulled through the API, matching its recorded sha256.
+The table: faults by kind, jobs, retries, lost, duplicated, wall time. Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from soak_hosts import SERVICE_GID, SERVICE_UID, Network, Service, need_root, private_mounts  # noqa: E402
+
+HOSTS = ["db", "api", "head", "w1", "w2", "client"]
+WORKER_HOSTS = ("w1", "w2")
+METHODS = ("lora", "pfeiffer", "prefix", "bitfit", "unipelt")
+LEASE_SECONDS = 10.0  # short, so a cut-off host's jobs come back within the soak
+QUEUE_KNOBS = {
+    "PELT_LEASE_SECONDS": str(LEASE_SECONDS),
+    "PELT_HEARTBEAT_SECONDS": "2",
+    "PELT_RETRY_BACKOFF_SECONDS": "1",
+    "PELT_RETRY_BACKOFF_MAX_SECONDS": "5",
+    "PELT_MAX_ATTEMPTS": "6",
+}
+HYPERPARAMETERS = {"max_steps": 16, "batch_size": 8}
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def log(message: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class ServiceDied(RuntimeError):
+    """A service exited while the soak waited for it."""
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = predicate()
+        except ServiceDied:
+            raise
+        except Exception:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(every)
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=3) as answer:
+        return answer.status == 200
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.create_connection((host, port), timeout=2):
+        return True
+
+
+def postgres_bin(name: str) -> str:
+    found = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
+    if found:
+        return str(found[-1])
+    path = shutil.which(name)
+    if path is None:
+        raise SystemExit(f"PostgreSQL's `{name}` was not found (apt install postgresql)")
+    return path
+
+
+class Cluster:
+    """pelt's deployment on the namespaced hosts: the services, their start order, the supervisor."""
+
+    def __init__(self, net: Network, work: Path, venv_bin: Path) -> None:
+        self.net, self.work, self.bin = net, work, venv_bin
+        self.ip = net.hosts
+        self.ray_token = secrets.token_hex(32)
+        self.api_token = "pelt_" + secrets.token_urlsafe(32)
+        self.db_url = f"postgresql+psycopg://pelt@{self.ip['db']}:5432/pelt"
+        self.mlflow_db_url = f"postgresql+psycopg://pelt@{self.ip['db']}:5432/mlflow"
+        self.mlflow_url = f"http://{self.ip['db']}:5000"
+        self.api_url = f"http://{self.ip['api']}:8000"
+        self.services: dict[str, Service] = {}
+        self.held: set[str] = set()  # services a fault keeps down on purpose
+        self.restarts: Counter[str] = Counter()  # by the supervisor
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        (work / "logs").mkdir()
+        for folder in ("data", "mlflow", "backbones", "homes", "ray"):
+            (work / folder).mkdir()
+            os.chown(work / folder, SERVICE_UID, SERVICE_GID)
+
+    # --- services -------------------------------------------------------------------------------
+
+    def env(self, name: str, **extra: str) -> dict[str, str]:
+        home = self.work / "homes" / name
+        if not home.exists():
+            home.mkdir()
+            os.chown(home, SERVICE_UID, SERVICE_GID)
+        return {
+            "PATH": f"{self.bin}:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": str(home),
+            "LANG": "C.UTF-8",
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": self.ray_token,
+            "RAY_USAGE_STATS_ENABLED": "0",
+            **extra,
+        }
+
+    def pelt_env(self, name: str, **extra: str) -> dict[str, str]:
+        return self.env(
+            name,
+            PELT_DATABASE_URL=self.db_url,
+            PELT_MLFLOW_TRACKING_URI=self.mlflow_url,
+            PELT_RAY_ADDRESS=f"{self.ip['head']}:6379",
+            **QUEUE_KNOBS,
+            **extra,
+        )
+
+    def add(self, name: str, host: str, argv: list[str], env: dict[str, str], user: str = "service") -> Service:
+        service = Service(name, self.net.argv(host, argv, user), env, self.work / "logs" / f"{name}.log")
+        self.services[name] = service
+        return service
+
+    def ray_node(self, name: str, host: str, *options: str) -> Service:
+        temp = self.work / "ray" / name
+        temp.mkdir(exist_ok=True)
+        os.chown(temp, SERVICE_UID, SERVICE_GID)
+        where = ["--head", "--port", "6379", "--include-dashboard", "false"]
+        if host != "head":
+            where = ["--address", f"{self.ip['head']}:6379"]
+        argv = ["ray", "start", *where, "--node-ip-address", self.ip[host], "--temp-dir", str(temp)]
+        argv += ["--object-store-memory", str(300 * 2**20), "--disable-usage-stats", "--block", *options]
+        return self.add(name, host, argv, self.env(name))
+
+    def start_postgres(self) -> None:
+        data = self.work / "pg"
+        data.mkdir()
+        shutil.chown(data, "postgres", "postgres")
+        data.chmod(0o700)
+        initdb = [postgres_bin("initdb"), "-D", str(data), "-U", "pelt", "--auth", "trust", "-E", "UTF8"]
+        subprocess.run(self.net.argv("db", initdb, "postgres"), check=True, capture_output=True)
+        with open(data / "pg_hba.conf", "a") as hba:
+            hba.write(f"host all all {self.ip['db'].rsplit('.', 1)[0]}.0/24 trust\n")
+        options = [f"listen_addresses={self.ip['db']}", "fsync=off", f"unix_socket_directories={data}"]
+        argv = [postgres_bin("postgres"), "-D", str(data), *(x for o in options for x in ("-c", o))]
+        self.add("postgres", "db", argv, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}, "postgres").start()
+        self.wait_postgres()
+        for database in ("pelt", "mlflow"):
+            create = [postgres_bin("createdb"), "-h", self.ip["db"], "-U", "pelt", database]
+            subprocess.run(create, check=True, capture_output=True)
+
+    def wait_postgres(self, timeout: float = 60) -> None:
+        ready = [postgres_bin("pg_isready"), "-q", "-h", self.ip["db"], "-U", "pelt", "-d", "postgres"]
+        service = self.services["postgres"]
+
+        def accepting() -> bool:
+            if not service.alive():
+                raise ServiceDied(f"PostgreSQL exited:\n{service.tail()}")
+            return subprocess.run(ready).returncode == 0
+
+        wait_until(accepting, timeout, "PostgreSQL to accept connections")
+
+    def migrate(self) -> None:
+        steps = [
+            ["pelt", "db", "upgrade"],
+            ["pelt", "mlflow", "upgrade", "--uri", self.mlflow_db_url],
+            ["pelt", "token", "create", "admin", "--scope", "admin", "--secret-from-env", "FIRST_API_TOKEN"],
+        ]
+        env = self.pelt_env("migrate", FIRST_API_TOKEN=self.api_token)
+        for step in steps:
+            done = subprocess.run(self.net.argv("api", step), env=env, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"{' '.join(step)} failed:\n{done.stdout}\n{done.stderr}")
+
+    def start(self) -> None:
+        """Every service, in compose.yaml's order, each waited for."""
+        self.start_postgres()
+        self.migrate()
+        mlflow_env = self.env(
+            "mlflow",
+            MLFLOW_BACKEND_STORE_URI=self.mlflow_db_url,
+            MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+            MLFLOW_SERVER_JOB_ENABLE_PERIODIC_TASKS="false",
+        )
+        mlflow = ["mlflow", "server", "--artifacts-destination", str(self.work / "mlflow" / "artifacts")]
+        mlflow += ["--serve-artifacts", "--host", self.ip["db"], "--port", "5000", "--workers", "2"]
+        mlflow += ["--allowed-hosts", f"{self.ip['db']}:5000"]
+        self.add("mlflow", "db", mlflow, mlflow_env).start()
+        self.ray_node("ray-head", "head", "--num-cpus", "0").start()
+        self.wait_mlflow()
+        wait_until(lambda: port_open(self.ip["head"], 6379), 120, "the Ray head")
+        self.ray_node("ray-w1", "w1", "--num-cpus", "1").start()
+        self.ray_node("ray-w2", "w2", "--num-cpus", "1").start()
+        self.ray_node("ray-api", "api", "--num-cpus", "0", "--num-gpus", "0").start()
+        for name in ("ray-w1", "ray-w2", "ray-api"):
+            self.wait_ray_node(name)
+        api_env = self.pelt_env(
+            "api", PELT_DATA_DIR=str(self.work / "data"), PELT_BACKBONE_DIRS=str(self.work / "backbones")
+        )
+        serve = ["pelt", "serve", "--no-dispatcher", "--host", self.ip["api"], "--port", "8000"]
+        self.add("api", "api", serve, api_env).start()
+        for name in ("dispatcher-1", "dispatcher-2"):
+            dispatcher = ["pelt", "dispatcher", "--delta-store", "mlflow", "--handover", "--pack-size", "4"]
+            self.add(name, "api", dispatcher, self.pelt_env(name)).start()
+        self.wait_api()
+
+    def wait_http(self, name: str, url: str, timeout: float = 180) -> None:
+        service = self.services[name]
+
+        def answers() -> bool:
+            if not service.alive() and name not in self.held:
+                raise ServiceDied(f"{name} exited:\n{service.tail()}")
+            return http_ok(url)
+
+        wait_until(answers, timeout, f"{name} to answer {url}")
+
+    def wait_mlflow(self) -> None:
+        self.wait_http("mlflow", f"{self.mlflow_url}/health")
+
+    def wait_api(self) -> None:
+        self.wait_http("api", f"{self.api_url}/health")
+
+    def wait_ray_node(self, name: str, timeout: float = 180) -> None:
+        service = self.services[name]
+        start = f"=== start {service.starts} at"
+
+        def started() -> bool:
+            text = service.log.read_text(errors="replace")
+            if not service.alive():
+                raise ServiceDied(f"{name} exited:\n{service.tail()}")
+            return "Ray runtime started" in text[text.rfind(start) :]
+
+        wait_until(started, timeout, f"{name} to join the cluster")
+
+    # --- the supervisor -------------------------------------------------------------------------
+
+    def supervise(self) -> threading.Thread:
+        """Restart any service that exits while no fault holds it down (compose's restart policy)."""
+
+        def loop() -> None:
+            while not self._stop.wait(1.0):
+                for name, service in list(self.services.items()):
+                    with self._lock:
+                        if name in self.held or service.alive():
+                            continue
+                        log(f"supervisor: {name} exited ({service.process.returncode}); starting it again")
+                        service.stop(signal.SIGKILL)
+                        self.restarts[name] += 1
+                        service.start()
+
+        thread = threading.Thread(target=loop, name="supervisor", daemon=True)
+        thread.start()
+        return thread
+
+    @contextlib.contextmanager
+    def holding(self, *names: str):
+        with self._lock:
+            self.held.update(names)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.held.difference_update(names)
+
+    def shutdown(self) -> list[str]:
+        """SIGTERM every service (newest first), SIGKILL what is left; returns the names that needed it."""
+        self._stop.set()
+        stubborn = []
+        for name, service in reversed(list(self.services.items())):
+            try:
+                service.stop(signal.SIGTERM, timeout=20)
+            except RuntimeError:
+                stubborn.append(name)
+        return stubborn
+
+
+# --- the faults -----------------------------------------------------------------------------------
+
+
+class Faults:
+    """The fault kinds the soak injects; each returns what it did (None: nothing to do now, try later)."""
+
+    def __init__(self, cluster: Cluster, registry: Any, rng: random.Random) -> None:
+        self.cluster, self.registry, self.rng = cluster, registry, rng
+        self.injected: Counter[str] = Counter()
+        self.takeover_seconds: list[float] = []
+
+    def kill_worker(self) -> str | None:
+        workers = [
+            process
+            for host in WORKER_HOSTS
+            for process in self.cluster.services[f"ray-{host}"].members()
+            if process.name().startswith("ray::PeltWorker") or "PeltWorker" in " ".join(process.cmdline()[:1])
+        ]
+        if not workers:
+            return None
+        victim = self.rng.choice(workers)
+        victim.send_signal(signal.SIGKILL)
+        return f"pid {victim.pid}"
+
+    def kill_leader(self) -> str | None:
+        leader = self.registry.leader("pelt")
+        if leader is None:
+            return None
+        pid = int(leader.holder.split(":")[1])
+        service = next((s for n, s in self.cluster.services.items() if n.startswith("dispatcher") and s.alive() and s.pid == pid), None)
+        if service is None:
+            return None
+        started = time.monotonic()
+        with self.cluster.holding(service.name):
+            service.stop(signal.SIGKILL)
+            service.start()  # it comes back as the standby
+        wait_until(
+            lambda: (now := self.registry.leader("pelt")) is not None and now.holder != leader.holder,
+            120,
+            "the standby to take over",
+        )
+        self.takeover_seconds.append(time.monotonic() - started)
+        return f"{service.name}, standby led after {self.takeover_seconds[-1]:.1f} s"
+
+    def cut_link(self) -> str:
+        host = self.rng.choice(WORKER_HOSTS)
+        seconds = LEASE_SECONDS + 5
+        self.cluster.net.link(host, up=False)
+        time.sleep(seconds)
+        self.cluster.net.link(host, up=True)
+        return f"{host} cut for {seconds:.0f} s"
+
+    def restart_worker_host(self) -> str:
+        service = self.cluster.services["ray-w2"]
+        with self.cluster.holding(service.name):
+            service.stop(signal.SIGKILL)
+            time.sleep(2)
+            service.start()
+        self.cluster.wait_ray_node(service.name)
+        return "ray-w2 killed and started"
+
+    def restart_postgres(self) -> str:
+        service = self.cluster.services["postgres"]
+        mode, sig = self.rng.choice([("fast", signal.SIGINT), ("immediate", signal.SIGQUIT)])
+        with self.cluster.holding(service.name):
+            assert service.process is not None
+            service.process.send_signal(sig)  # the postmaster alone: it stops its children itself
+            service.process.wait(timeout=120)
+            service.stop(signal.SIGKILL)
+            service.start()
+        self.cluster.wait_postgres()
+        return f"{mode} shutdown"
+
+    def restart_mlflow(self) -> str:
+        service = self.cluster.services["mlflow"]
+        with self.cluster.holding(service.name):
+            service.stop(signal.SIGKILL)
+            service.start()
+        self.cluster.wait_mlflow()
+        return "SIGKILL and start"
+
+    def restart_api(self) -> str:
+        service = self.cluster.services["api"]
+        with self.cluster.holding(service.name):
+            service.stop(signal.SIGTERM)
+            service.start()
+        self.cluster.wait_api()
+        return "SIGTERM and start"
+
+
+FAULTS = {
+    "kill worker": Faults.kill_worker,
+    "kill dispatcher leader": Faults.kill_leader,
+    "cut worker link": Faults.cut_link,
+    "restart worker host": Faults.restart_worker_host,
+    "restart PostgreSQL": Faults.restart_postgres,
+    "restart MLflow": Faults.restart_mlflow,
+    "restart API": Faults.restart_api,
+}
+
+
+# --- the workload ---------------------------------------------------------------------------------
+
+
+def toy_rows(count: int, seed: int) -> list[dict[str, Any]]:
+    """Sentences of random words ending in a positive or a negative pair of words (the label)."""
+    from pelt_core.testing import VOCAB
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        label = rng.randint(0, 1)
+        cue = rng.choice(["good great", "great fun"] if label else ["bad awful", "boring bad"])
+        words = " ".join(rng.choice(VOCAB[5:100]) for _ in range(5))
+        rows.append({"sentence": f"{words} {cue}", "label": label})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def prepare(cluster: Cluster, client: Any, tasks: int) -> list[str]:
+    """The tiny backbone and the toy tasks registered through the API; returns the task names."""
+    import torch
+    from transformers import BertModel
+
+    from pelt_core.testing import tiny_bert_config, tiny_tokenizer
+
+    folder = cluster.work / "backbones" / "tiny-bert"
+    torch.manual_seed(0)
+    BertModel(tiny_bert_config()).eval().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    for path in [folder, *folder.rglob("*")]:
+        os.chown(path, SERVICE_UID, SERVICE_GID)
+    client.register_backbone("tiny-bert", str(folder))
+    data = cluster.work / "upload"
+    data.mkdir()
+    names = [f"toy{index}" for index in range(tasks)]
+    for index, name in enumerate(names):
+        client.register_task(
+            name,
+            write_jsonl(data / f"{name}-train.jsonl", toy_rows(160, seed=2 * index)),
+            write_jsonl(data / f"{name}-validation.jsonl", toy_rows(40, seed=2 * index + 1)),
+            text_fields=["sentence"],
+            label_names=["negative", "positive"],
+        )
+    return names
+
+
+def submit_sweeps(client: Any, tasks: list[str], jobs: int, run: str, gap: float, stop: threading.Event) -> list[int]:
+    """Sweeps of every method, one task and one seed each, until `jobs` are queued, `gap` s apart; each
+    with its own idempotency key, tried again (same key) while the service is away."""
+    sweep_ids = []
+    for index in range((jobs + len(METHODS) - 1) // len(METHODS)):
+        task, seed = tasks[index % len(tasks)], index // len(tasks)
+        methods = list(METHODS)[: jobs - index * len(METHODS)]
+        key = f"soak-{run}-{index}"
+        while not stop.is_set():
+            try:
+                sweep = client.sweep(
+                    task, methods, backbone="tiny-bert", seeds=[seed], hyperparameters=HYPERPARAMETERS,
+                    idempotency_key=key,
+                )
+                sweep_ids.append(sweep.id)
+                break
+            except Exception as exc:  # the client's own retries ran out: the service is away for longer
+                log(f"sweep {index}: {type(exc).__name__}: {str(exc)[:200]}; trying again with the same key")
+                stop.wait(2)
+        stop.wait(gap)
+    return sweep_ids
+
+
+# --- the checks -----------------------------------------------------------------------------------
+
+
+def every_page(search: Callable[..., Any], *args: Any) -> list[Any]:
+    """Every item of an MLflow search, page after page (live runs only: deleted ones are gone)."""
+    items: list[Any] = []
+    token = None
+    while True:
+        page = search(*args, max_results=1000, page_token=token)
+        items.extend(page)
+        token = page.token
+        if not token:
+            return items
+
+
+def check(cluster: Cluster, client: Any, registry: Any, expected_jobs: int, sweep_ids: list[int]) -> dict[str, Any]:
+    """Every invariant of the module docstring; returns counts and the list of problems found."""
+    from mlflow import MlflowClient
+
+    from pelt_core.delta_format import DELTA_FILE, sha256_file
+
+    problems: list[str] = []
+    jobs = client.jobs(limit=None)
+    statuses = Counter(job.status for job in jobs)
+    if len(jobs) != expected_jobs:
+        problems.append(f"{len(jobs)} jobs in the registry, {expected_jobs} submitted")
+    if len(set(sweep_ids)) != len(sweep_ids):
+        problems.append(f"a sweep was queued twice: {sweep_ids}")
+    unfinished = [job.id for job in jobs if job.status not in TERMINAL]
+    lost = len(unfinished) + statuses["cancelled"]
+    if unfinished:
+        problems.append(f"jobs not ended: {unfinished}")
+    failed_silently = [job.id for job in jobs if job.status == "failed" and not job.last_error]
+    if failed_silently:
+        problems.append(f"failed jobs without their error: {failed_silently}")
+    mlflow = MlflowClient(tracking_uri=cluster.mlflow_url, registry_uri=cluster.mlflow_url)
+    succeeded = {job.id: job for job in jobs if job.status == "succeeded"}
+    duplicated = 0
+    versions: dict[int, list[Any]] = {}
+    runs: dict[int, list[Any]] = {}
+    for task in sorted({job.task for job in jobs}):
+        for version in every_page(mlflow.search_model_versions, f"name='pelt.{task}'"):
+            versions.setdefault(int(version.tags.get("pelt.job_id", -1)), []).append(version)
+        experiment = mlflow.get_experiment_by_name(f"pelt/{task}")
+        if experiment is not None:
+            for run_ in every_page(mlflow.search_runs, [experiment.experiment_id]):
+                runs.setdefault(int(run_.data.tags.get("pelt.job_id", -1)), []).append(run_)
+    for job in jobs:
+        want = 1 if job.id in succeeded else 0
+        events = [e.to_status for e in client.events(job.id)].count("succeeded")
+        result = registry.get_result(job.id)
+        found = {
+            "succeeded events": events,
+            "results": int(result is not None),
+            "MLflow versions": len(versions.get(job.id, [])),
+            "MLflow runs": len(runs.get(job.id, [])),
+        }
+        wrong = {what: count for what, count in found.items() if count != want}
+        if wrong:
+            problems.append(f"job {job.id} ({job.status}): {wrong}, wanted {want} of each")
+            duplicated += any(count > want for count in wrong.values())
+            lost += job.id in succeeded and any(count < want for count in wrong.values())
+        if result is not None and versions.get(job.id):
+            number = versions[job.id][0].version
+            if str(result.mlflow_model_version) != str(number):
+                problems.append(f"job {job.id}: result names version {result.mlflow_model_version}, MLflow has {number}")
+    orphans = {job_id: len(found) for job_id, found in {**versions, **runs}.items() if job_id not in {j.id for j in jobs}}
+    if orphans:
+        problems.append(f"MLflow versions or runs of no job: {orphans}")
+    for task in sorted({job.task for job in jobs}):
+        desired: dict[str, str] = {}
+        for row in registry.leaderboard(task):
+            result = registry.get_result(row.best_job_id)
+            if result is not None and result.mlflow_model_version is not None:
+                desired.setdefault(f"best-{row.method}", str(result.mlflow_model_version))
+                desired.setdefault("best", str(result.mlflow_model_version))
+        actual = {a: str(v) for a, v in (mlflow.get_registered_model(f"pelt.{task}").aliases or {}).items()}
+        if actual != desired:
+            problems.append(f"{task}: aliases {actual}, the leaderboard says {desired}")
+    mismatched = 0
+    pulled = cluster.work / "pulled"
+    for job in succeeded.values():
+        result = registry.get_result(job.id)
+        folder = pulled / str(job.id)
+        try:
+            client.download(job.task, folder, version=result.mlflow_model_version)
+            sha = sha256_file(folder / DELTA_FILE)
+        except Exception as exc:
+            sha = f"not pulled: {type(exc).__name__}: {exc}"
+        if sha != result.delta_sha256:
+            mismatched += 1
+            problems.append(f"job {job.id}: pulled delta {sha[:80]}, recorded {result.delta_sha256}")
+    return {
+        "jobs": len(jobs),
+        "statuses": dict(statuses),
+        "retries": sum(max(job.attempts - 1, 0) for job in jobs),
+        "lost": lost,
+        "duplicated": duplicated,
+        "pulled_mismatched": mismatched,
+        "problems": problems,
+    }
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def machine() -> str:
+    name = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
+    flags = Path("/proc/cpuinfo").read_text()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} ({isa}{', AVX512-BF16' if 'avx512_bf16' in flags else ''}), {os.cpu_count()} CPUs"
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = ["| fault | injected |", "|---|---|"]
+    lines += [f"| {kind} | {count} |" for kind, count in report["faults"].items()]
+    lines += [
+        "",
+        "| jobs | succeeded | failed | retries | lost | duplicated | restarts by the supervisor | wall |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {report['jobs']} | {report['statuses'].get('succeeded', 0)} | {report['statuses'].get('failed', 0)} "
+        f"| {report['retries']} | {report['lost']} | {report['duplicated']} "
+        f"| {sum(report['supervisor_restarts'].values())} | {report['wall_seconds']:.0f} s |",
+    ]
+    return "\n".join(lines)
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    from services.client import PeltClient
+    from services.registry import Registry
+    from services.settings import Settings
+
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="pelt-soak-", dir=args.work_root))
+    work.chmod(0o755)
+    net = Network.create(HOSTS)
+    net.enter("client")
+    cluster = Cluster(net, work, Path(sys.executable).parent)
+    started = time.monotonic()
+    report: dict[str, Any] = {"machine": machine(), "hosts": dict(net.hosts), "work": str(work)}
+    try:
+        log(f"hosts {net.hosts}; logs in {work / 'logs'}")
+        cluster.start()
+        cluster.supervise()
+        settings = Settings(client_retries=8, client_retry_seconds=120)
+        client = PeltClient(cluster.api_url, cluster.api_token, settings=settings, timeout=60)
+        registry = Registry(cluster.db_url, check_schema=False)
+        tasks = prepare(cluster, client, args.tasks)
+        log(f"started in {time.monotonic() - started:.0f} s; submitting {args.jobs} jobs over {len(tasks)} tasks")
+        soak_started = time.monotonic()
+        stop = threading.Event()
+        sweep_ids: list[int] = []
+        submitter = threading.Thread(
+            target=lambda: sweep_ids.extend(submit_sweeps(client, tasks, args.jobs, secrets.token_hex(4), args.submit_gap, stop)),
+            daemon=True,
+        )
+        submitter.start()
+        faults = Faults(cluster, registry, rng)
+        planned = [kind for kind in FAULTS for _ in range(args.faults_per_kind)]
+        rng.shuffle(planned)
+        deadline = soak_started + args.max_minutes * 60
+        while planned and time.monotonic() < deadline:
+            time.sleep(rng.uniform(args.fault_gap / 2, args.fault_gap * 1.5))
+            kind = planned[0]
+            try:
+                did = FAULTS[kind](faults)
+            except Exception as exc:
+                did = None
+                log(f"fault {kind} could not be injected now: {type(exc).__name__}: {exc}")
+            if did is None:
+                continue
+            planned.pop(0)
+            faults.injected[kind] += 1
+            log(f"fault: {kind}: {did}")
+            if not submitter.is_alive() and all(
+                job.status in TERMINAL for job in client.jobs(limit=None)
+            ) and planned:
+                log(f"every job ended with {len(planned)} fault(s) still planned: {Counter(planned)}")
+                break
+        submitter.join(max(0.0, deadline - time.monotonic()))
+        wait_until(
+            lambda: not submitter.is_alive()
+            and all(job.status in TERMINAL for job in client.jobs(limit=None)),
+            max(1.0, deadline - time.monotonic()),
+            "every job to end",
+            every=2,
+        )
+        wall = time.monotonic() - soak_started
+        time.sleep(2)  # the dispatcher settles the last jobs' deltas after they end
+        report.update(check(cluster, client, registry, args.jobs, sweep_ids))
+        report.update(
+            faults=dict(faults.injected),
+            faults_missing=dict(Counter(planned)),
+            takeover_seconds=faults.takeover_seconds,
+            supervisor_restarts=dict(cluster.restarts),
+            wall_seconds=wall,
+        )
+    except BaseException as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        for name, service in cluster.services.items():
+            print(f"--- {name} (last lines of {service.log}) ---\n{service.tail(25)}", file=sys.stderr)
+        raise
+    finally:
+        left = cluster.shutdown()
+        net.destroy()
+        report["stubborn_services"] = left
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=200, help="jobs in the sweep (default 200)")
+    parser.add_argument("--tasks", type=int, default=4, help="toy tasks the jobs spread over")
+    parser.add_argument("--faults-per-kind", type=int, default=2)
+    parser.add_argument("--fault-gap", type=float, default=12.0, help="mean seconds between faults")
+    parser.add_argument("--submit-gap", type=float, default=2.0, help="seconds between sweeps submitted")
+    parser.add_argument("--max-minutes", type=float, default=40.0, help="the soak gives up after this")
+    parser.add_argument("--seed", type=int, default=None, help="of the faults' order and moments")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--work-root", default="/tmp", help="where the run's folder goes (short: Ray's sockets)")
+    parser.add_argument("--keep", action="store_true", help="keep the run's folder (logs, data)")
+    args = parser.parse_args(argv)
+    need_root()
+    private_mounts()
+    report = soak(args)
+    print(table(report))
+    for problem in report["problems"]:
+        print(f"PROBLEM: {problem}")
+    missing = report["faults_missing"]
+    if missing:
+        print(f"PROBLEM: faults not injected: {missing}")
+    print(f"machine: {report['machine']}")
+    return 1 if report["problems"] or missing or report["lost"] or report["duplicated"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
