@@ -51,7 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from soak_hosts import SERVICE_GID, SERVICE_UID, Network, Service, need_root, private_mounts  # noqa: E402
+from soak_hosts import SERVICE_GID, SERVICE_UID, Network, Service, need_root, private_mounts
 
 HOSTS = ["db", "api", "head", "w1", "w2", "client"]
 WORKER_HOSTS = ("w1", "w2")
@@ -64,7 +64,7 @@ QUEUE_KNOBS = {
     "PELT_RETRY_BACKOFF_MAX_SECONDS": "5",
     "PELT_MAX_ATTEMPTS": "6",
 }
-HYPERPARAMETERS = {"max_steps": 16, "batch_size": 8}
+HYPERPARAMETERS = {"max_steps": 60, "batch_size": 8}
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
@@ -163,7 +163,9 @@ class Cluster:
             **extra,
         )
 
-    def add(self, name: str, host: str, argv: list[str], env: dict[str, str], user: str = "service") -> Service:
+    def add(
+        self, name: str, host: str, argv: list[str], env: dict[str, str], user: str = "service"
+    ) -> Service:
         service = Service(name, self.net.argv(host, argv, user), env, self.work / "logs" / f"{name}.log")
         self.services[name] = service
         return service
@@ -190,7 +192,9 @@ class Cluster:
             hba.write(f"host all all {self.ip['db'].rsplit('.', 1)[0]}.0/24 trust\n")
         options = [f"listen_addresses={self.ip['db']}", "fsync=off", f"unix_socket_directories={data}"]
         argv = [postgres_bin("postgres"), "-D", str(data), *(x for o in options for x in ("-c", o))]
-        self.add("postgres", "db", argv, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}, "postgres").start()
+        self.add(
+            "postgres", "db", argv, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}, "postgres"
+        ).start()
         self.wait_postgres()
         for database in ("pelt", "mlflow"):
             create = [postgres_bin("createdb"), "-h", self.ip["db"], "-U", "pelt", database]
@@ -250,6 +254,13 @@ class Cluster:
             dispatcher = ["pelt", "dispatcher", "--delta-store", "mlflow", "--handover", "--pack-size", "4"]
             self.add(name, "api", dispatcher, self.pelt_env(name)).start()
         self.wait_api()
+
+    def users(self) -> dict[str, list[int]]:
+        """The user ids each service's processes run as."""
+        return {
+            name: sorted({member.uids().real for member in service.members()})
+            for name, service in self.services.items()
+        }
 
     def wait_http(self, name: str, url: str, timeout: float = 180) -> None:
         service = self.services[name]
@@ -339,9 +350,10 @@ class Faults:
             for process in self.cluster.services[f"ray-{host}"].members()
             if process.name().startswith("ray::PeltWorker") or "PeltWorker" in " ".join(process.cmdline()[:1])
         ]
+        busy = [p for p in workers if ".run" in " ".join(p.cmdline()[:1])]  # Ray's title while run() runs
         if not workers:
             return None
-        victim = self.rng.choice(workers)
+        victim = self.rng.choice(busy or workers)
         victim.send_signal(signal.SIGKILL)
         return f"pid {victim.pid}"
 
@@ -350,7 +362,14 @@ class Faults:
         if leader is None:
             return None
         pid = int(leader.holder.split(":")[1])
-        service = next((s for n, s in self.cluster.services.items() if n.startswith("dispatcher") and s.alive() and s.pid == pid), None)
+        service = next(
+            (
+                s
+                for n, s in self.cluster.services.items()
+                if n.startswith("dispatcher") and s.alive() and s.pid == pid
+            ),
+            None,
+        )
         if service is None:
             return None
         started = time.monotonic()
@@ -472,27 +491,48 @@ def prepare(cluster: Cluster, client: Any, tasks: int) -> list[str]:
     return names
 
 
-def submit_sweeps(client: Any, tasks: list[str], jobs: int, run: str, gap: float, stop: threading.Event) -> list[int]:
-    """Sweeps of every method, one task and one seed each, until `jobs` are queued, `gap` s apart; each
-    with its own idempotency key, tried again (same key) while the service is away."""
-    sweep_ids = []
-    for index in range((jobs + len(METHODS) - 1) // len(METHODS)):
-        task, seed = tasks[index % len(tasks)], index // len(tasks)
-        methods = list(METHODS)[: jobs - index * len(METHODS)]
-        key = f"soak-{run}-{index}"
-        while not stop.is_set():
-            try:
-                sweep = client.sweep(
-                    task, methods, backbone="tiny-bert", seeds=[seed], hyperparameters=HYPERPARAMETERS,
-                    idempotency_key=key,
-                )
-                sweep_ids.append(sweep.id)
-                break
-            except Exception as exc:  # the client's own retries ran out: the service is away for longer
-                log(f"sweep {index}: {type(exc).__name__}: {str(exc)[:200]}; trying again with the same key")
-                stop.wait(2)
-        stop.wait(gap)
-    return sweep_ids
+class Submitter(threading.Thread):
+    """Submits sweeps of every method, one task and one seed each, until `jobs` are queued, as many as
+    `release` allowed so far; each with its own idempotency key, tried again (with the same key) while
+    the service is away. `sweep_ids`: what the API answered."""
+
+    def __init__(self, client: Any, tasks: list[str], jobs: int, run: str) -> None:
+        super().__init__(name="submitter", daemon=True)
+        self.client, self.tasks, self.jobs, self.run_id = client, tasks, jobs, run
+        self.sweeps = (jobs + len(METHODS) - 1) // len(METHODS)
+        self.sweep_ids: list[int] = []
+        self._allowed = 0
+        self._changed = threading.Condition()
+        self.stop = threading.Event()
+
+    def release(self, sweeps: int) -> None:
+        with self._changed:
+            self._allowed = min(self.sweeps, self._allowed + sweeps)
+            self._changed.notify_all()
+
+    def run(self) -> None:
+        for index in range(self.sweeps):
+            with self._changed:
+                self._changed.wait_for(lambda index=index: index < self._allowed or self.stop.is_set())
+            task, seed = self.tasks[index % len(self.tasks)], index // len(self.tasks)
+            methods = list(METHODS)[: self.jobs - index * len(METHODS)]
+            while not self.stop.is_set():
+                try:
+                    sweep = self.client.sweep(
+                        task,
+                        methods,
+                        backbone="tiny-bert",
+                        seeds=[seed],
+                        hyperparameters=HYPERPARAMETERS,
+                        idempotency_key=f"soak-{self.run_id}-{index}",
+                    )
+                    self.sweep_ids.append(sweep.id)
+                    break
+                except Exception as exc:  # the client's own retries ran out: the service is away for longer
+                    log(
+                        f"sweep {index}: {type(exc).__name__}: {str(exc)[:200]}; trying again with the same key"
+                    )
+                    self.stop.wait(2)
 
 
 # --- the checks -----------------------------------------------------------------------------------
@@ -510,7 +550,9 @@ def every_page(search: Callable[..., Any], *args: Any) -> list[Any]:
             return items
 
 
-def check(cluster: Cluster, client: Any, registry: Any, expected_jobs: int, sweep_ids: list[int]) -> dict[str, Any]:
+def check(
+    cluster: Cluster, client: Any, registry: Any, expected_jobs: int, sweep_ids: list[int]
+) -> dict[str, Any]:
     """Every invariant of the module docstring; returns counts and the list of problems found."""
     from mlflow import MlflowClient
 
@@ -560,8 +602,14 @@ def check(cluster: Cluster, client: Any, registry: Any, expected_jobs: int, swee
         if result is not None and versions.get(job.id):
             number = versions[job.id][0].version
             if str(result.mlflow_model_version) != str(number):
-                problems.append(f"job {job.id}: result names version {result.mlflow_model_version}, MLflow has {number}")
-    orphans = {job_id: len(found) for job_id, found in {**versions, **runs}.items() if job_id not in {j.id for j in jobs}}
+                problems.append(
+                    f"job {job.id}: result names version {result.mlflow_model_version}, MLflow has {number}"
+                )
+    orphans = {
+        job_id: len(found)
+        for job_id, found in {**versions, **runs}.items()
+        if job_id not in {j.id for j in jobs}
+    }
     if orphans:
         problems.append(f"MLflow versions or runs of no job: {orphans}")
     for task in sorted({job.task for job in jobs}):
@@ -603,7 +651,11 @@ def check(cluster: Cluster, client: Any, registry: Any, expected_jobs: int, swee
 
 def machine() -> str:
     name = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
         platform.processor(),
     )
     flags = Path("/proc/cpuinfo").read_text()
@@ -646,21 +698,28 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         client = PeltClient(cluster.api_url, cluster.api_token, settings=settings, timeout=60)
         registry = Registry(cluster.db_url, check_schema=False)
         tasks = prepare(cluster, client, args.tasks)
-        log(f"started in {time.monotonic() - started:.0f} s; submitting {args.jobs} jobs over {len(tasks)} tasks")
-        soak_started = time.monotonic()
-        stop = threading.Event()
-        sweep_ids: list[int] = []
-        submitter = threading.Thread(
-            target=lambda: sweep_ids.extend(submit_sweeps(client, tasks, args.jobs, secrets.token_hex(4), args.submit_gap, stop)),
-            daemon=True,
+        report["users"] = users = cluster.users()
+        wrong_users = {
+            name: ids for name, ids in users.items() if ids != [SERVICE_UID] and name != "postgres"
+        }
+        if wrong_users:
+            raise RuntimeError(f"services not running as uid {SERVICE_UID} only: {wrong_users}")
+        log(
+            f"started in {time.monotonic() - started:.0f} s; submitting {args.jobs} jobs over {len(tasks)} tasks"
         )
-        submitter.start()
-        faults = Faults(cluster, registry, rng)
+        soak_started = time.monotonic()
         planned = [kind for kind in FAULTS for _ in range(args.faults_per_kind)]
         rng.shuffle(planned)
+        submitter = Submitter(client, tasks, args.jobs, secrets.token_hex(4))
+        submitter.start()
+        chunk = -(-submitter.sweeps // (len(planned) + 1))  # a share of the sweeps before each fault
+        faults = Faults(cluster, registry, rng)
         deadline = soak_started + args.max_minutes * 60
         while planned and time.monotonic() < deadline:
-            time.sleep(rng.uniform(args.fault_gap / 2, args.fault_gap * 1.5))
+            submitter.release(chunk)
+            with contextlib.suppress(TimeoutError):  # jobs run while the fault strikes
+                wait_until(lambda: client.jobs(status="running", limit=1), 60, "a running job")
+            time.sleep(rng.uniform(0.5, args.fault_delay))
             kind = planned[0]
             try:
                 did = FAULTS[kind](faults)
@@ -672,19 +731,17 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             planned.pop(0)
             faults.injected[kind] += 1
             log(f"fault: {kind}: {did}")
-            if not submitter.is_alive() and all(
-                job.status in TERMINAL for job in client.jobs(limit=None)
-            ) and planned:
-                log(f"every job ended with {len(planned)} fault(s) still planned: {Counter(planned)}")
-                break
+        submitter.release(submitter.sweeps)
         submitter.join(max(0.0, deadline - time.monotonic()))
         wait_until(
-            lambda: not submitter.is_alive()
-            and all(job.status in TERMINAL for job in client.jobs(limit=None)),
+            lambda: (
+                not submitter.is_alive() and all(job.status in TERMINAL for job in client.jobs(limit=None))
+            ),
             max(1.0, deadline - time.monotonic()),
             "every job to end",
             every=2,
         )
+        sweep_ids = submitter.sweep_ids
         wall = time.monotonic() - soak_started
         time.sleep(2)  # the dispatcher settles the last jobs' deltas after they end
         report.update(check(cluster, client, registry, args.jobs, sweep_ids))
@@ -716,16 +773,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=200, help="jobs in the sweep (default 200)")
     parser.add_argument("--tasks", type=int, default=4, help="toy tasks the jobs spread over")
     parser.add_argument("--faults-per-kind", type=int, default=2)
-    parser.add_argument("--fault-gap", type=float, default=12.0, help="mean seconds between faults")
-    parser.add_argument("--submit-gap", type=float, default=2.0, help="seconds between sweeps submitted")
+    parser.add_argument(
+        "--fault-delay", type=float, default=4.0, help="most seconds from jobs running to the next fault"
+    )
     parser.add_argument("--max-minutes", type=float, default=40.0, help="the soak gives up after this")
     parser.add_argument("--seed", type=int, default=None, help="of the faults' order and moments")
     parser.add_argument("--json", help="write the report here")
-    parser.add_argument("--work-root", default="/tmp", help="where the run's folder goes (short: Ray's sockets)")
+    parser.add_argument(
+        "--work-root", default="/tmp", help="where the run's folder goes (short: Ray's sockets)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run's folder (logs, data)")
     args = parser.parse_args(argv)
     need_root()
     private_mounts()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the services and remove the hosts
     report = soak(args)
     print(table(report))
     for problem in report["problems"]:

@@ -6,6 +6,7 @@ route into the subnet, and the tool that drives them joins a client namespace of
 root (as CI runs) and iproute2. The services run as an unprivileged user (uid/gid 10001, as in
 pelt's image); PostgreSQL as the machine's `postgres` user.
 
+
 Where this machine's Python lives under a folder that uid 10001 cannot enter (pyenv under /root, 0700),
 `private_mounts` gives this process a mount namespace of its own in which only the interpreter's folder is
 shown through (a tmpfs over the closed folder): nothing on the machine changes.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pwd
 import random
 import shutil
 import signal
@@ -36,7 +38,7 @@ MOUNTS_READY = "PELT_SOAK_PRIVATE_MOUNTS"
 def need_root() -> None:
     if os.geteuid() != 0:
         raise SystemExit("the soak makes network namespaces: run it as root (as CI does)")
-    for tool in ("ip", "setpriv", "runuser", "unshare", "mount"):
+    for tool in ("ip", "setpriv", "unshare", "mount"):
         if shutil.which(tool) is None:
             raise SystemExit(f"the soak needs `{tool}` (iproute2, util-linux) on PATH")
 
@@ -96,7 +98,21 @@ class Network:
             namespace = net.namespace(name)
             net._add_namespace(namespace)
             outside = f"ps{index}"
-            sh("ip", "link", "add", "eth0", "netns", namespace, "type", "veth", "peer", "name", outside, "netns", switch)
+            sh(
+                "ip",
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                namespace,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                outside,
+                "netns",
+                switch,
+            )
             sh("ip", "-n", switch, "link", "set", outside, "master", "br0")
             sh("ip", "-n", switch, "link", "set", outside, "up")
             address = f"{subnet}.{index}"
@@ -126,8 +142,10 @@ class Network:
         if user == "service":
             ids = [f"--reuid={SERVICE_UID}", f"--regid={SERVICE_GID}", "--clear-groups"]
             return [*inside, "setpriv", *ids, "--", *command]
-        if user == "postgres":
-            return [*inside, "runuser", "-u", "postgres", "--", *command]
+        if user == "postgres":  # setpriv execs (runuser would stay the parent, and not pass signals on)
+            account = pwd.getpwnam("postgres")
+            ids = [f"--reuid={account.pw_uid}", f"--regid={account.pw_gid}", "--init-groups"]
+            return [*inside, "setpriv", *ids, "--", *command]
         return [*inside, *command]
 
     def link(self, host: str, up: bool) -> None:

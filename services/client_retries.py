@@ -25,7 +25,8 @@ def retry_wait(
       them, a failed start) is the caller's to hear now, not to wait out;
     - the connection could not be made (refused, timed out connecting): nothing was sent: any request;
     - a lost answer (the connection dropped, a read timed out, a 502/503/504 without Retry-After, as a proxy
-      answers): only a `repeatable` request, since the service may have done it.
+      answers; pelt's RegistryUnavailableError without Retry-After: its database went away during the
+      commit): only a `repeatable` request, since the service may have done it.
     Waits double from RETRY_BASE_SECONDS (Retry-After when given), at most RETRY_MAX_WAIT_SECONDS."""
     backoff = min(RETRY_MAX_WAIT_SECONDS, RETRY_BASE_SECONDS * 2**attempt)
     if failure is not None:
@@ -37,7 +38,8 @@ def retry_wait(
         if float(retry_after) >= RETRY_MAX_WAIT_SECONDS or not (repeatable or pelt_error(response)):
             return None
         return float(retry_after)
-    if response.status_code in LOST_ANSWER_STATUSES and repeatable and not pelt_error(response):
+    lost = not pelt_error(response) or error_type(response) == "RegistryUnavailableError"
+    if response.status_code in LOST_ANSWER_STATUSES and repeatable and lost:
         return backoff
     return None  # pelt's own refusal without Retry-After (a store an operator must upgrade) stands
 
@@ -48,6 +50,14 @@ def pelt_error(response: httpx.Response) -> bool:
         return isinstance(response.json().get("error"), dict)
     except (ValueError, AttributeError):
         return False
+
+
+def error_type(response: httpx.Response) -> str | None:
+    """The `type` of pelt's error body, if the answer is one."""
+    if not pelt_error(response):
+        return None
+    kind = response.json()["error"].get("type")
+    return kind if isinstance(kind, str) else None
 
 
 def rewind_files(files: Mapping[str, Any] | None) -> None:
@@ -62,6 +72,7 @@ __all__ = [
     "LOST_ANSWER_STATUSES",
     "RETRY_BASE_SECONDS",
     "RETRY_MAX_WAIT_SECONDS",
+    "error_type",
     "pelt_error",
     "retry_wait",
     "rewind_files",

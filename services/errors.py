@@ -83,6 +83,7 @@ def classify(exc: BaseException) -> ErrorView | None:
         QuotaExceededError,
         RegistryBusyError,
         RegistryError,
+        RegistryUnavailableError,
     )
 
     kind = type(exc).__name__
@@ -106,6 +107,12 @@ def classify(exc: BaseException) -> ErrorView | None:
     if isinstance(exc, NotOwnerError):  # another token's job or sweep: the admin scope's
         return ErrorView(403, kind, str(exc), exc.field)
     if isinstance(exc, RegistryBusyError):  # other writers held the database: nothing was written, try again
+        return ErrorView(
+            503, kind, str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+        )
+    if isinstance(exc, RegistryUnavailableError):  # restarting or unreachable: try again (see its docstring)
+        if exc.maybe_written:  # no Retry-After: only a request that does nothing twice may be sent again
+            return ErrorView(503, kind, str(exc))
         return ErrorView(
             503, kind, str(exc), headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
         )

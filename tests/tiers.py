@@ -46,6 +46,7 @@ CLUSTER_MODULES = frozenset(
         "tests/api/test_demo.py",
         "tests/api/test_end_to_end.py",
         "tests/api/test_page.py",
+        "tests/benchmarks/test_soak.py",
         "tests/deploy/test_compose_smoke.py",
         "tests/workers/test_backbone_store.py",
         "tests/workers/test_cluster.py",

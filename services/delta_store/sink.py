@@ -53,6 +53,8 @@ from workers.job import JobSpec, StoredDelta
 if TYPE_CHECKING:
     from services.registry import Registry, ResultRecord
 
+SEALED_READ_SECONDS = 60.0  # a restarting registry database, waited out before a delta is stored
+
 
 class SinkMixin(AliasMixin):
     """`store`, `complete_job`, `finalize_job`, `reconcile`: runs and versions of jobs (module docstring)."""
@@ -171,10 +173,15 @@ class SinkMixin(AliasMixin):
         return StoredDelta(version_uri(model, version), sha, run_id, version)
 
     def _sealed(self, job_id: int, registry: Registry | None) -> StoredDelta | None:
-        """The delta the registry recorded for a succeeded job (None: no result row yet, or no registry)."""
+        """The delta the registry recorded for a succeeded job (None: no result row yet, or no registry);
+        read again for up to SEALED_READ_SECONDS while the registry's database does not answer."""
         if registry is None:
             return None
-        result = registry.get_result(job_id)
+        from services.registry.db import call_through_outage
+
+        result = call_through_outage(
+            lambda: registry.get_result(job_id), SEALED_READ_SECONDS, f"job {job_id}: reading its result"
+        )
         if result is None:
             return None
         return StoredDelta(

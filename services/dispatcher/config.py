@@ -47,6 +47,9 @@ class DispatcherConfig:
     )
     reap_seconds: float = 5.0  # how often expired leases are taken back (also when the queue is empty)
     search_seconds: float = 2.0  # how often running method searches are advanced (a rung that ended)
+    # on taking the lead: the delta store settles again the tasks whose jobs ended this recently (a
+    # dispatcher that led before may have died between a job's end and its settling)
+    resettle_seconds: float = 3600.0
     # One dispatcher leads a namespace (services/dispatcher/leadership.py): it renews its hold every third of
     # this; a standby asks every standby_poll_seconds and takes over this long after the leader stopped.
     leader_seconds: float = 15.0

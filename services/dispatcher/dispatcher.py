@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from services.dispatcher.adoption import live_workers, settle_running_jobs
@@ -74,6 +75,7 @@ class Dispatcher:
         self._cancels_at = 0.0
         self._reaped_at = 0.0
         self._searched_at = 0.0
+        self._unsettled: dict[int, str] = {}  # job id → task: the delta store could not settle them yet
         self._warned_no_gpu = False
         self.lock = LeaderLock(self.registry, self.config.namespace, self.config.leader_seconds)
         self._reconciled = False
@@ -214,7 +216,22 @@ class Dispatcher:
         self.stats["workers_adopted"] += len(adopted)
         settled = settle_running_jobs(self.registry, self.workers)
         log.info("reconciled: %d worker(s) adopted, jobs %s", len(adopted), settled)
+        self._resettle_store()
         return settled
+
+    def _resettle_store(self) -> None:
+        """The delta store settles again the tasks whose jobs ended lately (`resettle_seconds`): the
+        dispatcher that led before may have died between a job's end and its settling, leaving an earlier
+        attempt's version or an alias behind. Sinks without `reconcile` (LocalDeltaSink) need nothing."""
+        reconcile = getattr(self.sink, "reconcile", None)
+        if reconcile is None:
+            return
+        since = datetime.now(UTC) - timedelta(seconds=self.config.resettle_seconds)
+        for task in self.registry.tasks_finished_since(since):
+            try:
+                reconcile(task, self.registry)
+            except Exception as exc:  # its jobs' outcomes stand; `pelt mlflow reconcile` repairs it too
+                log.warning("task %s: the delta store could not settle it again: %s", task, exc)
 
     # --- one round ---------------------------------------------------------------------------------
 
@@ -249,6 +266,7 @@ class Dispatcher:
         now = time.monotonic()
         if now - self._reaped_at >= self.config.reap_seconds:
             self._reaped_at = now
+            self._settle_again()
             self.registry.requeue_expired_leases()
 
     def _collect(self, wait: float) -> None:
@@ -390,8 +408,18 @@ class Dispatcher:
             return
         try:
             finalize(task, job_id, self.registry)
-        except Exception:  # the job's outcome stands; the sink's own reconcile repairs it later
-            log.exception("job %s: the delta store could not settle it", job_id)
+        except Exception as exc:  # the job's outcome stands; tried again on the reaper's timer
+            self._unsettled[job_id] = task
+            log.warning("job %s: the delta store could not settle it (%s); trying again later", job_id, exc)
+        else:
+            self._unsettled.pop(job_id, None)
+
+    def _settle_again(self) -> None:
+        """The jobs whose settling failed (the MLflow server or the registry was away), tried again."""
+        for job_id, task in sorted(self._unsettled.items()):
+            self._settle_sink(task, job_id)
+            if job_id in self._unsettled:  # still away: the rest waits for the next round too
+                return
 
     def _fail_for(self, worker_id: str, job_id: int | None, error: str) -> None:
         """End a job's attempt for a worker that cannot (it died): retried after the backoff."""

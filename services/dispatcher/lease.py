@@ -2,7 +2,9 @@
 
 The dispatcher claims a job for a worker's slot and hands the worker this small picklable object; inside
 the worker process it opens a `Registry` on the database URL, so heartbeats, progress and the attempt's
-end go from the worker straight to the registry, even while no dispatcher is alive.
+end go from the worker straight to the registry, even while no dispatcher is alive. The attempt's end rides
+out a database that restarts: it is tried again for up to a lease while the registry is unavailable
+(a heartbeat is not: the next one goes out anyway).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.registry import JobStateError, LeaseLostError, Registry
+from services.registry.db import call_through_outage
 from workers.job import LeaseLost
 
 
@@ -59,22 +62,29 @@ class RegistryLease:
         with _lease_errors():
             return self._registry().heartbeat(self.job_id, self.worker_id, progress, self.lease_seconds)
 
+    def _end(self, what: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """An attempt's last call, tried again for up to a lease while the registry is unavailable: each
+        is safe to repeat (a completion returns the stored result; a repeated failure, cancel or release
+        finds the job no longer held, which is LeaseLost)."""
+        with _lease_errors():
+            return call_through_outage(
+                lambda: call(self.job_id, self.worker_id, *args, **kwargs),
+                self.lease_seconds,
+                f"job {self.job_id}: {what}",
+            )
+
     def complete(self, result: dict[str, Any]) -> None:
         """Record the result; the job succeeds (once, ever)."""
-        with _lease_errors():
-            self._registry().complete_job(self.job_id, self.worker_id, result)
+        self._end("completing", self._registry().complete_job, result)
 
     def fail(self, error: str, retryable: bool) -> None:
         """End the attempt with an error (retried after the backoff while attempts remain, if retryable)."""
-        with _lease_errors():
-            self._registry().fail_job(self.job_id, self.worker_id, error, retryable=retryable)
+        self._end("recording its failure", self._registry().fail_job, error, retryable=retryable)
 
     def cancelled(self) -> None:
         """The worker stopped on a cancel request: the job ends cancelled."""
-        with _lease_errors():
-            self._registry().confirm_cancelled(self.job_id, self.worker_id)
+        self._end("confirming its cancel", self._registry().confirm_cancelled)
 
     def release(self, reason: str) -> None:
         """Give the job back to the queue without counting the attempt."""
-        with _lease_errors():
-            self._registry().release_job(self.job_id, self.worker_id, reason)
+        self._end("releasing it", self._registry().release_job, reason)

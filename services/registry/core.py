@@ -4,6 +4,7 @@ queue's settings and the caches of names that never change."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -19,6 +20,7 @@ from services.registry.db import (
     hold_write_turn,
     make_engine,
     session_factory,
+    unavailable_as_registry_error,
     write_gate,
 )
 from services.registry.models import Backbone, Job, Method, Task, utcnow
@@ -75,6 +77,9 @@ class RegistryCore:
         self._leaderboards_lock = threading.Lock()
         self._reap_interval = timedelta(seconds=reap_interval_seconds)
         self._next_reap: datetime | None = None
+        # after an outage, a heartbeat's time and some: the workers' beats that failed get through first
+        self.reap_grace_seconds = 2.0 * settings.heartbeat_seconds
+        self._reap_paused_until = 0.0
         self._gate = write_gate(self.engine, settings.db_busy_timeout_seconds)
         self._read_sessions = session_factory(self.engine)
         self._write_sessions = session_factory(self.engine, write=True)
@@ -107,21 +112,36 @@ class RegistryCore:
 
     @contextmanager
     def _reading(self) -> Iterator[Session]:
-        """A read transaction."""
-        with self._read_sessions() as session, session.begin():
+        """A read transaction. RegistryUnavailableError when the database does not answer."""
+        with (
+            unavailable_as_registry_error(self._outage_seen),
+            self._read_sessions() as session,
+            session.begin(),
+        ):
             yield session
 
     @contextmanager
     def _writing(self) -> Iterator[Session]:
         """A write transaction (BEGIN IMMEDIATE on SQLite); committed on success, rolled back on error.
-        RegistryBusyError when no write turn comes within the busy timeout."""
+        RegistryBusyError when no write turn comes within the busy timeout; RegistryUnavailableError when
+        the database does not answer (`maybe_written` when the commit was sent)."""
         with (
+            unavailable_as_registry_error(self._outage_seen) as phase,
             busy_as_registry_error(),
             hold_write_turn(self._gate),
             self._write_sessions() as session,
             session.begin(),
         ):
             yield session
+            phase.committing = True
+
+    def _outage_seen(self) -> None:
+        """The database did not answer: expired leases wait `reap_grace_seconds` after it answers again
+        (`_reap_paused`), so that workers whose heartbeats failed meanwhile can renew them first."""
+        self._reap_paused_until = time.monotonic() + self.reap_grace_seconds
+
+    def _reap_paused(self) -> bool:
+        return time.monotonic() < self._reap_paused_until
 
     def _now(self) -> datetime:
         now = self._clock()

@@ -3,29 +3,40 @@
 SQLite (the default) runs in WAL mode with a busy timeout and foreign keys on; SQLAlchemy, not the
 sqlite3 module, emits BEGIN, so a write transaction can start with `BEGIN IMMEDIATE` (it takes the
 write lock up front and never fails half-way with "database is locked" on a read-to-write upgrade).
-PostgreSQL connections are pre-pinged; claims use `FOR UPDATE SKIP LOCKED` (see queue.py).
+PostgreSQL connections are pre-pinged; claims use `FOR UPDATE SKIP LOCKED` (see queue.py). A server that
+restarts or cannot be reached surfaces as `RegistryUnavailableError` (`unavailable_as_registry_error`), which
+callers whose call is safe to repeat ride out with `call_through_outage`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import URL, Engine, create_engine, event, make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.registry.errors import RegistryBusyError, SchemaOutOfDateError
+from services.registry.errors import RegistryBusyError, RegistryUnavailableError, SchemaOutOfDateError
+
+log = logging.getLogger("pelt.registry")
+T = TypeVar("T")
+# SQLSTATEs of a server going away or not back yet: connection exceptions (class 08), and an operator's,
+# a crash's or a start's refusal (57P01 admin_shutdown, 57P02 crash_shutdown, 57P03 cannot_connect_now)
+UNAVAILABLE_SQLSTATES = ("57P01", "57P02", "57P03")
+OUTAGE_RETRY_FIRST_WAIT, OUTAGE_RETRY_MAX_WAIT = 0.2, 5.0
 
 SQLITE_BEGIN_OPTION = "pelt_sqlite_begin"
 """Execution option naming the BEGIN mode on SQLite: "DEFERRED" (reads) or "IMMEDIATE" (writes)."""
@@ -203,6 +214,59 @@ def busy_as_registry_error() -> Iterator[None]:
         if "database is locked" in text or "database is busy" in text:
             raise RegistryBusyError("SQLite's write lock was held past the busy timeout") from exc
         raise
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether a database error means that the server is away (restarting, unreachable, the connection
+    dropped), not that the statement was wrong."""
+    if not isinstance(exc, DBAPIError) or exc.orig is None:
+        return False
+    if exc.connection_invalidated:
+        return True
+    state = getattr(exc.orig, "sqlstate", None)
+    if state:
+        return state.startswith("08") or state in UNAVAILABLE_SQLSTATES
+    # psycopg's failures to connect, and to read an answer, carry no SQLSTATE (SQLite's errors are local)
+    return isinstance(exc, OperationalError) and type(exc.orig).__module__.startswith("psycopg")
+
+
+@dataclass
+class TransactionPhase:
+    """Where a transaction got to: `committing` once its body ran and the commit was sent."""
+
+    committing: bool = False
+
+
+@contextmanager
+def unavailable_as_registry_error(on_outage: Callable[[], None]) -> Iterator[TransactionPhase]:
+    """A database that is away, as RegistryUnavailableError (maybe_written once the commit was sent);
+    `on_outage` is called first. The server's own words (addresses, ports) go to the log, not the error."""
+    phase = TransactionPhase()
+    try:
+        yield phase
+    except DBAPIError as exc:
+        if not unavailable(exc):
+            raise
+        on_outage()
+        log.warning("the registry's database did not answer: %s", str(exc.orig).splitlines()[0])
+        what = "the connection broke during the commit" if phase.committing else "no connection"
+        raise RegistryUnavailableError(what, maybe_written=phase.committing) from exc
+
+
+def call_through_outage(call: Callable[[], T], seconds: float, what: str) -> T:
+    """`call()`, tried again while the registry is unavailable, for up to `seconds` (waits doubling from
+    0.2 s to 5 s). Only for calls that do nothing twice: a RegistryUnavailableError may mean it was written."""
+    deadline = time.monotonic() + seconds
+    wait = OUTAGE_RETRY_FIRST_WAIT
+    while True:
+        try:
+            return call()
+        except RegistryUnavailableError as exc:
+            if time.monotonic() + wait > deadline:
+                raise
+            log.warning("%s: %s; trying again in %.1f s", what, exc, wait)
+            time.sleep(wait)
+            wait = min(wait * 2, OUTAGE_RETRY_MAX_WAIT)
 
 
 def write_engine(engine: Engine) -> Engine:

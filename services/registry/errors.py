@@ -114,6 +114,20 @@ class RegistryBusyError(RegistryError, TimeoutError):
         super().__init__(f"the registry is busy: {message}; try again in {retry_after:g} s")
 
 
+class RegistryUnavailableError(RegistryError, ConnectionError):
+    """The registry's database did not answer (restarting, unreachable, or it dropped the connection).
+
+    `maybe_written` is False when the transaction never reached its commit: nothing was written and the
+    same call may be tried again after `retry_after` seconds (the API answers 503 with Retry-After). It is
+    True when the connection broke during the commit: the write may have landed, so only a call that
+    does nothing twice (a completion, a submission with an idempotency key) may be repeated."""
+
+    def __init__(self, message: str, *, maybe_written: bool = False, retry_after: float = 5.0) -> None:
+        self.maybe_written, self.retry_after = maybe_written, retry_after
+        outcome = "it may have been written" if maybe_written else "nothing was written"
+        super().__init__(f"the registry's database did not answer ({message}); {outcome}")
+
+
 class SchemaOutOfDateError(RegistryError, RuntimeError):
     """The database's schema revision is not the one this code needs."""
 
@@ -135,6 +149,7 @@ __all__ = [
     "QuotaExceededError",
     "RegistryBusyError",
     "RegistryError",
+    "RegistryUnavailableError",
     "RegistryValidationError",
     "SchemaOutOfDateError",
     "UnknownBackboneError",

@@ -327,12 +327,15 @@ class JobQueue(RegistryCore):
     def requeue_expired_leases(self, now: datetime | None = None) -> list[JobRecord]:
         """Take back running jobs whose lease expired: queued again (after the backoff) or, once
         max_attempts starts are used up, failed with the lease expiry as last error. Claims do this
-        too; a dispatcher may call it on a timer."""
+        too; a dispatcher may call it on a timer. Not for `reap_grace_seconds` after this registry saw
+        its database away: the workers' heartbeats that failed meanwhile renew their leases first."""
         with self._writing() as session:
             jobs = self._reap_expired(session, now or self._now())
             return self._job_records(session, jobs)
 
     def _reap_expired(self, session: Session, now: datetime) -> list[Job]:
+        if self._reap_paused():  # the database was away a moment ago: heartbeats that failed come first
+            return []
         query = (
             select(Job)
             .where(Job.status == JobStatus.RUNNING.value, Job.lease_expires_at < now)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from typing import Any, Literal, TypeVar
 
 from sqlalchemy import false, func, select
@@ -23,7 +24,7 @@ from services.registry.leaderboard import (
     rank_methods,
     run_settings,
 )
-from services.registry.models import Backbone, Job, JobEvent, JobStatus, Method, Result
+from services.registry.models import Backbone, Job, JobEvent, JobStatus, Method, Result, Task
 from services.registry.records import JobEventRecord, JobRecord, LossHistoryRecord, ResultRecord
 from services.registry.rows import backbone_filter_ids, find_job, find_task
 from services.registry.validation import check_int
@@ -58,6 +59,12 @@ class JobResults(RegistryCore):
             query = self._job_filter(session, select(Job), task, status, method, backbone, sweep_id)
             query = query.order_by(Job.id).limit(limit).offset(offset)
             return self._job_records(session, session.scalars(query))
+
+    def tasks_finished_since(self, since: datetime) -> list[str]:
+        """The names of the tasks with a job that ended (succeeded, failed or cancelled) at `since` or later."""
+        with self._reading() as session:
+            query = select(Task.name).join(Job, Job.task_id == Task.id).where(Job.finished_at >= since)
+            return sorted(set(session.scalars(query)))
 
     def job_counts(
         self, *, task: str | None = None, sweep_id: int | None = None, backbone: str | None = None

@@ -22,10 +22,10 @@ from tests.api.conftest import BACKBONE, Api
 URL = "http://pelt.test"
 
 
-def answer(status: int, retry_after: str | None = None, pelt: bool = True) -> httpx.Response:
+def answer(status: int, retry_after: str | None = None, pelt: bool = True, kind: str = "X") -> httpx.Response:
     headers = {"Retry-After": retry_after} if retry_after else {}
     if pelt:
-        return httpx.Response(status, headers=headers, json={"error": {"type": "X", "message": "busy"}})
+        return httpx.Response(status, headers=headers, json={"error": {"type": kind, "message": "busy"}})
     return httpx.Response(status, headers=headers, text="<html>bad gateway</html>")
 
 
@@ -48,6 +48,9 @@ REQUEST = httpx.Request("GET", URL)
         (answer(502, pelt=False), None, True, 0.5),  # a proxy's answer
         (answer(504, pelt=False), None, False, None),
         (answer(503), None, True, None),  # pelt's own 503 without Retry-After: an operator's to fix
+        # the registry's database went away during the commit: it may have been written
+        (answer(503, kind="RegistryUnavailableError"), None, True, 0.5),
+        (answer(503, kind="RegistryUnavailableError"), None, False, None),
         (answer(500), None, True, None),
         (answer(429), None, True, None),
         (answer(200), None, True, None),
