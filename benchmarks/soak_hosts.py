@@ -72,6 +72,35 @@ def private_mounts() -> None:
     keep.rmdir()
 
 
+def as_service_user(command: list[str]) -> list[str]:
+    """`command` run from root as uid/gid 10001; where this interpreter lives under a folder that user cannot
+    enter, in a mount namespace of its own that shows the interpreter's folder through (as `private_mounts`,
+    done by a shell before it becomes the command)."""
+    switch = ["setpriv", f"--reuid={SERVICE_UID}", f"--regid={SERVICE_GID}", "--clear-groups", "--", *command]
+    interpreter = Path(os.path.realpath(sys.executable))
+    closed = closed_ancestor(interpreter)
+    if closed is None:
+        return switch
+    shown = closed / interpreter.relative_to(closed).parts[0]
+    script = (
+        'keep=$(mktemp -d) && mount --bind "$1" "$keep" && mount -t tmpfs -o mode=0755 pelt "$2" '
+        '&& mkdir "$1" && mount --move "$keep" "$1" && rmdir "$keep" && shift 2 && exec "$@"'
+    )
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        str(shown),
+        str(closed),
+        *switch,
+    ]
+
+
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, check=check, capture_output=True, text=True)
 

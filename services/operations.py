@@ -107,6 +107,24 @@ class PeltOperations:
         self._compose_slots = threading.BoundedSemaphore(self.settings.compose_concurrency)
         self.predictions = PredictionService(self, self.settings)  # starts nothing until the first prediction
 
+    # --- readiness -------------------------------------------------------------------------------
+
+    def readiness(self) -> dict[str, str | None]:
+        """Whether the stores this service needs answer now: "ok" or "did not answer" for the registry
+        and the delta store (None: the service runs without one). The reasons go to the log only."""
+        checks: dict[str, Any] = {"registry": self.registry.ping}
+        if self.store is not None:
+            checks["delta_store"] = self.store.ping
+        answers: dict[str, str | None] = {"registry": None, "delta_store": None}
+        for name, ping in checks.items():
+            try:
+                ping()
+                answers[name] = "ok"
+            except Exception as exc:
+                log.warning("readiness: the %s did not answer: %s", name.replace("_", " "), exc)
+                answers[name] = "did not answer"
+        return answers
+
     # --- tasks -----------------------------------------------------------------------------------
 
     def register_task(

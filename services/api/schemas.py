@@ -542,6 +542,12 @@ class HealthOut(Response):
     dispatcher: dict[str, Any] | None
 
 
+class ReadyOut(Response):
+    status: str  # "ready" or "not ready"
+    registry: str | None  # "ok" or "did not answer"
+    delta_store: str | None  # the same; None when the service runs without one
+
+
 class ErrorBody(BaseModel):
     status: int
     type: str

@@ -131,6 +131,18 @@ class StoreBase:
             namespace=state["namespace"],
         )
 
+    def ping(self, timeout: float = 3.0) -> None:
+        """Raise unless the store answers: a tracking server its /health within `timeout` s; an embedded
+        store its schema check."""
+        if not self.is_server:
+            check_store(self.tracking_uri)
+            return
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.tracking_uri.rstrip('/')}/health", timeout=timeout) as answer:
+            if answer.status != 200:
+                raise ConnectionError(f"the MLflow server answered {answer.status}")
+
     # --- names -----------------------------------------------------------------------------------
 
     def model_name(self, task: str) -> str:

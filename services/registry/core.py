@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, Self
 
-from sqlalchemy import URL, Engine, select
+from sqlalchemy import URL, Engine, select, text
 from sqlalchemy.orm import Session
 
 from services.registry import dataset_probe
@@ -134,6 +134,11 @@ class RegistryCore:
         ):
             yield session
             phase.committing = True
+
+    def ping(self) -> None:
+        """One round trip to the database (`SELECT 1`): RegistryUnavailableError when it does not answer."""
+        with self._reading() as session:
+            session.execute(text("SELECT 1"))
 
     def _outage_seen(self) -> None:
         """The database did not answer: expired leases wait `reap_grace_seconds` after it answers again

@@ -708,6 +708,31 @@ def test_health_names_no_addresses(api):
     assert str(api.settings.data_dir) not in str(body)
 
 
+def test_ready_answers_without_a_token_when_the_registry_and_the_store_answer(api):
+    response = api.client(token="none").http.get("/ready", headers={"Authorization": ""})
+    assert response.status_code == 200
+    assert response.json() == {"status": "ready", "registry": "ok", "delta_store": "ok"}
+
+
+def test_ready_is_a_503_naming_the_store_that_did_not_answer_but_not_its_address(api, monkeypatch):
+    from services.registry import RegistryUnavailableError
+
+    def away() -> None:
+        raise RegistryUnavailableError("no connection")
+
+    def server_gone(timeout: float = 3.0) -> None:
+        raise ConnectionError(f"connection refused by http://10.0.0.9:5000 ({api.settings.data_dir})")
+
+    monkeypatch.setattr(api.registry, "ping", away)
+    response = api.client().http.get("/ready")
+    assert response.status_code == 503 and response.headers["Retry-After"] == "5"
+    assert response.json() == {"status": "not ready", "registry": "did not answer", "delta_store": "ok"}
+    monkeypatch.setattr(api.operations.store, "ping", server_gone)
+    body = api.client().http.get("/ready").json()
+    assert body["delta_store"] == "did not answer" and "10.0.0.9" not in str(body)
+    assert str(api.settings.data_dir) not in str(body)
+
+
 @pytest.mark.parametrize("command", ["submit", "sweep"])
 def test_pelt_submit_and_sweep_say_before_the_wait_that_a_backbone_registers_on_first_use(
     api, toy_task, monkeypatch, command

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from tests.api.conftest import Api
 
-OPEN_ROUTES = {("get", "/health")}
+OPEN_ROUTES = {("get", "/health"), ("get", "/ready")}
 
 
 def routes(app) -> list[tuple[str, str]]:

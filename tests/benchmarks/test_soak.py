@@ -6,7 +6,7 @@ host killed and started again, PostgreSQL, the MLflow server and the API restart
 once with one result, one MLflow version and one run, the aliases follow the leaderboard, and every pulled
 delta matches its sha256.
 
-It needs root (network namespaces), as CI has; elsewhere it skips, unless PELT_REQUIRE_SOAK=1 (.ci/run)."""
+It needs root (network namespaces), as CI has; elsewhere it skips, unless PELT_REQUIRE_ROOT=1 (.ci/run)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 def test_a_short_soak_through_every_fault_kind_loses_no_job_and_does_none_twice(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         why = "the soak makes network namespaces: it needs root"
-        if os.environ.get("PELT_REQUIRE_SOAK") == "1":
-            pytest.fail(f"{why} (PELT_REQUIRE_SOAK=1 is set)")
+        if os.environ.get("PELT_REQUIRE_ROOT") == "1":
+            pytest.fail(f"{why} (PELT_REQUIRE_ROOT=1 is set)")
         pytest.skip(why)
     report_file = tmp_path / "soak.json"
     argv = [sys.executable, str(SOAK), "--jobs", "20", "--tasks", "2", "--faults-per-kind", "1"]

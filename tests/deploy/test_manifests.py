@@ -354,8 +354,9 @@ def test_workloads_run_non_root_with_health_probes_and_a_standby_dispatcher(clus
     deployments = objects_of(cluster, "Deployment")
     assert deployments["pelt-dispatcher"]["spec"]["replicas"] == 2
     api = deployments["pelt-api"]["spec"]["template"]["spec"]["containers"][0]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert api[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # ready while the database and the MLflow server answer; alive while the process answers at all
+    assert api["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert api["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert api["ports"] == [{"name": "http", "containerPort": 8000}]
     job = objects_of(cluster, "Job")["pelt-migrate"]["spec"]
     assert job["template"]["spec"]["restartPolicy"] == "OnFailure"
