@@ -59,9 +59,13 @@ def serve(
         flush=True,
     )
     try:
-        stop.wait()
+        while not stop.wait(1.0) and not dispatcher.stopped.is_set():
+            pass
     finally:
-        if handover:
+        if dispatcher.broken is not None:
+            dispatcher.detach()
+            summary = {"stats": dict(dispatcher.stats), "gave_up": dispatcher.broken}
+        elif handover:
             dispatcher.detach()
             summary = {"stats": dict(dispatcher.stats), "handed_over": True}
         else:
@@ -72,6 +76,8 @@ def serve(
             import ray
 
             ray.shutdown()
+    if dispatcher.broken is not None:  # for its supervisor (compose, Kubernetes) to start it again
+        raise SystemExit(1)
 
 
 def pack_size_option() -> Any:

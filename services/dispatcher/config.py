@@ -50,6 +50,9 @@ class DispatcherConfig:
     # on taking the lead: the delta store settles again the tasks whose jobs ended this recently (a
     # dispatcher that led before may have died between a job's end and its settling)
     resettle_seconds: float = 3600.0
+    # rounds failing this long in a row (the registry's outages aside): the dispatcher gives up and exits,
+    # for its supervisor to start it again (a Ray head restarted without GCS fault tolerance)
+    give_up_seconds: float = 120.0
     # One dispatcher leads a namespace (services/dispatcher/leadership.py): it renews its hold every third of
     # this; a standby asks every standby_poll_seconds and takes over this long after the leader stopped.
     leader_seconds: float = 15.0

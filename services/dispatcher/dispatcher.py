@@ -27,7 +27,7 @@ from services.dispatcher.lease import RegistryLease
 from services.dispatcher.placement import Nodes, start_worker
 from services.dispatcher.ray_cluster import connect_ray
 from services.dispatcher.slots import SlotJob, WorkerSlots, running_jobs
-from services.registry import JobStateError, LeaseLostError, Registry
+from services.registry import JobStateError, LeaseLostError, Registry, RegistryError
 from services.settings import Settings, get_settings
 from workers.job import DeltaSink, LocalDeltaSink
 
@@ -81,6 +81,9 @@ class Dispatcher:
         self._reconciled = False
         self._thread: threading.Thread | None = None
         self._halt = threading.Event()
+        self._failing_since: float | None = None
+        self.broken: str | None = None  # why the loop gave up (`_given_up`); None while it runs
+        self.stopped = threading.Event()  # set when the loop gave up
         self._closed = False
 
     # --- lifecycle --------------------------------------------------------------------------------
@@ -126,9 +129,34 @@ class Dispatcher:
                 if not self._reconciled:  # the workers and jobs of the dispatcher that led before (retried)
                     self.reconcile()
                 self.step(wait=self.config.poll_seconds)
-            except Exception:
+                self._failing_since = None
+            except Exception as exc:
                 log.exception("dispatcher round failed; retrying")
+                if self._given_up(exc):
+                    return
                 self._halt.wait(self.config.poll_seconds)
+
+    def _given_up(self, exc: Exception) -> bool:
+        """Rounds failing for `give_up_seconds` in a row, not because the registry's database was away
+        (that is waited out): the dispatcher's Ray connection is broken for good (a Ray head that restarted
+        without GCS fault tolerance is another cluster; every call says WrongClusterID). It releases the
+        lead, sets `broken` with the reason, and its loop ends: `pelt dispatcher` then exits non-zero, so
+        that its supervisor starts it again on the cluster as it is now."""
+        if isinstance(exc, RegistryError):
+            return False
+        now = time.monotonic()
+        self._failing_since = self._failing_since or now
+        if now - self._failing_since < self.config.give_up_seconds:
+            return False
+        self.broken = (
+            f"every round failed for {now - self._failing_since:.0f} s; the last: {type(exc).__name__}: {exc}"
+        )
+        log.error("dispatcher gives up: %s", self.broken)
+        self.workers.clear()  # on a cluster it cannot reach: a successor adopts what is still alive
+        with contextlib.suppress(Exception):
+            self.lock.release()
+        self.stopped.set()
+        return True
 
     def _stop_loop(self) -> None:
         self._halt.set()

@@ -2,10 +2,13 @@
 RegistryUnavailableError, which says whether the write may have landed and keeps the server's address to the
 log; the API answers it with a 503 the client knows how to try again; the calls that are safe to repeat (an
 attempt's end, a sink's read) ride the outage out; expired leases wait a grace after it, so that heartbeats
-that failed meanwhile renew them first; and the dispatcher settles again what the delta store could not."""
+that failed meanwhile renew them first; and the dispatcher settles again what the delta store could not, and gives up (for its supervisor to
+restart it) when its rounds keep failing for another reason, as on a Ray cluster that restarted."""
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -181,3 +184,30 @@ def test_the_dispatcher_settles_again_what_the_store_could_not_and_resettles_rec
     ready.fail_job(job_id, "w1", "a permanent error", retryable=False)  # ended now: its task is settled again
     dispatcher._resettle_store()
     assert sink.reconciled == ["sst2"]
+
+
+def test_a_dispatcher_whose_rounds_keep_failing_gives_up_the_lead_and_says_why(ready: Registry, monkeypatch):
+    dispatcher = Dispatcher(
+        ready, FlakySink(), config=DispatcherConfig(give_up_seconds=0.2, poll_seconds=0.05)
+    )
+    monkeypatch.setattr(dispatcher, "reconcile", lambda: setattr(dispatcher, "_reconciled", True))
+
+    def step(wait: float = 0.0) -> None:  # what every call says once the Ray head restarted without Redis
+        raise RuntimeError(
+            "RPC error: WrongClusterID: Perhaps the client is accessing GCS after it has restarted"
+        )
+
+    monkeypatch.setattr(dispatcher, "step", step)
+    loop = threading.Thread(target=dispatcher._loop, daemon=True)
+    loop.start()
+    assert dispatcher.stopped.wait(60), "the dispatcher never gave up"
+    loop.join(60)
+    assert not loop.is_alive() and "WrongClusterID" in dispatcher.broken
+    assert ready.leader(dispatcher.config.namespace) is None  # a standby may lead at once
+
+
+def test_a_dispatcher_never_gives_up_because_the_registry_was_away(ready: Registry) -> None:
+    dispatcher = Dispatcher(ready, FlakySink(), config=DispatcherConfig(give_up_seconds=0.2))
+    dispatcher._failing_since = time.monotonic() - 3600  # failing for an hour, but for the database
+    assert dispatcher._given_up(RegistryUnavailableError("no connection")) is False
+    assert dispatcher.broken is None and not dispatcher.stopped.is_set()
