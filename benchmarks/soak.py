@@ -6,7 +6,7 @@ while it runs; then the tool checks that nothing was lost and nothing done twice
     sudo .venv/bin/python benchmarks/soak.py --jobs 30 --faults-per-kind 1 --json soak.json
 
 Hosts (`soak_hosts.Network`: one network namespace each, on a bridge no other interface reaches):
-`db` (PostgreSQL, the MLflow server), `api` (a Ray node with no CPUs, `pelt serve --no-dispatcher`, two
+`db` (PostgreSQL, the MLflow server, Redis for the Ray head's GCS), `api` (a Ray node with no CPUs, `pelt serve --no-dispatcher`, two
 `pelt dispatcher --handover`, one leading and one standing by), `head` (the Ray head, no CPUs), `w1` and
 `w2` (Ray worker nodes, one CPU each), and `client` (this tool: it submits, polls and checks through the
 API as a user would, and reads the registry and MLflow directly for the checks). Every pelt, Ray and MLflow
@@ -15,8 +15,10 @@ on its own (as `restart: unless-stopped` would), and counts it.
 
 Faults, at random moments while jobs run (`FAULTS`): SIGKILL a pelt worker; SIGKILL the leading dispatcher
 (the standby takes over; the killed one comes back as the new standby); cut a worker host's link for longer
-than a lease and restore it; SIGKILL the second worker host's Ray node and start it again; restart
-PostgreSQL (a fast or an immediate shutdown); restart the MLflow server (SIGKILL); restart the API.
+than a lease and restore it; SIGKILL the second worker host's Ray node and start it again; SIGKILL the Ray
+head and start it again (its GCS keeps the cluster's state in Redis on the `db` host, as KubeRay's GCS fault
+tolerance does); restart PostgreSQL (a fast or an immediate shutdown); restart the MLflow server (SIGKILL);
+restart the API.
 
 Checked at the end (`check`): every job ended once (succeeded, or failed with its error after its attempts;
 none queued, running or cancelled) and no submitted sweep queued twice; exactly one result and one
@@ -115,8 +117,8 @@ def postgres_bin(name: str) -> str:
 class Cluster:
     """pelt's deployment on the namespaced hosts: the services, their start order, the supervisor."""
 
-    def __init__(self, net: Network, work: Path, venv_bin: Path) -> None:
-        self.net, self.work, self.bin = net, work, venv_bin
+    def __init__(self, net: Network, work: Path, venv_bin: Path, gcs_redis: bool = True) -> None:
+        self.net, self.work, self.bin, self.gcs_redis = net, work, venv_bin, gcs_redis
         self.ip = net.hosts
         self.ray_token = secrets.token_hex(32)
         self.api_token = "pelt_" + secrets.token_urlsafe(32)
@@ -175,11 +177,24 @@ class Cluster:
         temp.mkdir(exist_ok=True)
         os.chown(temp, SERVICE_UID, SERVICE_GID)
         where = ["--head", "--port", "6379", "--include-dashboard", "false"]
+        env = self.env(name)
+        if host == "head" and self.gcs_redis:  # the GCS keeps its state in Redis: a new head takes it up
+            env.update(RAY_REDIS_ADDRESS=f"{self.ip['db']}:6380", RAY_external_storage_namespace="pelt-soak")
         if host != "head":
             where = ["--address", f"{self.ip['head']}:6379"]
         argv = ["ray", "start", *where, "--node-ip-address", self.ip[host], "--temp-dir", str(temp)]
         argv += ["--object-store-memory", str(300 * 2**20), "--disable-usage-stats", "--block", *options]
-        return self.add(name, host, argv, self.env(name))
+        return self.add(name, host, argv, env)
+
+    def start_redis(self) -> None:
+        """Redis for the Ray head's GCS fault tolerance (KubeRay's pattern), on the database host."""
+        folder = self.work / "redis"
+        folder.mkdir()
+        os.chown(folder, SERVICE_UID, SERVICE_GID)
+        argv = ["redis-server", "--bind", self.ip["db"], "--port", "6380", "--protected-mode", "no"]
+        argv += ["--dir", str(folder), "--save", "", "--appendonly", "no"]
+        self.add("redis", "db", argv, self.env("redis")).start()
+        wait_until(lambda: port_open(self.ip["db"], 6380), 60, "Redis")
 
     def start_postgres(self) -> None:
         data = self.work / "pg"
@@ -237,6 +252,7 @@ class Cluster:
         mlflow += ["--serve-artifacts", "--host", self.ip["db"], "--port", "5000", "--workers", "2"]
         mlflow += ["--allowed-hosts", f"{self.ip['db']}:5000"]
         self.add("mlflow", "db", mlflow, mlflow_env).start()
+        self.start_redis()
         self.ray_node("ray-head", "head", "--num-cpus", "0").start()
         self.wait_mlflow()
         wait_until(lambda: port_open(self.ip["head"], 6379), 120, "the Ray head")
@@ -401,6 +417,18 @@ class Faults:
         self.cluster.wait_ray_node(service.name)
         return "ray-w2 killed and started"
 
+    def restart_ray_head(self) -> str:
+        service = self.cluster.services["ray-head"]
+        with self.cluster.holding(service.name):
+            service.stop(signal.SIGKILL)
+            # as a new head pod would: no record of the last cluster (`ray start --head` would take the
+            # other hosts' processes, which it sees here, for a head still running at its address)
+            (self.cluster.work / "ray" / "ray-head" / "ray_current_cluster").unlink(missing_ok=True)
+            time.sleep(2)
+            service.start()
+        self.cluster.wait_ray_node(service.name)
+        return "SIGKILL and start (its GCS state in Redis)"
+
     def restart_postgres(self) -> str:
         service = self.cluster.services["postgres"]
         mode, sig = self.rng.choice([("fast", signal.SIGINT), ("immediate", signal.SIGQUIT)])
@@ -435,6 +463,7 @@ FAULTS = {
     "kill dispatcher leader": Faults.kill_leader,
     "cut worker link": Faults.cut_link,
     "restart worker host": Faults.restart_worker_host,
+    "restart Ray head": Faults.restart_ray_head,
     "restart PostgreSQL": Faults.restart_postgres,
     "restart MLflow": Faults.restart_mlflow,
     "restart API": Faults.restart_api,
@@ -687,7 +716,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     work.chmod(0o755)
     net = Network.create(HOSTS)
     net.enter("client")
-    cluster = Cluster(net, work, Path(sys.executable).parent)
+    cluster = Cluster(net, work, Path(sys.executable).parent, gcs_redis=args.gcs_redis)
     started = time.monotonic()
     report: dict[str, Any] = {"machine": machine(), "hosts": dict(net.hosts), "work": str(work)}
     try:
@@ -708,7 +737,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             f"started in {time.monotonic() - started:.0f} s; submitting {args.jobs} jobs over {len(tasks)} tasks"
         )
         soak_started = time.monotonic()
-        planned = [kind for kind in FAULTS for _ in range(args.faults_per_kind)]
+        kinds = args.only or list(FAULTS)
+        planned = [kind for kind in kinds for _ in range(args.faults_per_kind)]
         rng.shuffle(planned)
         submitter = Submitter(client, tasks, args.jobs, secrets.token_hex(4))
         submitter.start()
@@ -774,10 +804,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=4, help="toy tasks the jobs spread over")
     parser.add_argument("--faults-per-kind", type=int, default=2)
     parser.add_argument(
+        "--only", action="append", choices=list(FAULTS), help="this fault kind only (repeatable)"
+    )
+    parser.add_argument(
         "--fault-delay", type=float, default=4.0, help="most seconds from jobs running to the next fault"
     )
     parser.add_argument("--max-minutes", type=float, default=40.0, help="the soak gives up after this")
     parser.add_argument("--seed", type=int, default=None, help="of the faults' order and moments")
+    parser.add_argument(
+        "--no-gcs-redis",
+        dest="gcs_redis",
+        action="store_false",
+        help="the Ray head without Redis (no GCS fault tolerance): what a head restart costs then",
+    )
     parser.add_argument("--json", help="write the report here")
     parser.add_argument(
         "--work-root", default="/tmp", help="where the run's folder goes (short: Ray's sockets)"
@@ -785,6 +824,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the run's folder (logs, data)")
     args = parser.parse_args(argv)
     need_root()
+    if shutil.which("redis-server") is None:
+        raise SystemExit(
+            "the soak runs Redis for the Ray head's GCS: install redis-server (apt install redis-server)"
+        )
     private_mounts()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the services and remove the hosts
     report = soak(args)

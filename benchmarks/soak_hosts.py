@@ -206,6 +206,7 @@ class Service:
     log: Path
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    _seen: dict[int, psutil.Process] = field(default_factory=dict)
 
     def start(self) -> None:
         self.starts += 1
@@ -225,7 +226,26 @@ class Service:
         return self.process is not None and self.process.poll() is None
 
     def members(self) -> list[psutil.Process]:
-        return [] if self.process is None else session_members(self.process.pid)
+        """The live processes of the session and every descendant of them (Ray's GCS server leads a
+        session of its own under the head's `ray start`); ones seen before stay counted once orphaned."""
+        if self.process is None:
+            return []
+        found = {process.pid: process for process in session_members(self.process.pid)}
+        for process in list(found.values()):
+            with contextlib.suppress(psutil.Error):
+                found.update({child.pid: child for child in process.children(recursive=True)})
+        self._seen.update(found)
+        alive = []
+        for pid, process in list(self._seen.items()):
+            try:
+                running = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                running = False
+            if running:
+                alive.append(process)
+            else:
+                del self._seen[pid]
+        return alive
 
     def stop(self, sig: signal.Signals = signal.SIGKILL, timeout: float = 60.0) -> None:
         """Signal every process of the session (SIGKILL after `timeout`), and wait until none is left."""

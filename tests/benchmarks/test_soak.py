@@ -35,7 +35,7 @@ def test_a_short_soak_through_every_fault_kind_loses_no_job_and_does_none_twice(
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
     assert done.returncode == 0, (done.stdout[-6000:], done.stderr[-6000:], report.get("problems"))
     assert report["problems"] == [] and report["lost"] == 0 and report["duplicated"] == 0
-    assert report["faults"] == {kind: 1 for kind in report["faults"]} and len(report["faults"]) == 7
+    assert report["faults"] == {kind: 1 for kind in report["faults"]} and len(report["faults"]) == 8
     assert (
         report["statuses"].get("succeeded", 0) + report["statuses"].get("failed", 0) == report["jobs"] == 20
     )
