@@ -366,9 +366,12 @@ def overlay_copy(root: Path, *, external_database: bool = False) -> Path:
     return overlay
 
 
+OTHER_IMAGES = {"postgres:16", "redis:7"}  # the containers of the manifests that do not run pelt's image
+
+
 def pelt_containers(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], dict[str, str]]]:
     """(pod, container, its environment) of every container that runs the pelt image."""
     for pod, template in pod_templates(objects):
         for container in containers(template):
-            if container["image"] != "postgres:16":
+            if container["image"] not in OTHER_IMAGES:
                 yield pod, container, container_environment(container, objects)

@@ -35,6 +35,7 @@ from tests.deploy import kustomize_lite
 from tests.deploy.deployment_files import (
     DEPLOY,
     K8S,
+    OTHER_IMAGES,
     ROLES,
     SECRET_KEYS,
     SECRETS,
@@ -366,13 +367,45 @@ def test_workloads_run_non_root_with_health_probes_and_a_standby_dispatcher(clus
             assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001, pod
 
 
+def test_a_restarted_ray_head_takes_up_the_cluster_state_from_redis(cluster):
+    """GCS fault tolerance as KubeRay documents it (an offline check: the head restart itself is measured by
+    benchmarks/soak.py's `restart Ray head` fault on namespaced hosts)."""
+    options = objects_of(cluster, "RayCluster")["pelt-ray"]["spec"]["gcsFaultToleranceOptions"]
+    host, port = options["redisAddress"].split(":")
+    container = listens(host, cluster, int(port))
+    assert options["redisPassword"]["valueFrom"]["secretKeyRef"]["key"] == "RAY_AUTH_TOKEN"
+    assert container_environment(container, cluster)["REDIS_PASSWORD"] == SECRETS["RAY_AUTH_TOKEN"]
+    assert "--requirepass" in container["args"]
+
+
+def test_disruptions_leave_an_api_a_dispatcher_and_the_ray_head_and_dispatchers_spread(cluster):
+    budgets = objects_of(cluster, "PodDisruptionBudget")
+    labels = {
+        pod: template["metadata"]["labels"].get("app.kubernetes.io/name")
+        for pod, template in pod_templates(cluster)
+    }
+    for name, rule in (("pelt-api", ("maxUnavailable", 1)), ("pelt-dispatcher", ("maxUnavailable", 1))):
+        budget = budgets[name]["spec"]
+        assert (
+            budget[rule[0]] == rule[1]
+            and budget["selector"]["matchLabels"]["app.kubernetes.io/name"] in labels.values()
+        )
+    head = budgets["pelt-ray-head"]["spec"]
+    assert (
+        head["minAvailable"] == 1
+        and head["selector"]["matchLabels"]["app.kubernetes.io/name"] == "pelt-ray-head"
+    )
+    assert "pelt-ray-head" in labels.values()
+    spread = objects_of(cluster, "Deployment")["pelt-dispatcher"]["spec"]["template"]["spec"]["affinity"]
+    (term,) = spread["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+
+
 def test_images_are_named_once_in_the_overlay(builds):
     overlay = yaml.safe_load((K8S / "overlays/example/kustomization.yaml").read_text())
     named = {f"{image['newName']}:{image['newTag']}" for image in overlay["images"]}
     for build, expected in (("example", named), ("base", {"pelt:latest", "pelt-cuda:latest"})):
-        images = {c["image"] for _, t in pod_templates(builds[build]) for c in containers(t)} - {
-            "postgres:16"
-        }
+        images = {c["image"] for _, t in pod_templates(builds[build]) for c in containers(t)} - OTHER_IMAGES
         assert images == expected, build
 
 
