@@ -68,6 +68,7 @@ QUEUE_KNOBS = {
 }
 HYPERPARAMETERS = {"max_steps": 60, "batch_size": 8}
 TERMINAL = {"succeeded", "failed", "cancelled"}
+SETTLE_WAIT_SECONDS = 90  # the checks are tried again this long while the store still settles the last jobs
 
 
 def log(message: str) -> None:
@@ -131,6 +132,7 @@ class Cluster:
         self.restarts: Counter[str] = Counter()  # by the supervisor
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._supervisor: threading.Thread | None = None
         (work / "logs").mkdir()
         for folder in ("data", "mlflow", "backbones", "homes", "ray"):
             (work / folder).mkdir()
@@ -322,9 +324,9 @@ class Cluster:
                         self.restarts[name] += 1
                         service.start()
 
-        thread = threading.Thread(target=loop, name="supervisor", daemon=True)
-        thread.start()
-        return thread
+        self._supervisor = threading.Thread(target=loop, name="supervisor", daemon=True)
+        self._supervisor.start()
+        return self._supervisor
 
     @contextlib.contextmanager
     def holding(self, *names: str):
@@ -337,8 +339,11 @@ class Cluster:
                 self.held.difference_update(names)
 
     def shutdown(self) -> list[str]:
-        """SIGTERM every service (newest first), SIGKILL what is left; returns the names that needed it."""
+        """SIGTERM every service (newest first), SIGKILL what is left after 20 s; returns the names of those
+        with processes left even after SIGKILL (none, when all is well)."""
         self._stop.set()
+        if self._supervisor is not None:  # no restart may race the stop
+            self._supervisor.join()
         stubborn = []
         for name, service in reversed(list(self.services.items())):
             try:
@@ -714,12 +719,15 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="pelt-soak-", dir=args.work_root))
     work.chmod(0o755)
-    net = Network.create(HOSTS)
-    net.enter("client")
-    cluster = Cluster(net, work, Path(sys.executable).parent, gcs_redis=args.gcs_redis)
+    net = Network(f"pelt-soak-{os.getpid()}")
+    cluster: Cluster | None = None
     started = time.monotonic()
-    report: dict[str, Any] = {"machine": machine(), "hosts": dict(net.hosts), "work": str(work)}
+    report: dict[str, Any] = {"machine": machine(), "work": str(work)}
     try:
+        net.create(HOSTS)
+        net.enter("client")
+        report["hosts"] = dict(net.hosts)
+        cluster = Cluster(net, work, Path(sys.executable).parent, gcs_redis=args.gcs_redis)
         log(f"hosts {net.hosts}; logs in {work / 'logs'}")
         cluster.start()
         cluster.supervise()
@@ -773,8 +781,13 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         )
         sweep_ids = submitter.sweep_ids
         wall = time.monotonic() - soak_started
-        time.sleep(2)  # the dispatcher settles the last jobs' deltas after they end
-        report.update(check(cluster, client, registry, args.jobs, sweep_ids))
+        # the dispatcher settles the last jobs' deltas after they end (a failed settling on its next rounds)
+        checked = check(cluster, client, registry, args.jobs, sweep_ids)
+        settle_deadline = time.monotonic() + SETTLE_WAIT_SECONDS
+        while checked["problems"] and time.monotonic() < settle_deadline:
+            time.sleep(5)
+            checked = check(cluster, client, registry, args.jobs, sweep_ids)
+        report.update(checked)
         report.update(
             faults=dict(faults.injected),
             faults_missing=dict(Counter(planned)),
@@ -784,13 +797,12 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         )
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
-        for name, service in cluster.services.items():
+        for name, service in (cluster.services if cluster else {}).items():
             print(f"--- {name} (last lines of {service.log}) ---\n{service.tail(25)}", file=sys.stderr)
         raise
     finally:
-        left = cluster.shutdown()
+        report["stubborn_services"] = cluster.shutdown() if cluster else []
         net.destroy()
-        report["stubborn_services"] = left
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
         if not args.keep:

@@ -113,42 +113,31 @@ class Network:
     hosts: dict[str, str] = field(default_factory=dict)
     made: list[str] = field(default_factory=list)
 
-    @classmethod
-    def create(cls, names: list[str], prefix: str | None = None) -> Network:
+    def create(self, names: list[str]) -> None:
+        """The switch and one host per name, on a random 10.x.y.0/24; what was made is removed again if a
+        step fails (and by `destroy`)."""
         rng = random.Random()
-        prefix = prefix or f"pelt-soak-{os.getpid()}"
         subnet = f"10.{rng.randrange(100, 250)}.{rng.randrange(0, 250)}"
-        net = cls(prefix)
-        switch = net.namespace("switch")
-        net._add_namespace(switch)
-        sh("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", switch, "link", "set", "br0", "up")
-        for index, name in enumerate(names, start=2):
-            namespace = net.namespace(name)
-            net._add_namespace(namespace)
-            outside = f"ps{index}"
-            sh(
-                "ip",
-                "link",
-                "add",
-                "eth0",
-                "netns",
-                namespace,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                outside,
-                "netns",
-                switch,
-            )
-            sh("ip", "-n", switch, "link", "set", outside, "master", "br0")
-            sh("ip", "-n", switch, "link", "set", outside, "up")
-            address = f"{subnet}.{index}"
-            sh("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
-            sh("ip", "-n", namespace, "link", "set", "eth0", "up")
-            net.hosts[name] = address
-        return net
+        try:
+            switch = self.namespace("switch")
+            self._add_namespace(switch)
+            sh("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+            sh("ip", "-n", switch, "link", "set", "br0", "up")
+            for index, name in enumerate(names, start=2):
+                namespace = self.namespace(name)
+                self._add_namespace(namespace)
+                outside = f"ps{index}"
+                link = ["ip", "link", "add", "eth0", "netns", namespace, "type", "veth"]
+                sh(*link, "peer", "name", outside, "netns", switch)
+                sh("ip", "-n", switch, "link", "set", outside, "master", "br0")
+                sh("ip", "-n", switch, "link", "set", outside, "up")
+                address = f"{subnet}.{index}"
+                sh("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
+                sh("ip", "-n", namespace, "link", "set", "eth0", "up")
+                self.hosts[name] = address
+        except BaseException:
+            self.destroy()
+            raise
 
     def namespace(self, host: str) -> str:
         return f"{self.prefix}-{host}"

@@ -45,7 +45,9 @@ def secure_data_dir(data_dir: Path) -> None:
         where = (
             f"PELT_DATA_DIR {data_dir} (owner uid {info.st_uid}, group gid {info.st_gid}, mode {mode:04o})"
         )
-        if not os.access(data_dir, os.R_OK | os.W_OK | os.X_OK):
+        if not os.access(
+            data_dir, os.R_OK | os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids
+        ):
             raise DataDirError(
                 f"{where} is not readable, writable and enterable by this process (uid {uid}, gid "
                 f"{os.getegid()}, groups {sorted(os.getgroups())}): give it to this user, or its group "

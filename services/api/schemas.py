@@ -543,7 +543,7 @@ class HealthOut(Response):
 
 
 class ReadyOut(Response):
-    status: str  # "ready" or "not ready"
+    status: str  # "ready", "degraded" (the delta store did not answer) or "not ready" (the database did not)
     registry: str | None  # "ok" or "did not answer"
     delta_store: str | None  # the same; None when the service runs without one
 

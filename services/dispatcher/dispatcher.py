@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from services.dispatcher.adoption import live_workers, settle_running_jobs
@@ -27,10 +27,19 @@ from services.dispatcher.lease import RegistryLease
 from services.dispatcher.placement import Nodes, start_worker
 from services.dispatcher.ray_cluster import connect_ray
 from services.dispatcher.slots import SlotJob, WorkerSlots, running_jobs
-from services.registry import JobStateError, LeaseLostError, Registry, RegistryError
+from services.registry import (
+    JobStateError,
+    LeaseLostError,
+    Registry,
+    RegistryBusyError,
+    RegistryUnavailableError,
+)
 from services.settings import Settings, get_settings
 from workers.job import DeltaSink, LocalDeltaSink
 
+RESETTLE_JOBS = 1000  # a new leader settles again at most this many of the jobs that ended lately
+SETTLE_PER_ROUND = 20  # jobs settled again per reaper round: a round stays short, the lead renewed
+SETTLE_TRIES = 10  # a job whose settling failed this often is left to `pelt mlflow reconcile`
 log = logging.getLogger("pelt.dispatcher")
 
 
@@ -76,6 +85,7 @@ class Dispatcher:
         self._reaped_at = 0.0
         self._searched_at = 0.0
         self._unsettled: dict[int, str] = {}  # job id → task: the delta store could not settle them yet
+        self._settle_tries: dict[int, int] = {}
         self._warned_no_gpu = False
         self.lock = LeaderLock(self.registry, self.config.namespace, self.config.leader_seconds)
         self._reconciled = False
@@ -142,7 +152,8 @@ class Dispatcher:
         without GCS fault tolerance is another cluster; every call says WrongClusterID). It releases the
         lead, sets `broken` with the reason, and its loop ends: `pelt dispatcher` then exits non-zero, so
         that its supervisor starts it again on the cluster as it is now."""
-        if isinstance(exc, RegistryError):
+        if isinstance(exc, RegistryUnavailableError | RegistryBusyError):
+            self._failing_since = None  # the database's outage is waited out, and does not count
             return False
         now = time.monotonic()
         self._failing_since = self._failing_since or now
@@ -248,18 +259,20 @@ class Dispatcher:
         return settled
 
     def _resettle_store(self) -> None:
-        """The delta store settles again the tasks whose jobs ended lately (`resettle_seconds`): the
-        dispatcher that led before may have died between a job's end and its settling, leaving an earlier
-        attempt's version or an alias behind. Sinks without `reconcile` (LocalDeltaSink) need nothing."""
-        reconcile = getattr(self.sink, "reconcile", None)
-        if reconcile is None:
+        """The jobs that ended lately (`resettle_seconds`, at most RESETTLE_JOBS) join those to settle again
+        in the delta store, a few per round (`_settle_again`): the dispatcher that led before may have died
+        between a job's end and its settling, leaving an earlier attempt's version or an alias behind.
+        Sinks without `finalize_job` (LocalDeltaSink) need nothing."""
+        if getattr(self.sink, "finalize_job", None) is None:
             return
-        since = datetime.now(UTC) - timedelta(seconds=self.config.resettle_seconds)
-        for task in self.registry.tasks_finished_since(since):
-            try:
-                reconcile(task, self.registry)
-            except Exception as exc:  # its jobs' outcomes stand; `pelt mlflow reconcile` repairs it too
-                log.warning("task %s: the delta store could not settle it again: %s", task, exc)
+        since = self.registry.now() - timedelta(seconds=self.config.resettle_seconds)
+        try:
+            recent = self.registry.jobs_finished_since(since, limit=RESETTLE_JOBS)
+        except Exception as exc:  # the next leader tries again; `pelt mlflow reconcile` repairs it too
+            log.warning("the jobs that ended lately could not be listed for settling: %s", exc)
+            return
+        for job_id, task in recent:
+            self._unsettled.setdefault(job_id, task)
 
     # --- one round ---------------------------------------------------------------------------------
 
@@ -443,11 +456,23 @@ class Dispatcher:
             self._unsettled.pop(job_id, None)
 
     def _settle_again(self) -> None:
-        """The jobs whose settling failed (the MLflow server or the registry was away), tried again."""
-        for job_id, task in sorted(self._unsettled.items()):
+        """Up to SETTLE_PER_ROUND of the jobs still to settle (their settling failed while the MLflow server
+        or the registry was away, or a new leader's recent jobs), oldest first; one that failed
+        SETTLE_TRIES times is left to `pelt mlflow reconcile`, with a warning."""
+        for job_id, task in sorted(self._unsettled.items())[:SETTLE_PER_ROUND]:
             self._settle_sink(task, job_id)
-            if job_id in self._unsettled:  # still away: the rest waits for the next round too
-                return
+            if job_id not in self._unsettled:
+                self._settle_tries.pop(job_id, None)
+                continue
+            self._settle_tries[job_id] = self._settle_tries.get(job_id, 0) + 1
+            if self._settle_tries[job_id] >= SETTLE_TRIES:
+                del self._unsettled[job_id], self._settle_tries[job_id]
+                log.warning(
+                    "job %s: the delta store could not settle it %d times; `pelt mlflow reconcile %s` will",
+                    job_id,
+                    SETTLE_TRIES,
+                    task,
+                )
 
     def _fail_for(self, worker_id: str, job_id: int | None, error: str) -> None:
         """End a job's attempt for a worker that cannot (it died): retried after the backoff."""

@@ -62,29 +62,29 @@ class RegistryLease:
         with _lease_errors():
             return self._registry().heartbeat(self.job_id, self.worker_id, progress, self.lease_seconds)
 
-    def _end(self, what: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+    def _end(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """An attempt's last call, tried again for up to a lease while the registry is unavailable: each
         is safe to repeat (a completion returns the stored result; a repeated failure, cancel or release
         finds the job no longer held, which is LeaseLost)."""
-        with _lease_errors():
+        with _lease_errors():  # the registry is opened inside: its first connection may meet the outage too
             return call_through_outage(
-                lambda: call(self.job_id, self.worker_id, *args, **kwargs),
+                lambda: getattr(self._registry(), method)(self.job_id, self.worker_id, *args, **kwargs),
                 self.lease_seconds,
                 f"job {self.job_id}: {what}",
             )
 
     def complete(self, result: dict[str, Any]) -> None:
         """Record the result; the job succeeds (once, ever)."""
-        self._end("completing", self._registry().complete_job, result)
+        self._end("completing", "complete_job", result)
 
     def fail(self, error: str, retryable: bool) -> None:
         """End the attempt with an error (retried after the backoff while attempts remain, if retryable)."""
-        self._end("recording its failure", self._registry().fail_job, error, retryable=retryable)
+        self._end("recording its failure", "fail_job", error, retryable=retryable)
 
     def cancelled(self) -> None:
         """The worker stopped on a cancel request: the job ends cancelled."""
-        self._end("confirming its cancel", self._registry().confirm_cancelled)
+        self._end("confirming its cancel", "confirm_cancelled")
 
     def release(self, reason: str) -> None:
         """Give the job back to the queue without counting the attempt."""
-        self._end("releasing it", self._registry().release_job, reason)
+        self._end("releasing it", "release_job", reason)

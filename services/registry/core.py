@@ -85,7 +85,8 @@ class RegistryCore:
         self._write_sessions = session_factory(self.engine, write=True)
         if check_schema:
             try:
-                check_schema_current(self.engine)
+                with unavailable_as_registry_error(self._outage_seen):
+                    check_schema_current(self.engine)
             except Exception:
                 self.close()
                 raise
@@ -147,6 +148,10 @@ class RegistryCore:
 
     def _reap_paused(self) -> bool:
         return time.monotonic() < self._reap_paused_until
+
+    def now(self) -> datetime:
+        """The registry's clock: what its timestamps (a job's start, end, lease) are measured by."""
+        return self._now()
 
     def _now(self) -> datetime:
         now = self._clock()

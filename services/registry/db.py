@@ -37,6 +37,7 @@ T = TypeVar("T")
 # a crash's or a start's refusal (57P01 admin_shutdown, 57P02 crash_shutdown, 57P03 cannot_connect_now)
 UNAVAILABLE_SQLSTATES = ("57P01", "57P02", "57P03")
 OUTAGE_RETRY_FIRST_WAIT, OUTAGE_RETRY_MAX_WAIT = 0.2, 5.0
+CONNECT_TIMEOUT_SECONDS = 10  # PostgreSQL's connect_timeout for the registry's connections
 
 SQLITE_BEGIN_OPTION = "pelt_sqlite_begin"
 """Execution option naming the BEGIN mode on SQLite: "DEFERRED" (reads) or "IMMEDIATE" (writes)."""
@@ -64,7 +65,8 @@ def make_engine(
 
     SQLite: turns on WAL, foreign keys and a busy timeout, and lets
     `engine.execution_options(pelt_sqlite_begin="IMMEDIATE")` start write transactions with
-    BEGIN IMMEDIATE. PostgreSQL: `pool_pre_ping`.
+    BEGIN IMMEDIATE. PostgreSQL: `pool_pre_ping`, and a connect timeout (CONNECT_TIMEOUT_SECONDS) unless the
+    URL sets one: a database host that drops packets fails a call within seconds instead of minutes.
     """
     if url is None or busy_timeout_seconds is None:
         from services.settings import get_settings
@@ -78,6 +80,8 @@ def make_engine(
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed, busy_timeout_seconds, **kwargs)
     kwargs.setdefault("pool_pre_ping", True)
+    if "connect_timeout" not in parsed.query:
+        kwargs.setdefault("connect_args", {}).setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
     kwargs.setdefault("insertmanyvalues_page_size", 50)  # psycopg parses one huge INSERT slowly (big sweeps)
     return create_engine(parsed, **kwargs)
 

@@ -60,11 +60,19 @@ class JobResults(RegistryCore):
             query = query.order_by(Job.id).limit(limit).offset(offset)
             return self._job_records(session, session.scalars(query))
 
-    def tasks_finished_since(self, since: datetime) -> list[str]:
-        """The names of the tasks with a job that ended (succeeded, failed or cancelled) at `since` or later."""
+    def jobs_finished_since(self, since: datetime, limit: int = 1000) -> list[tuple[int, str]]:
+        """(job id, task name) of the jobs that ended (succeeded, failed or cancelled) at `since` or later,
+        the latest `limit` of them."""
+        check_int(limit, "limit", minimum=1, maximum=100_000)
         with self._reading() as session:
-            query = select(Task.name).join(Job, Job.task_id == Task.id).where(Job.finished_at >= since)
-            return sorted(set(session.scalars(query)))
+            query = (
+                select(Job.id, Task.name)
+                .join(Task, Job.task_id == Task.id)
+                .where(Job.finished_at >= since)
+                .order_by(Job.finished_at.desc(), Job.id.desc())
+                .limit(limit)
+            )
+            return [(job_id, task) for job_id, task in session.execute(query)]
 
     def job_counts(
         self, *, task: str | None = None, sweep_id: int | None = None, backbone: str | None = None

@@ -714,7 +714,7 @@ def test_ready_answers_without_a_token_when_the_registry_and_the_store_answer(ap
     assert response.json() == {"status": "ready", "registry": "ok", "delta_store": "ok"}
 
 
-def test_ready_is_a_503_naming_the_store_that_did_not_answer_but_not_its_address(api, monkeypatch):
+def test_ready_is_a_503_while_the_database_is_away_and_degraded_while_only_the_store_is(api, monkeypatch):
     from services.registry import RegistryUnavailableError
 
     def away() -> None:
@@ -731,6 +731,11 @@ def test_ready_is_a_503_naming_the_store_that_did_not_answer_but_not_its_address
     body = api.client().http.get("/ready").json()
     assert body["delta_store"] == "did not answer" and "10.0.0.9" not in str(body)
     assert str(api.settings.data_dir) not in str(body)
+    monkeypatch.undo()
+    monkeypatch.setattr(api.operations.store, "ping", server_gone)  # only the store: every other route works
+    response = api.client().http.get("/ready")
+    assert response.status_code == 200
+    assert response.json() == {"status": "degraded", "registry": "ok", "delta_store": "did not answer"}
 
 
 @pytest.mark.parametrize("command", ["submit", "sweep"])

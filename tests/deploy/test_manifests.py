@@ -390,6 +390,7 @@ def test_disruptions_leave_an_api_a_dispatcher_and_the_ray_head_and_dispatchers_
             budget[rule[0]] == rule[1]
             and budget["selector"]["matchLabels"]["app.kubernetes.io/name"] in labels.values()
         )
+    assert budgets["pelt-redis"]["spec"]["minAvailable"] == 1  # the GCS state the head takes up
     head = budgets["pelt-ray-head"]["spec"]
     assert (
         head["minAvailable"] == 1

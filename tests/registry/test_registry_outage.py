@@ -22,11 +22,10 @@ from services.dispatcher.config import DispatcherConfig
 from services.dispatcher.dispatcher import Dispatcher
 from services.dispatcher.lease import RegistryLease
 from services.errors import classify
-from services.registry import Registry, RegistryUnavailableError
+from services.registry import JobStateError, Registry, RegistryUnavailableError
 from services.registry.db import call_through_outage, unavailable
 from services.registry.testing import FakeClock
 from tests.registry.test_registry_queue import submit
-from tests.workers.conftest import wait_for
 
 
 class ConnectionLost(Exception):
@@ -127,7 +126,7 @@ def test_an_attempt_ends_through_an_outage_of_less_than_a_lease(monkeypatch, sle
 def test_expired_leases_wait_a_grace_after_the_database_was_away(ready: Registry, clock: FakeClock) -> None:
     job_id = submit(ready)
     ready.claim_job("w1")  # a 60 s lease
-    ready.reap_grace_seconds = 0.5
+    ready.reap_grace_seconds = 3600  # the grace is ended by hand below: no race with a slow machine
 
     def lose(session) -> None:
         raise dropped_connection()
@@ -141,9 +140,10 @@ def test_expired_leases_wait_a_grace_after_the_database_was_away(ready: Registry
         event.remove(ready._write_sessions, "before_commit", lose)
     assert ready.requeue_expired_leases() == []  # the database just came back: the heartbeat goes first
     assert ready.heartbeat(job_id, "w1") is False  # and renews the lease
-    clock.advance(61)  # then the worker dies: past the grace, its job is taken back
-    taken = wait_for(lambda: ready.requeue_expired_leases(), 30, "the grace to end")
-    assert [job.id for job in taken] == [job_id]
+    clock.advance(61)  # then the worker dies
+    assert ready.requeue_expired_leases() == []  # within the grace
+    ready._reap_paused_until = 0.0  # the grace has passed: its job is taken back
+    assert [job.id for job in ready.requeue_expired_leases()] == [job_id]
 
 
 class FlakySink:
@@ -152,16 +152,11 @@ class FlakySink:
     def __init__(self) -> None:
         self.away = True
         self.settled: list[int] = []
-        self.reconciled: list[str] = []
 
     def finalize_job(self, task: str, job_id: int, registry: Registry) -> None:
         if self.away:
             raise ConnectionError("the MLflow server is restarting")
         self.settled.append(job_id)
-
-    def reconcile(self, task: str, registry: Registry) -> dict[str, str]:
-        self.reconciled.append(task)
-        return {}
 
     def store(self, *args, **kwargs):  # pragma: no cover - no job trains here
         raise AssertionError("not used")
@@ -171,8 +166,7 @@ def test_the_dispatcher_settles_again_what_the_store_could_not_and_resettles_rec
     ready: Registry, clock: FakeClock
 ) -> None:
     sink = FlakySink()
-    # the fake clock's jobs ended long ago in real time: a window that reaches them
-    dispatcher = Dispatcher(ready, sink, config=DispatcherConfig(resettle_seconds=3600 * 24 * 365 * 100))
+    dispatcher = Dispatcher(ready, sink)
     dispatcher._settle_sink("sst2", 5)  # the store is away: the job waits
     assert sink.settled == [] and dispatcher._unsettled == {5: "sst2"}
     sink.away = False
@@ -181,9 +175,37 @@ def test_the_dispatcher_settles_again_what_the_store_could_not_and_resettles_rec
 
     job_id = submit(ready)
     ready.claim_job("w1")
-    ready.fail_job(job_id, "w1", "a permanent error", retryable=False)  # ended now: its task is settled again
-    dispatcher._resettle_store()
-    assert sink.reconciled == ["sst2"]
+    ready.fail_job(job_id, "w1", "a permanent error", retryable=False)  # it ended within the last hour
+    clock.advance(3601)
+    old_job = submit(ready)
+    ready.claim_job("w1")
+    ready.fail_job(old_job, "w1", "a permanent error", retryable=False)
+    clock.advance(1800)  # the first job ended 90 minutes ago, the second 30
+    dispatcher._resettle_store()  # a new leader: what ended lately is settled again, a few per round
+    assert dispatcher._unsettled == {old_job: "sst2"}
+    dispatcher._settle_again()
+    assert sink.settled == [5, old_job] and dispatcher._unsettled == {}
+
+
+def test_a_job_the_store_never_settles_neither_blocks_the_others_nor_is_tried_forever(
+    ready: Registry,
+) -> None:
+    sink = FlakySink()
+    dispatcher = Dispatcher(ready, sink)
+    dispatcher._unsettled = {1: "sst2", 2: "sst2"}
+    calls: list[int] = []
+
+    def finalize(task: str, job_id: int, registry: Registry) -> None:
+        calls.append(job_id)
+        if job_id == 1:
+            raise ConnectionError("this one's versions cannot be read")
+
+    sink.finalize_job = finalize
+    dispatcher._settle_again()
+    assert dispatcher._unsettled == {1: "sst2"}  # the second settled, though the first failed
+    for _ in range(20):
+        dispatcher._settle_again()
+    assert dispatcher._unsettled == {} and calls.count(1) == 10  # left to `pelt mlflow reconcile`
 
 
 def test_a_dispatcher_whose_rounds_keep_failing_gives_up_the_lead_and_says_why(ready: Registry, monkeypatch):
@@ -208,6 +230,9 @@ def test_a_dispatcher_whose_rounds_keep_failing_gives_up_the_lead_and_says_why(r
 
 def test_a_dispatcher_never_gives_up_because_the_registry_was_away(ready: Registry) -> None:
     dispatcher = Dispatcher(ready, FlakySink(), config=DispatcherConfig(give_up_seconds=0.2))
-    dispatcher._failing_since = time.monotonic() - 3600  # failing for an hour, but for the database
+    dispatcher._failing_since = time.monotonic() - 3600  # failing for an hour, then the database went away
     assert dispatcher._given_up(RegistryUnavailableError("no connection")) is False
+    assert dispatcher._failing_since is None  # the outage does not count towards giving up
     assert dispatcher.broken is None and not dispatcher.stopped.is_set()
+    dispatcher._failing_since = time.monotonic() - 3600
+    assert dispatcher._given_up(JobStateError(7, "is cancelled")) is True  # any other registry error counts

@@ -63,7 +63,7 @@ def test_a_volume_the_service_cannot_write_is_refused_naming_what_is_wrong(tmp_p
     data = tmp_path / "volume"
     data.mkdir(mode=0o755)
     monkeypatch.setattr(filemodes.os, "geteuid", lambda: OTHER_UID)
-    monkeypatch.setattr(filemodes.os, "access", lambda path, how: False)
+    monkeypatch.setattr(filemodes.os, "access", lambda path, how, **ids: False)
     with pytest.raises(DataDirError) as error:
         secure_data_dir(data)
     message = str(error.value)

@@ -30,11 +30,15 @@ def health(operations: Operations, request: Request) -> Any:
 
 @router.get("/ready", response_model=ReadyOut, responses={503: {"model": ReadyOut}})
 def ready(operations: Operations) -> Any:
-    """Readiness without a token: 200 when the registry's database and the delta store answer now, else
-    503 with Retry-After saying which did not (no addresses; the reasons go to the service's log)."""
+    """Readiness without a token: 200 "ready" when the registry's database and the delta store answer now;
+    200 "degraded" when only the delta store does not (every route but the deltas' still works, so the API
+    stays in its Service's endpoints); 503 "not ready" with Retry-After when the database does not. No
+    addresses; the reasons go to the service's log."""
     answers = operations.readiness()
     body = ReadyOut(status="ready", **answers)
-    if all(answer in (None, "ok") for answer in answers.values()):
+    if answers["registry"] == "ok":
+        if answers["delta_store"] not in (None, "ok"):
+            body.status = "degraded"
         return body
     body.status = "not ready"
     headers = {"Retry-After": str(READY_RETRY_AFTER_SECONDS)}
