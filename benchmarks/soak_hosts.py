@@ -177,9 +177,10 @@ class Network:
 
 
 def session_members(leader: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of the session `leader` leads: what one container's process started."""
     members = []
     for process in psutil.process_iter(["status"]):
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
+        with contextlib.suppress(OSError, psutil.Error):
             if os.getsid(process.pid) == leader and process.info["status"] != psutil.STATUS_ZOMBIE:
                 members.append(process)
     return members

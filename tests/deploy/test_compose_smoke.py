@@ -77,6 +77,9 @@ from tests.postgres import postgres_url
 from tests.workers.conftest import LOAD_FACTOR, save_tiny_bert, toy_rows, wait_for
 from tests.workers.hold import Hold
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from soak_hosts import session_members  # the live processes of a session: one container's, however deep
+
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 LOOPBACK = "127.0.0.1"
@@ -407,16 +410,6 @@ def container_ports(compose: dict[str, Any]) -> set[tuple[str, int]]:
 
 
 # --- the processes ---------------------------------------------------------------------------------------
-
-
-def session_members(session: int) -> list[psutil.Process]:
-    """The live (not zombie) processes of a session: what one container's process started, however deep."""
-    members = []
-    for process in psutil.process_iter(["status"]):
-        with contextlib.suppress(OSError, psutil.Error):
-            if os.getsid(process.pid) == session and process.info["status"] != psutil.STATUS_ZOMBIE:
-                members.append(process)
-    return members
 
 
 @dataclass
