@@ -78,6 +78,7 @@ from workers.pack_runner import PackRunner
 
 log = logging.getLogger("pelt.workers")
 
+OUTAGE_LEASES = 2  # leases a worker trains on while the registry's database does not answer (`_gave_up`)
 # Errors that will happen again on any worker: the job fails at once, without a retry.
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     TrainingError,
@@ -244,13 +245,17 @@ class _Heartbeat(threading.Thread):
 
     def _gave_up(self, exc: Exception, report: dict[str, Any] | None, last_ok: float) -> bool:
         """A heartbeat did not get through: its loss points wait for the next one; past the lease, the
-        attempt stops as lease_lost (True)."""
+        attempt stops as lease_lost (True). While the registry's database is away (a ConnectionError: the
+        service's RegistryUnavailableError is one) it goes on for OUTAGE_LEASES leases: nobody can take the
+        job back meanwhile (the registry holds expired leases a grace after an outage), and a restart that
+        outlasts a lease then costs no attempt; where only this worker is cut off, the registry says
+        LeaseLost at its next heartbeat, or keeps one result if it completes first."""
         self.attempt.curve.restore((report or {}).get("losses") or [])
         silent = time.monotonic() - last_ok
         log.warning(
             "job %s: heartbeat failed (%s); %.0f s since the last one", self.attempt.job_id, exc, silent
         )
-        if silent > self.give_up_after:
+        if silent > self.give_up_after * (OUTAGE_LEASES if isinstance(exc, ConnectionError) else 1):
             self.attempt.stop("lease_lost", f"no heartbeat got through for {silent:.0f} s: {exc}")
             return True
         return False

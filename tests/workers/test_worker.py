@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ from pelt_core.devices import DeviceError, DeviceOutOfMemory
 from tests.workers.conftest import UNENDING, wait_for
 from workers.backbone_store import LocalBackbones
 from workers.job import JobSpec, LeaseLost, LocalDeltaSink, TaskSpec
-from workers.worker import PeltWorker, WorkerConfig
+from workers.worker import OUTAGE_LEASES, PeltWorker, WorkerConfig, _Heartbeat
 
 
 class RecordingLease:
@@ -170,6 +172,22 @@ def test_a_cancel_seen_at_heartbeat_stops_the_job_and_nothing_is_stored(
     assert lease.ends() == ["cancelled"]
     assert lease.reports[-1]["step"] < UNENDING
     assert not (tmp_path / "toy").exists()
+
+
+def test_heartbeats_that_fail_give_up_after_a_lease_or_after_two_while_the_registry_is_away():
+    stopped: list[str] = []
+    attempt = SimpleNamespace(
+        job_id=1,
+        curve=SimpleNamespace(restore=lambda points: None),
+        stop=lambda reason, detail: stopped.append(reason),
+    )
+    beat = _Heartbeat(RecordingLease(1), attempt, 1.0, 10.0)  # a 10 s lease
+    silent_for = lambda seconds: time.monotonic() - seconds  # noqa: E731 - when the last beat got through
+    away = ConnectionError("the registry's database did not answer")  # as RegistryUnavailableError is
+    assert beat._gave_up(away, None, silent_for(15)) is False  # past the lease, but the database is away
+    assert beat._gave_up(RuntimeError("a bug"), None, silent_for(15)) is True  # anything else: one lease
+    assert beat._gave_up(away, None, silent_for(10 * OUTAGE_LEASES + 5)) is True
+    assert stopped == ["lease_lost", "lease_lost"]
 
 
 def test_a_lost_lease_stops_the_job_and_records_nothing(worker, tiny_backbone, toy_data, tmp_path):
