@@ -525,15 +525,30 @@ def prepare(cluster: Cluster, client: Any, tasks: int) -> list[str]:
     return names
 
 
-class Submitter(threading.Thread):
-    """Submits sweeps of every method, one task and one seed each, until `jobs` are queued, as many as
-    `release` allowed so far; each with its own idempotency key, tried again (with the same key) while
-    the service is away. `sweep_ids`: what the API answered."""
+def sweep_plan(jobs: int, tasks: list[str], sweeps_at_least: int) -> list[tuple[str, int, list[str]]]:
+    """(task, seed, methods) of each sweep: the jobs are every method of one task and one seed, then the
+    next task or seed, cut into sweeps of at most five methods and, where `jobs` allow, at least
+    `sweeps_at_least` sweeps (one to release before each fault)."""
+    per_sweep = max(1, min(len(METHODS), jobs // max(1, sweeps_at_least)))
+    plan: list[tuple[str, int, list[str]]] = []
+    for first in range(0, jobs, len(METHODS)):
+        group = first // len(METHODS)
+        task, seed = tasks[group % len(tasks)], group // len(tasks)
+        methods = list(METHODS)[: jobs - first]
+        plan += [(task, seed, methods[at : at + per_sweep]) for at in range(0, len(methods), per_sweep)]
+    return plan
 
-    def __init__(self, client: Any, tasks: list[str], jobs: int, run: str) -> None:
+
+class Submitter(threading.Thread):
+    """Submits the sweeps of `sweep_plan`, as many as `release` allowed so far; each with its own
+    idempotency key, tried again (with the same key) while the service is away. `sweep_ids`: what the API
+    answered."""
+
+    def __init__(self, client: Any, tasks: list[str], jobs: int, run: str, sweeps_at_least: int = 1) -> None:
         super().__init__(name="submitter", daemon=True)
-        self.client, self.tasks, self.jobs, self.run_id = client, tasks, jobs, run
-        self.sweeps = (jobs + len(METHODS) - 1) // len(METHODS)
+        self.client, self.run_id = client, run
+        self.plan = sweep_plan(jobs, tasks, sweeps_at_least)
+        self.sweeps = len(self.plan)
         self.sweep_ids: list[int] = []
         self._allowed = 0
         self._changed = threading.Condition()
@@ -548,8 +563,7 @@ class Submitter(threading.Thread):
         for index in range(self.sweeps):
             with self._changed:
                 self._changed.wait_for(lambda index=index: index < self._allowed or self.stop.is_set())
-            task, seed = self.tasks[index % len(self.tasks)], index // len(self.tasks)
-            methods = list(METHODS)[: self.jobs - index * len(METHODS)]
+            task, seed, methods = self.plan[index]
             while not self.stop.is_set():
                 try:
                     sweep = self.client.sweep(
@@ -748,15 +762,17 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         kinds = args.only or list(FAULTS)
         planned = [kind for kind in kinds for _ in range(args.faults_per_kind)]
         rng.shuffle(planned)
-        submitter = Submitter(client, tasks, args.jobs, secrets.token_hex(4))
+        submitter = Submitter(
+            client, tasks, args.jobs, secrets.token_hex(4), sweeps_at_least=len(planned) + 1
+        )
         submitter.start()
-        chunk = -(-submitter.sweeps // (len(planned) + 1))  # a share of the sweeps before each fault
+        chunk = max(1, submitter.sweeps // (len(planned) + 1))  # a share of the sweeps before each fault
         faults = Faults(cluster, registry, rng)
         deadline = soak_started + args.max_minutes * 60
         while planned and time.monotonic() < deadline:
             submitter.release(chunk)
             with contextlib.suppress(TimeoutError):  # jobs run while the fault strikes
-                wait_until(lambda: client.jobs(status="running", limit=1), 60, "a running job")
+                wait_until(lambda: client.jobs(status="running", limit=1), 30, "a running job")
             time.sleep(rng.uniform(0.5, args.fault_delay))
             kind = planned[0]
             try:
