@@ -394,9 +394,7 @@ class Faults:
         if service is None:
             return None
         started = time.monotonic()
-        with self.cluster.holding(service.name):
-            service.stop(signal.SIGKILL)
-            service.start()  # it comes back as the standby
+        self._restart(service.name, signal.SIGKILL)  # it comes back as the standby
         wait_until(
             lambda: (now := self.registry.leader("pelt")) is not None and now.holder != leader.holder,
             120,
@@ -413,25 +411,28 @@ class Faults:
         self.cluster.net.link(host, up=True)
         return f"{host} cut for {seconds:.0f} s"
 
-    def restart_worker_host(self) -> str:
-        service = self.cluster.services["ray-w2"]
-        with self.cluster.holding(service.name):
-            service.stop(signal.SIGKILL)
-            time.sleep(2)
+    def _restart(self, name: str, sig: signal.Signals, pause: float = 0.0, between: Any = None) -> None:
+        """Stop a service with `sig` (SIGKILL for what is left after a while), `between()` if given, and
+        start it again after `pause` s; the supervisor leaves it alone meanwhile."""
+        service = self.cluster.services[name]
+        with self.cluster.holding(name):
+            service.stop(sig)
+            if between is not None:
+                between()
+            time.sleep(pause)
             service.start()
-        self.cluster.wait_ray_node(service.name)
+
+    def restart_worker_host(self) -> str:
+        self._restart("ray-w2", signal.SIGKILL, pause=2)
+        self.cluster.wait_ray_node("ray-w2")
         return "ray-w2 killed and started"
 
     def restart_ray_head(self) -> str:
-        service = self.cluster.services["ray-head"]
-        with self.cluster.holding(service.name):
-            service.stop(signal.SIGKILL)
-            # as a new head pod would: no record of the last cluster (`ray start --head` would take the
-            # other hosts' processes, which it sees here, for a head still running at its address)
-            (self.cluster.work / "ray" / "ray-head" / "ray_current_cluster").unlink(missing_ok=True)
-            time.sleep(2)
-            service.start()
-        self.cluster.wait_ray_node(service.name)
+        # as a new head pod would: no record of the last cluster (`ray start --head` would take the other
+        # hosts' processes, which it sees here, for a head still running at its address)
+        record = self.cluster.work / "ray" / "ray-head" / "ray_current_cluster"
+        self._restart("ray-head", signal.SIGKILL, pause=2, between=lambda: record.unlink(missing_ok=True))
+        self.cluster.wait_ray_node("ray-head")
         return "SIGKILL and start (its GCS state in Redis)"
 
     def restart_postgres(self) -> str:
@@ -447,18 +448,12 @@ class Faults:
         return f"{mode} shutdown"
 
     def restart_mlflow(self) -> str:
-        service = self.cluster.services["mlflow"]
-        with self.cluster.holding(service.name):
-            service.stop(signal.SIGKILL)
-            service.start()
+        self._restart("mlflow", signal.SIGKILL)
         self.cluster.wait_mlflow()
         return "SIGKILL and start"
 
     def restart_api(self) -> str:
-        service = self.cluster.services["api"]
-        with self.cluster.holding(service.name):
-            service.stop(signal.SIGTERM)
-            service.start()
+        self._restart("api", signal.SIGTERM)
         self.cluster.wait_api()
         return "SIGTERM and start"
 

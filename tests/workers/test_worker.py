@@ -20,9 +20,10 @@ from pelt_core.delta import load_delta
 from pelt_core.delta_format import read_manifest
 from pelt_core.devices import DeviceError, DeviceOutOfMemory
 from tests.workers.conftest import UNENDING, wait_for
+from workers.attempt import OUTAGE_LEASES, Heartbeat
 from workers.backbone_store import LocalBackbones
 from workers.job import JobSpec, LeaseLost, LocalDeltaSink, TaskSpec
-from workers.worker import OUTAGE_LEASES, PeltWorker, WorkerConfig, _Heartbeat
+from workers.worker import PeltWorker, WorkerConfig
 
 
 class RecordingLease:
@@ -181,7 +182,7 @@ def test_heartbeats_that_fail_give_up_after_a_lease_or_after_two_while_the_regis
         curve=SimpleNamespace(restore=lambda points: None),
         stop=lambda reason, detail: stopped.append(reason),
     )
-    beat = _Heartbeat(RecordingLease(1), attempt, 1.0, 10.0)  # a 10 s lease
+    beat = Heartbeat(RecordingLease(1), attempt, 1.0, 10.0)  # a 10 s lease
     silent_for = lambda seconds: time.monotonic() - seconds  # noqa: E731 - when the last beat got through
     away = ConnectionError("the registry's database did not answer")  # as RegistryUnavailableError is
     assert beat._gave_up(away, None, silent_for(15)) is False  # past the lease, but the database is away
@@ -450,7 +451,7 @@ def test_a_job_shorter_than_a_heartbeat_reports_step_n_of_n_its_last_loss_and_it
 
 
 def test_the_loss_curve_keeps_at_most_256_even_points_each_the_mean_of_its_steps() -> None:
-    from workers.worker import LossCurve
+    from workers.loss_curve import LossCurve
 
     long, short = LossCurve(), LossCurve()
     for step in range(1, 1001):
