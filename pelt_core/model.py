@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from pelt_core.backbones import Backbone
 from pelt_core.dropout import JobDropout
 from pelt_core.layers import Bottleneck, DenseDelta, Gate, NormDelta, PrefixEncoder, PrefixParams
 from pelt_core.limits import LimitError, check_against_backbone
+from pelt_core.methods.fusion import FusionLayer, freeze_sources
 from pelt_core.predictions import Text, check_text_form, decode_predictions, evaluating, tokenize_texts
 from pelt_core.runtime import Route, get_runtime
 from pelt_core.spec import WEIGHT_REPRESENTATIONS, MethodSpec, SpecError
@@ -128,6 +129,8 @@ class LinearOps:
     parallel_x: list[Bottleneck]  # Δh from the linear map's own input (LoRA)
     parallel_sub: list[Bottleneck]  # Δh from the sub-layer's input (parallel adapters)
     sequential: list[Bottleneck]  # Δh from h itself (Houlsby/Pfeiffer adapters)
+    fusion: FusionLayer | None = None  # AdapterFusion: an attention over `fused`'s outputs replaces their sum
+    fused: list[Bottleneck] = field(default_factory=list)  # the adapters it attends over, in the spec's order
 
 
 # --------------------------------------------------------------------------------------------------
@@ -233,6 +236,11 @@ class JobDelta(nn.Module):
                     )
                     kind = DenseDelta if spec.form == "dense" else Bottleneck
                     self._site(i, key)[role] = kind(spec, d_in, linear.out_features)
+        if method.fusion is not None:  # one attention per sub-layer that holds the fused adapters
+            for sites in self.layers.values():
+                for site_key in list(sites):
+                    sites[site_key]["fusion"] = FusionLayer(d)
+            freeze_sources(self)
         if method.bias:
             for i in all_layers:
                 for concrete in arch.linear_paths:
@@ -266,6 +274,11 @@ class JobDelta(nn.Module):
                     continue
                 if site_key.startswith("norm_"):
                     self.norm_ops[(i, site_key[5:])] = modules["norm"]
+                    continue
+                if "fusion" in modules:
+                    ops = self._ops(i, arch.sublayer_output(site_key))
+                    ops.fusion = modules["fusion"]
+                    ops.fused = [module for role, module in modules.items() if role != "fusion"]
                     continue
                 for module in modules.values():
                     if isinstance(module, BiasDelta):
@@ -302,6 +315,9 @@ class JobDelta(nn.Module):
             out = out + module(sub_x)
         for module in ops.sequential:
             out = out + module(out)
+        if ops.fusion is not None:
+            outputs = [module(sub_x if module.spec.insertion == "parallel" else out) for module in ops.fused]
+            out = out + ops.fusion(out, outputs)
         return out
 
     def begin_forward(self) -> None:
@@ -500,7 +516,7 @@ class PeltModel(nn.Module):
             "pelt_", ""
         )
         for (layer, concrete), ops in delta.linear_ops.items():
-            if ops.parallel_sub or ops.sequential:
+            if ops.parallel_sub or ops.sequential or ops.fusion is not None:
                 raise ValueError("adapters do not fold into dense weights; only LoRA-style deltas do")
             linear = merged.get_submodule(self.backbone.linear_path(layer, concrete))
             for module in ops.parallel_x:

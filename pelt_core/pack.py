@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from pelt_core.data import (
     sample_study_split,
 )
 from pelt_core.devices import DeviceOutOfMemory, free_cached_memory, is_out_of_memory, reset_peak_memory
+from pelt_core.methods.fusion import value_penalty
 from pelt_core.metrics import DEFAULT_METRIC, compute_metrics
 from pelt_core.model import JobDelta, PeltModel
 from pelt_core.spec import MethodSpec
@@ -168,10 +169,12 @@ class Pack:
         should_stop: Callable[[], bool] | None = None,
         on_epoch_end: Callable[[dict[str, Any]], None] | None = None,
         metric: str | None = None,
+        sources: Mapping[str, JobDelta] | None = None,
     ) -> PackMember:
         """Add a job; it trains from the next step. Raises (ConfigError, DataError, SpecError, ...) for a
         job that cannot start; the pack is unchanged then. `metric`: what the protocol (`dev_rows`)
-        selects the best checkpoint by (None: the problem type's default)."""
+        selects the best checkpoint by (None: the problem type's default). `sources`: a fusion's source
+        deltas by sha256 (`pelt_core.methods.fusion`)."""
         config = config or TrainConfig()
         config.validate()
         use_bf16 = wants_bf16(config, self.backbone)
@@ -189,7 +192,7 @@ class Pack:
             selection = Selection(metric or DEFAULT_METRIC[task.problem_type], config.patience)
         else:
             train_data = sample_k_shot(train_data, config.k_shot, config.seed)
-        delta = new_delta(self.backbone, method, task, config).to(self.device)
+        delta = new_delta(self.backbone, method, task, config, sources).to(self.device)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed + DROPOUT_SEED_OFFSET)
         delta.use_generator(generator)
@@ -310,10 +313,12 @@ class Pack:
         self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]
     ) -> list[tuple[PackMember, torch.Tensor]]:
         """Each member's loss on its own rows, from one backbone forward of all their rows."""
-        return [
-            (member, loss_fn(member.task.problem_type, logits, member.delta.head.standardized(labels)))
-            for member, logits, labels in self._routed_forward(batches)
-        ]
+        losses = []
+        for member, logits, labels in self._routed_forward(batches):
+            loss = loss_fn(member.task.problem_type, logits, member.delta.head.standardized(labels))
+            penalty = value_penalty(member.delta)  # a fusion's λ‖I − V‖²; None for every other method
+            losses.append((member, loss if penalty is None else loss + penalty))
+        return losses
 
     def _routed_forward(
         self, batches: list[tuple[PackMember, dict[str, torch.Tensor]]]

@@ -18,6 +18,10 @@ two extras the dimensions do not cover (BitFit's bias deltas and trainable Layer
     composition         `composition`: "add" (h + Δh), "scaled" (h + s·Δh, s fixed or learned),
                           "gated" ((1-λ)h + λΔh: prefix tuning's attention-weighted mixture)
 
+`fusion` (a `FusionSpec`) adds AdapterFusion's learned composition across modules: at each sub-layer where the
+method's adapters sit, an attention over their outputs replaces their sum (`pelt_core.methods.fusion`); the
+modules that came from other tasks' stored deltas are frozen and the spec names their sources.
+
 `gate=True` adds UniPELT's learned gate G = σ(W_g x + b_g) on top of a module's own composition.
 `lr_multiplier` trains a module at that multiple of the job's learning rate (its own AdamW parameter group,
 on the job's schedule): a mixture's modules can learn at their own presets' rates, and a sweep of the job's
@@ -160,6 +164,111 @@ class ModuleSpec:
 
 
 @dataclass(frozen=True)
+class FusionSource:
+    """One stored delta whose adapters a fusion holds, frozen: its task, version, sha256 and method, and
+    which of the fusion's module roles came from which of its own roles."""
+
+    task: str
+    sha256: str
+    method: str
+    roles: dict[str, str]  # the fusion's role -> the source delta's role
+    version: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "version": self.version,
+            "sha256": self.sha256,
+            "method": self.method,
+            "roles": dict(self.roles),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> FusionSource:
+        if not isinstance(data, dict):
+            raise SpecError(f"{where}: expected an object, got {type(data).__name__}")
+        known = {"task", "version", "sha256", "method", "roles"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(
+                f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        for name in ("task", "sha256", "method"):
+            if not isinstance(data.get(name), str) or not data[name]:
+                raise SpecError(f"{where}.{name}: a non-empty string is required")
+        version = data.get("version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise SpecError(f"{where}.version: an integer or null, got {version!r}")
+        roles = data.get("roles")
+        if (
+            not isinstance(roles, dict)
+            or not roles
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in roles.items())
+        ):
+            raise SpecError(f"{where}.roles: an object of fusion role -> source role is required")
+        return cls(data["task"], data["sha256"], data["method"], dict(roles), version)
+
+
+@dataclass(frozen=True)
+class FusionSpec:
+    """AdapterFusion (Pfeiffer et al., EACL 2021) over a method's modules: per sub-layer, an attention with
+    query from the sub-layer's output and keys and values from each adapter's output replaces their sum;
+    `regularization` is λ of the paper's penalty λ‖I − V‖² that keeps the value matrices near identity."""
+
+    sources: tuple[FusionSource, ...] = ()
+    regularization: float = 0.01
+
+    @property
+    def frozen_roles(self) -> frozenset[str]:
+        """The roles loaded from sources (not trained by the fusion job)."""
+        return frozenset(role for source in self.sources for role in source.roles)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sources": [source.to_dict() for source in self.sources],
+            "regularization": self.regularization,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> FusionSpec:
+        if not isinstance(data, dict):
+            raise SpecError(f"{where}: expected an object, got {type(data).__name__}")
+        unknown = sorted(set(data) - {"sources", "regularization"})
+        if unknown:
+            raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; known: regularization, sources")
+        sources = data.get("sources", [])
+        if not isinstance(sources, list):
+            raise SpecError(f"{where}.sources: expected a list")
+        regularization = data.get("regularization", 0.01)
+        if isinstance(regularization, bool) or not isinstance(regularization, int | float):
+            raise SpecError(f"{where}.regularization: expected a number, got {regularization!r}")
+        return cls(
+            tuple(FusionSource.from_dict(s, f"{where}.sources[{i}]") for i, s in enumerate(sources)),
+            float(regularization),
+        )
+
+
+def fusion_refusal(module: ModuleSpec) -> str | None:
+    """Why AdapterFusion cannot attend over this module's output (None: it can). Fusion needs one output per
+    module at one sub-layer: a bottleneck adapter on a sub-layer's output, sequential or parallel, ungated."""
+    if module.form == "prefix":
+        return (
+            "a prefix changes the attention's keys and values inside every head, so it has no output of its "
+            "own at a sub-layer to attend over"
+        )
+    if module.representation in WEIGHT_REPRESENTATIONS:
+        return (
+            f"it modifies the weight matrix {module.representation} inside a sub-layer (LoRA-style), so it has "
+            "no output of its own at a sub-layer to attend over"
+        )
+    if module.form != "bottleneck":
+        return f"form {module.form!r} is not a bottleneck adapter"
+    if module.gate:
+        return "a gated module's output already mixes with the others by its own gate (UniPELT)"
+    return None
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """A named PELT method: modification modules plus BitFit bias deltas and trainable LayerNorms."""
 
@@ -170,6 +279,7 @@ class MethodSpec:
     description: str = ""
     reference: str = ""
     defaults: dict[str, Any] = field(default_factory=dict)
+    fusion: FusionSpec | None = None
 
     def validate(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -187,6 +297,36 @@ class MethodSpec:
         prefixes = [r for r, m in self.modules.items() if m.form == "prefix"]
         if len(prefixes) > 1:
             raise SpecError(f"{self.name}.modules: at most one prefix module, got {', '.join(prefixes)}")
+        if self.fusion is not None:
+            self._validate_fusion(self.fusion)
+
+    def _validate_fusion(self, fusion: FusionSpec) -> None:
+        where = f"{self.name}.fusion"
+        if self.bias or self.layer_norm:
+            raise SpecError(
+                f"{where}: a fusion trains no bias or LayerNorm deltas (they would change the shared norms for "
+                "every adapter it attends over); set bias and layer_norm to false"
+            )
+        if len(self.modules) < 2:
+            raise SpecError(
+                f"{where}: AdapterFusion attends over two or more adapters, got {len(self.modules)}"
+            )
+        for role, module in self.modules.items():
+            reason = fusion_refusal(module)
+            if reason is not None:
+                raise SpecError(f"{self.name}.modules.{role}: AdapterFusion cannot use this module: {reason}")
+        seen: set[str] = set()
+        for index, source in enumerate(fusion.sources):
+            for role in source.roles:
+                if role not in self.modules:
+                    raise SpecError(
+                        f"{where}.sources[{index}].roles: {role!r} is not a module of {self.name!r}"
+                    )
+                if role in seen:
+                    raise SpecError(f"{where}.sources[{index}].roles: {role!r} comes from two sources")
+                seen.add(role)
+        if not 0.0 <= fusion.regularization <= 10.0 or fusion.regularization != fusion.regularization:
+            raise SpecError(f"{where}.regularization: must be within [0, 10], got {fusion.regularization}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -197,6 +337,8 @@ class MethodSpec:
             "description": self.description,
             "reference": self.reference,
             "defaults": dict(self.defaults),
+            # absent unless set, so every spec written before fusion existed reads and writes the same
+            **({"fusion": self.fusion.to_dict()} if self.fusion is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -206,7 +348,7 @@ class MethodSpec:
     def from_dict(cls, data: dict[str, Any]) -> MethodSpec:
         if not isinstance(data, dict):
             raise SpecError(f"method: expected an object, got {type(data).__name__}")
-        known = {"name", "modules", "bias", "layer_norm", "description", "reference", "defaults"}
+        known = {"name", "modules", "bias", "layer_norm", "description", "reference", "defaults", "fusion"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise SpecError(
@@ -226,6 +368,11 @@ class MethodSpec:
             description=data.get("description", ""),
             reference=data.get("reference", ""),
             defaults=dict(data.get("defaults", {})),
+            fusion=(
+                FusionSpec.from_dict(data["fusion"], f"{name}.fusion")
+                if data.get("fusion") is not None
+                else None
+            ),
         )
         spec.validate()
         return spec

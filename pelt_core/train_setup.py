@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ from pelt_core.backbones import Backbone
 from pelt_core.config import ConfigError, TrainConfig
 from pelt_core.data import DataError, Encoded, TaskFields, encode
 from pelt_core.limits import LimitError, check_train_steps, fitted_max_length
+from pelt_core.methods.fusion import fusion_weights, load_sources
 from pelt_core.model import JobDelta
 from pelt_core.spec import MethodSpec
 from pelt_core.vocabulary import canonical_metric, metric_direction
@@ -67,6 +68,7 @@ class TrainResult:
     parameter_counts: dict[str, int] = field(default_factory=dict)
     trainable_percent: float = 0.0
     gate_values: dict[str, float] = field(default_factory=dict)
+    fusion_weights: dict[str, float] = field(default_factory=dict)  # a fusion's mean attention per adapter
     bf16: bool = False
 
 
@@ -99,8 +101,15 @@ def loss_fn(problem_type: str, logits: torch.Tensor, labels: torch.Tensor) -> to
 # --------------------------------------------------------------------------------------------------
 # Set-up and accounting around the loop
 # --------------------------------------------------------------------------------------------------
-def new_delta(backbone: Backbone, method: MethodSpec, task: TaskFields, config: TrainConfig) -> JobDelta:
-    """The job's freshly initialised modules and head (seeded by `config.seed`), on the CPU."""
+def new_delta(
+    backbone: Backbone,
+    method: MethodSpec,
+    task: TaskFields,
+    config: TrainConfig,
+    sources: Mapping[str, JobDelta] | None = None,
+) -> JobDelta:
+    """The job's freshly initialised modules and head (seeded by `config.seed`), on the CPU; a fusion's
+    frozen adapters copied from `sources` (its source deltas by sha256, `pelt_core.methods.fusion`)."""
     pooling = config.pooling if config.pooling != "auto" else ("last" if backbone.arch.is_decoder else "mean")
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):  # jobs set up in several threads: each by its seed
         torch.manual_seed(config.seed)
@@ -114,6 +123,10 @@ def new_delta(backbone: Backbone, method: MethodSpec, task: TaskFields, config: 
             task.label_names,
         )
     delta.text_fields = tuple(task.text_fields)  # kept in its manifest: pairs in, pairs at prediction
+    if method.fusion is not None:
+        load_sources(delta, sources or {})
+    elif sources:
+        raise ConfigError(f"method {method.name!r} is not a fusion: it takes no source deltas")
     return delta
 
 
@@ -270,5 +283,6 @@ def finished_result(
         parameter_counts=counts,
         trainable_percent=100.0 * counts["pelt"] / backbone.num_parameters,
         gate_values=delta.gate_values(),
+        fusion_weights=fusion_weights(delta),
         bf16=bf16,
     )

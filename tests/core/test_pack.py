@@ -48,7 +48,14 @@ def job(method: str, index: int) -> dict:
 
 
 def train_alone(backbone, spec: dict):
-    return train(backbone, spec["method"], spec["train_data"], spec["eval_data"], spec["config"])
+    return train(
+        backbone,
+        spec["method"],
+        spec["train_data"],
+        spec["eval_data"],
+        spec["config"],
+        sources=spec.get("sources"),
+    )
 
 
 def run_pack(backbone, specs: list[dict], join_at: dict[int, int] | None = None):

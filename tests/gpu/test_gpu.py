@@ -150,3 +150,28 @@ def test_a_prediction_replica_on_the_gpu_answers_mixed_methods_as_one_on_the_cpu
         assert [row["score"] for row in answer["rows"]] == pytest.approx(
             [row["score"] for row in reference["rows"]], abs=1e-4
         )
+
+
+def test_a_fusion_on_the_gpu_trains_in_a_mixed_pack_as_alone_and_under_bf16_autocast(on_gpu):
+    """CPU counterpart: tests/core/test_fusion.py (the pack and the frozen sources)."""
+    from tests.core.test_fusion import CONFIG, rows, sha, source_delta, two_source_fusion
+
+    backbone = on_gpu()
+    sources = {sha(1): source_delta(backbone, 1), sha(2): source_delta(backbone, 2)}
+    fusion = {
+        "method": two_source_fusion(own_adapter=True),
+        "train_data": rows(24, 0),
+        "eval_data": rows(8, 1),
+        "config": TrainConfig(**CONFIG),
+        "sources": sources,
+    }
+    alone = train_alone(backbone, fusion)
+    packed, _ = run_pack(backbone, [fusion, job("lora", 1)])
+    assert packed.error is None
+    assert_same_delta(packed.result, alone, learning_rate=CONFIG["learning_rate"])
+    assert packed.result.device.startswith("cuda:")
+
+    autocast = fusion | {"config": TrainConfig(**{**CONFIG, "bf16": "true"})}
+    result = train_alone(backbone, autocast)
+    assert result.bf16 and math.isfinite(result.metrics["loss"])
+    assert sum(result.fusion_weights.values()) == pytest.approx(1.0, abs=1e-3)
