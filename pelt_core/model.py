@@ -393,7 +393,9 @@ class JobDelta(nn.Module):
 
     def parameter_counts(self) -> dict[str, int]:
         """Parameter counts: `pelt` = what a saved delta keeps (modules, gates, prefixes, bias and norm
-        deltas), `head`, `reparam` = training-only prefix MLP, `trainable` = what the optimizer sees now."""
+        deltas), `frozen` = the part of it a fusion holds from its sources and does not train, `trained` =
+        `pelt` less `frozen`, `head`, `reparam` = training-only prefix MLP, `trainable` = what the optimizer
+        sees now."""
         reparam = sum(p.numel() for p in self.prefix_encoders.parameters())
         head = sum(p.numel() for p in self.head.parameters())
         pelt = sum(p.numel() for p in self.layers.parameters())
@@ -404,7 +406,15 @@ class JobDelta(nn.Module):
             if prefix.params is None
         )
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        return {"pelt": pelt, "head": head, "reparam": reparam, "trainable": trainable}
+        frozen = sum(p.numel() for p in self.layers.parameters() if not p.requires_grad)
+        return {
+            "pelt": pelt,
+            "frozen": frozen,
+            "trained": pelt - frozen,
+            "head": head,
+            "reparam": reparam,
+            "trainable": trainable,
+        }
 
     def gate_values(self) -> dict[str, float]:
         """Mean UniPELT gate value per module role in the last forward, over layers (empty without gates)."""

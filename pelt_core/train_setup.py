@@ -281,7 +281,7 @@ def finished_result(
         job_memory_bytes=job_memory_bytes(delta, optimizer),
         device=device_label(device),
         parameter_counts=counts,
-        trainable_percent=100.0 * counts["pelt"] / backbone.num_parameters,
+        trainable_percent=100.0 * counts["trained"] / backbone.num_parameters,  # a fusion's sources left out
         gate_values=delta.gate_values(),
         fusion_weights=fusion_weights(delta),
         bf16=bf16,

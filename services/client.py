@@ -290,6 +290,39 @@ class PeltClient(LeaderboardsClient, SearchesClient):
         }
         return JobOut.model_validate(self._post("/v1/jobs", body, repeatable=True))
 
+    def fuse(
+        self,
+        task: str,
+        sources: Sequence[str],
+        *,
+        own_adapter: bool = False,
+        backbone: str | None = None,
+        hyperparameters: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        k_shot: int | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+        device: str = "any",
+    ) -> JobOut:
+        """Queue an AdapterFusion job: learn, for `task`, how to combine the stored adapters `sources`
+        ("sst2" for its best, "sst2@best-pfeiffer", "sst2/3"), frozen; `own_adapter` trains the task's own
+        adapter alongside. A job like any other (wait, cancel, its delta pulled by task name)."""
+        body = {
+            "task": task,
+            "sources": list(sources),
+            "own_adapter": own_adapter,
+            "backbone": backbone,
+            "hyperparameters": dict(hyperparameters or {}),
+            "seed": seed,
+            "k_shot": k_shot,
+            "priority": priority,
+            "max_attempts": max_attempts,
+            "idempotency_key": idempotency_key or f"client-{uuid.uuid4().hex}",
+            **_placement(device),
+        }
+        return JobOut.model_validate(self._post("/v1/fusions", body, repeatable=True))
+
     def sweep(
         self,
         task: str,

@@ -264,7 +264,7 @@ class PeltOperations:
     ) -> JobRecord:
         """Queue one job (`Registry.submit_job`); `device`: any, cpu or gpu, where it may run."""
         self.registry.get_task(task)  # unknown task: that error first, before any backbone is loaded
-        self.registry.get_method(method)
+        self._get_method_to_run(method)
         check_json_numbers(hyperparameters)  # a JSON request's numbers are numbers, never text to parse
         check_device(device)  # before ensure_backbone, which may register a packaged backbone
         self.ensure_backbone(backbone)
@@ -279,6 +279,15 @@ class PeltOperations:
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
             device=device,
+        )
+
+    def submit_fusion(self, task: str, sources: Sequence[str], **options: Any) -> JobRecord:
+        """Queue an AdapterFusion job on `task` over stored adapters (`services.fusing.submit_fusion`: the
+        options, and what is checked before the job is written)."""
+        from services.fusing import submit_fusion
+
+        return submit_fusion(
+            self.registry, self._store(), self.settings.data_dir / SCRATCH_DIR, task, sources, **options
         )
 
     def submit_sweep(
@@ -360,12 +369,20 @@ class PeltOperations:
         JSON's, its device one of the known."""
         self.registry.get_task(task)
         for method in methods:
-            self.registry.get_method(method)
+            self._get_method_to_run(method)
         check_json_numbers(hyperparameters)
         for values in (method_hyperparameters or {}).values():
             check_json_numbers(values)
         check_device(device)
         self.ensure_backbone(backbone)
+
+    def _get_method_to_run(self, method: str) -> None:
+        """A method a job or sweep may name: a known one, and not `fusion` (its jobs name their sources)."""
+        from services.registry.presets import FUSION, FUSION_HOW
+
+        if method == FUSION:
+            raise RegistryValidationError("method", FUSION_HOW)
+        self.registry.get_method(method)
 
     def get_job(self, job_id: int) -> JobRecord:
         return self.registry.get_job(job_id)

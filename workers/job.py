@@ -5,7 +5,8 @@ Workers never import the service layer. The dispatcher (in services/) gives each
   training config, backbone to load);
 - a `JobLease`: heartbeat + progress + cancel flag, and the calls that end the attempt (complete, fail,
   cancelled, release), backed by the registry;
-- a `DeltaSink`: where the trained delta goes (MLflow in the service; a local folder by default).
+- a `DeltaSink`: where the trained delta goes (MLflow in the service; a local folder by default), and
+  where an AdapterFusion job's source deltas come from (`DeltaSource.fetch`).
 
 The worker ends every attempt itself through its lease, so a job's outcome is recorded even when the
 dispatcher that handed it out is gone; what it returns (`JobOutcome`) only tells the dispatcher that
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from pelt_core.delta_format import DELTA_FILE, sha256_file
+from pelt_core.delta_format import DELTA_FILE, DeltaError, sha256_file
 from pelt_core.limits import MAX_DATASET_BYTES
 
 
@@ -133,6 +134,14 @@ class DeltaSink(Protocol):
     ) -> StoredDelta: ...
 
 
+class DeltaSource(Protocol):
+    """A sink that can also hand back a stored delta: what an AdapterFusion job's sources come from."""
+
+    def fetch(self, task: str, version: int | None, sha256: str, dest: Path) -> Path:
+        """Download the delta stored as `task`'s `version` (the one whose file has `sha256` when `version` is
+        None) into `dest` and return its folder; an error naming it when none matches `sha256`."""
+
+
 class LocalDeltaSink:
     """Keeps deltas in `<root>/<task>/job-<id>/` (the default when no MLflow store is configured)."""
 
@@ -148,3 +157,11 @@ class LocalDeltaSink:
         shutil.copytree(delta_dir, target)
         (target / "history.json").write_text(json.dumps(history, indent=2))
         return StoredDelta(uri=target.resolve().as_uri(), sha256=sha256_file(target / DELTA_FILE))
+
+    def fetch(self, task: str, version: int | None, sha256: str, dest: Path) -> Path:
+        """The delta of `task` whose file has `sha256` (this sink keeps no version numbers), copied to `dest`."""
+        for folder in sorted((self.root / task).glob("job-*")):
+            if (folder / DELTA_FILE).is_file() and sha256_file(folder / DELTA_FILE) == sha256:
+                shutil.copytree(folder, dest)
+                return dest
+        raise DeltaError(f"no stored delta of task {task!r} has sha256 {sha256[:12]}… under {self.root}")

@@ -58,6 +58,7 @@ class PackRunner:
         progress=None,
         should_stop=None,
         metric=None,
+        sources=None,
     ):
         """Train one job in this runner's pack and wait for it: `pelt_core.train.train`'s contract."""
         entry = _Entry(
@@ -70,6 +71,7 @@ class PackRunner:
                 "progress": progress,
                 "should_stop": should_stop,
                 "metric": metric,
+                "sources": sources,
             }
         )
         with self._lock:

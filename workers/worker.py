@@ -64,7 +64,7 @@ from typing import Any
 from pelt_core.backbones import Backbone, BackboneError, resolve_backbone
 from pelt_core.config import ConfigError, TrainConfig
 from pelt_core.data import DataError, TaskFields, hold_out_dev_split, load_split
-from pelt_core.delta import save_delta
+from pelt_core.delta import load_delta, save_delta
 from pelt_core.delta_format import DeltaError
 from pelt_core.devices import DeviceOutOfMemory
 from pelt_core.limits import MemoryBudgetError
@@ -417,16 +417,21 @@ class PeltWorker:
                 self.memory_check.check(job, config, backbone.facts)
             if should_stop():
                 raise TrainingCancelled("stopped before training")
-            result = trainer(
-                spec,
-                train_data,
-                eval_data,
-                config,
-                task=fields,
-                progress=attempt.report,
-                should_stop=should_stop,
-                metric=task.metric,
-            )
+            with tempfile.TemporaryDirectory(
+                prefix=f"pelt-job-{job.job_id}-sources-", dir=self.config.work_dir
+            ) as tmp:
+                sources = fusion_sources(spec, sink, backbone, Path(tmp)) if spec.fusion is not None else None
+                result = trainer(
+                    spec,
+                    train_data,
+                    eval_data,
+                    config,
+                    task=fields,
+                    progress=attempt.report,
+                    should_stop=should_stop,
+                    metric=task.metric,
+                    sources=sources,
+                )
             stored = self._store(job, sink, result, backbone)
         return result, backbone, stored
 
@@ -499,6 +504,19 @@ class PeltWorker:
                 warm.free.append(backbone)  # dropped with `warm` if it left the cache meanwhile
 
 
+def fusion_sources(spec: Any, sink: DeltaSink, backbone: Backbone, folder: Path) -> dict[str, Any]:
+    """An AdapterFusion job's source deltas, by the sha256 its spec records: each fetched from the sink
+    and loaded onto the job's backbone, its file checked against that sha256 (a DeltaError otherwise)."""
+    fetch = getattr(sink, "fetch", None)
+    if fetch is None:
+        raise DeltaError(f"this worker's delta sink ({type(sink).__name__}) cannot hand back stored deltas")
+    loaded = {}
+    for index, source in enumerate(spec.fusion.sources):
+        path = fetch(source.task, source.version, source.sha256, folder / f"source-{index}")
+        loaded[source.sha256] = load_delta(path, backbone, expected_sha256=source.sha256)
+    return loaded
+
+
 def _import_eagerly() -> None:
     """Import what jobs use before they run in threads: transformers resolves its names lazily on first
     access, and two threads doing that at once can see a half-initialised module ("module 'transformers'
@@ -521,7 +539,7 @@ def result_fields(result: Any, backbone: Backbone) -> dict[str, Any]:
     return {
         "metrics": _finite_dict(result.metrics),
         "dev_metrics": _finite_dict(result.dev_metrics) if result.dev_metrics else None,
-        "trainable_params": int(result.parameter_counts["pelt"]),
+        "trainable_params": int(result.parameter_counts["trained"]),  # a fusion's frozen sources left out
         "total_params": int(backbone.num_parameters),
         "trainable_percent": float(result.trainable_percent),
         "train_seconds": float(result.train_seconds),

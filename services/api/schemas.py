@@ -119,6 +119,33 @@ class JobIn(Request):
     device: JobDevice = Field(default="any", description=DEVICE_HELP)
 
 
+class FusionIn(Request):
+    task: str = Field(min_length=1, max_length=100, description="the target task")
+    sources: list[str] = Field(
+        min_length=1,
+        max_length=16,
+        description="stored adapter deltas to fuse, as pulled: 'sst2' (its best), 'sst2@best-pfeiffer', 'sst2/3'",
+    )
+    own_adapter: bool = Field(
+        default=False, description="train the target's own adapter alongside the fusion"
+    )
+    backbone: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        description="default: the backbone the sources were trained on",
+    )
+    hyperparameters: dict[str, Any] = Field(
+        default_factory=dict, description="training settings, e.g. lr (default 5e-5, the paper's), epochs"
+    )
+    seed: Seed = 0
+    k_shot: KShot | None = None
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    max_attempts: int | None = Field(default=None, ge=1, le=100)
+    idempotency_key: str | None = Field(default=None, max_length=200)
+    device: JobDevice = Field(default="any", description=DEVICE_HELP)
+
+
 class SweepIn(Request):
     task: str = NAME
     methods: list[str] = Field(min_length=1, max_length=SWEEP_LIST_LENGTH)
@@ -323,6 +350,9 @@ class JobOut(Response):
     method_fingerprint: str = Field(description="the version of the method's preset the job ran")
     hyperparameters: dict[str, Any]
     train_config: dict[str, Any]
+    sources: list[dict[str, Any]] | None = Field(
+        default=None, description="an AdapterFusion job's source deltas: task, version, sha256, method"
+    )
     seed: int
     k_shot: int | None
     priority: int

@@ -24,6 +24,7 @@ from services.commands.deltas import compose_command, leaderboard_command, pull_
 from services.commands.jobs import (
     cancel_command,
     events_command,
+    fuse_command,
     jobs_command,
     result_command,
     submit_command,
@@ -43,6 +44,7 @@ SERVICE_COMMANDS = [
     method_group,
     backbone_group,
     submit_command,
+    fuse_command,
     sweep_command,
     search_group,
     jobs_command,

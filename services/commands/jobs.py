@@ -81,6 +81,59 @@ def submit_command(
             _watch(client, [job.id])
 
 
+@click.command("fuse")
+@click.argument("task")
+@click.option(
+    "--from",
+    "sources",
+    multiple=True,
+    required=True,
+    metavar="TASK[@ALIAS|/VERSION]",
+    help="a stored adapter delta to fuse (repeat it): sst2 (its best), sst2@best-pfeiffer, sst2/3",
+)
+@click.option("--own-adapter", is_flag=True, help="train the task's own adapter alongside the fusion")
+@click.option("--backbone", default=None, help="default: the backbone the sources were trained on")
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--k-shot", type=KShot(), default=None, help="K training examples (default, or 'full': all rows)"
+)
+@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="lr=5e-5, epochs=10, ...")
+@click.option("--priority", default=0, show_default=True)
+@device_option
+@click.option("--watch", is_flag=True, help="then show its progress until it ends")
+@client_errors
+def fuse_command(
+    task: str,
+    sources: tuple[str, ...],
+    own_adapter: bool,
+    backbone: str | None,
+    seed: int,
+    k_shot: int | None,
+    assignments: tuple[str, ...],
+    priority: int,
+    device: str,
+    watch: bool,
+) -> None:
+    """Queue an AdapterFusion job: TASK learns how to combine the stored adapters of other tasks (frozen);
+    prints its id. Its delta is pulled and served by TASK's name like any other."""
+    with PeltClient() as client:
+        job = client.fuse(
+            task,
+            sources,
+            own_adapter=own_adapter,
+            backbone=backbone,
+            seed=seed,
+            k_shot=k_shot,
+            hyperparameters=parse_set_options(assignments),
+            priority=priority,
+            device=device,
+        )
+        names = ", ".join(f"{s['task']} v{s['version']}" for s in job.sources or [])
+        click.echo(f"job {job.id} queued: {job.task} / fusion of {names} on {job.backbone}")
+        if watch:
+            _watch(client, [job.id])
+
+
 def say_if_first_use(client: PeltClient, backbone: str) -> None:
     """Before a submit that may wait: say so when the backbone is not registered yet (the service registers
     a packaged one on first use, loading and hashing its weights, which can take a minute)."""

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pelt_core.delta_format import sha256_mismatch
+from pelt_core.delta_format import DeltaError, sha256_mismatch
 from pelt_core.pulled import MULTI_TASK, PulledModel, load_pulled
 from services.delta_store.aliases import AliasMixin
 from services.delta_store.base import is_missing
@@ -117,6 +117,25 @@ class ReadMixin(AliasMixin):
         ref = DeltaRef.parse(task) if version is None else DeltaRef(str(task), version=version)
         info = self.get_version(ref)
         return self._download(info, dest)
+
+    def fetch(self, task: str, version: int | None, sha256: str, dest: Path) -> Path:
+        """An AdapterFusion job's source (`workers.job.DeltaSource`): version `version` of `task`
+        downloaded into `dest` and checked against `sha256`, the hash the fusion recorded when it was
+        submitted. A version gone, archived or changed since is a pelt_core DeltaError naming it (the job
+        fails for good: another try would find the same)."""
+        where = f"source {task} version {version}"
+        if version is None:
+            raise DeltaError(f"{where}: the fusion recorded no version to fetch")
+        try:
+            info = self.get_version(DeltaRef(task, version=str(version)))
+            if info.sha256 != sha256:
+                raise DeltaError(
+                    f"{where} now has sha256 {str(info.sha256)[:12]}…, not the {sha256[:12]}… the fusion "
+                    "was submitted with; submit the fusion again"
+                )
+            return self._download(info, dest)
+        except (DeltaNotFoundError, DeltaIntegrityError) as exc:
+            raise DeltaError(f"{where}: {exc}") from exc
 
     def pull(
         self,

@@ -33,6 +33,7 @@ from services.delta_store.errors import DeltaNotFoundError
 from services.delta_store.values import (
     ARTIFACT_PATH,
     MAX_PARAM_CHARS,
+    MAX_TAG_CHARS,
     TAG_ARTIFACT_PATH,
     TAG_ATTEMPT,
     TAG_BACKBONE,
@@ -43,6 +44,7 @@ from services.delta_store.values import (
     TAG_METRIC,
     TAG_METRIC_VALUE,
     TAG_SHA256,
+    TAG_SOURCES,
     TAG_SWEEP_ID,
     TAG_TASK,
     clip,
@@ -255,8 +257,9 @@ class SinkMixin(AliasMixin):
 
 def _job_tags(job: JobSpec, manifest: Mapping[str, Any]) -> dict[str, str]:
     """The tags a job's run and version share (the run adds its attempt: a version is the job's)."""
+    fusion = (job.method_spec or {}).get("fusion")
     tags = {
-        TAG_KIND: "job",
+        TAG_KIND: "fusion" if fusion else "job",
         TAG_JOB_ID: str(job.job_id),
         TAG_TASK: job.task.name,
         TAG_METHOD: job.method,
@@ -266,6 +269,9 @@ def _job_tags(job: JobSpec, manifest: Mapping[str, Any]) -> dict[str, str]:
     }
     if job.sweep_id is not None:
         tags[TAG_SWEEP_ID] = str(job.sweep_id)
+    if fusion:  # where its frozen adapters came from, as a composition names its sources
+        sources = [{k: s.get(k) for k in ("task", "version", "sha256", "method")} for s in fusion["sources"]]
+        tags[TAG_SOURCES] = clip(json.dumps(sources, sort_keys=True, separators=(",", ":")), MAX_TAG_CHARS)
     return tags
 
 

@@ -19,7 +19,7 @@ BEST = "best"
 METHOD_ALIAS_PREFIX = "best-"
 
 # tags (runs and model versions)
-TAG_KIND = "pelt.kind"  # job | composed | multi_task | imported
+TAG_KIND = "pelt.kind"  # job | fusion | composed | multi_task | imported
 TAG_JOB_ID = "pelt.job_id"
 TAG_TASK = "pelt.task"
 TAG_METHOD = "pelt.method"
@@ -99,7 +99,7 @@ class VersionInfo:
     task: str
     model_name: str
     version: str
-    kind: str  # job | composed | multi_task | imported
+    kind: str  # job | fusion (an AdapterFusion job) | composed | multi_task | imported
     sha256: str | None
     run_id: str | None
     source: str

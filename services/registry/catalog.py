@@ -131,6 +131,11 @@ class Catalog(RegistryCore):
         A built-in's name is refused (its own spec, unchanged, returns the built-in)."""
         normalized = check_method_spec(spec)
         name = normalized["name"]
+        if name == presets.FUSION or normalized.get("fusion") is not None:
+            raise RegistryValidationError(
+                "name" if name == presets.FUSION else "fusion",
+                f"a preset cannot be a fusion: {presets.FUSION_HOW}",
+            )
         builtin = presets.builtin_spec(name)
 
         def write() -> MethodRecord:

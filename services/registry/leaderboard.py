@@ -85,6 +85,10 @@ def run_settings(train_config: Mapping[str, Any], method_spec: Mapping[str, Any]
         if name == "modules":
             for role, module in (value or {}).items():
                 settings.update({f"{role}.{key}": item for key, item in module.items()})
+        elif name == "fusion":  # which stored deltas it fused, by version: a row per set of sources
+            sources = (value or {}).get("sources", [])
+            settings["fusion.sources"] = ", ".join(f"{s.get('task')}@{s.get('version')}" for s in sources)
+            settings["fusion.regularization"] = (value or {}).get("regularization")
         elif name not in _SPEC_LABELS:
             settings[name] = value
     return settings

@@ -23,11 +23,18 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pelt_core import methods as pelt_methods
-from services.registry.errors import UnknownMethodError
+from services.registry.errors import RegistryValidationError, UnknownMethodError
 from services.registry.models import Method
 from services.registry.rows import get_or_create
 
 FINGERPRINT_LENGTH = 16
+# AdapterFusion's jobs point at a built-in row of this name; each job's spec is built from its sources
+# (`PeltOperations.submit_fusion`), so no preset of the name exists and no user preset may take it
+FUSION = "fusion"
+FUSION_HOW = (
+    "'fusion' is AdapterFusion over stored adapters: submit it with `pelt fuse TASK --from TASK ...` "
+    "(client.fuse, POST /v1/fusions), which names its sources"
+)
 
 
 def fingerprint(spec: Mapping[str, Any]) -> str:
@@ -75,12 +82,21 @@ def job_method(session: Session, name: str, now: datetime) -> JobMethod:
     row = session.scalar(select(Method).where(Method.name == name))
     if row is not None and not row.builtin:
         return JobMethod(row, dict(row.spec), fingerprint(row.spec))
+    if name == FUSION:
+        raise RegistryValidationError("method", FUSION_HOW)
     spec = builtin_spec(name)
     if spec is None:
         raise unknown_method(session, name)
     if row is None:
         row, _ = get_or_create(session, Method, name, lambda: builtin_row(name, now))
     return JobMethod(row, spec, fingerprint(spec))
+
+
+def fusion_method(session: Session, spec: Mapping[str, Any], now: datetime) -> JobMethod:
+    """The method a fusion job runs: the built-in `fusion` row (made on first use) and the spec its
+    sources made (`pelt_core.methods.fusion.fusion_method`)."""
+    row, _ = get_or_create(session, Method, FUSION, lambda: builtin_row(FUSION, now))
+    return JobMethod(row, dict(spec), fingerprint(spec))
 
 
 def user_method_row(session: Session, name: str) -> Method:
@@ -94,6 +110,8 @@ def user_method_row(session: Session, name: str) -> Method:
 def check_known(session: Session, name: str) -> None:
     """UnknownMethodError unless some job could name this method: a built-in, a user preset or a former
     built-in that older jobs ran."""
+    if name == FUSION:
+        return
     if builtin_spec(name) is None and session.scalar(select(Method.id).where(Method.name == name)) is None:
         raise unknown_method(session, name)
 
@@ -107,12 +125,15 @@ def unknown_method(session: Session, name: str) -> UnknownMethodError:
 
 __all__ = [
     "FINGERPRINT_LENGTH",
+    "FUSION",
+    "FUSION_HOW",
     "JobMethod",
     "builtin_names",
     "builtin_row",
     "builtin_spec",
     "check_known",
     "fingerprint",
+    "fusion_method",
     "job_method",
     "rows_named",
     "unknown_method",

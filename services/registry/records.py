@@ -141,6 +141,15 @@ class JobRecord:
     started_at: datetime | None
     finished_at: datetime | None
 
+    @property
+    def sources(self) -> list[dict[str, Any]] | None:
+        """An AdapterFusion job's source deltas as its spec records them (task, version, sha256, method);
+        None for any other job."""
+        fusion = self.method_spec.get("fusion")
+        if not fusion:
+            return None
+        return [{k: s.get(k) for k in ("task", "version", "sha256", "method")} for s in fusion["sources"]]
+
     @classmethod
     def of(cls, row: models.Job, names: tuple[str, str, str] | None = None) -> JobRecord:
         """The record of a job row; `names` (task, method, backbone) saves loading them."""

@@ -113,13 +113,17 @@ class Submissions(RegistryCore):
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         device: str = DEFAULT_JOB_DEVICE,
+        fusion_spec: Mapping[str, Any] | None = None,
     ) -> JobRecord:
         """Validate, then queue one job. Hyperparameters are flat `key: value` pairs: training ones
         (learning_rate/lr, epochs, batch_size, …) and method-spec overrides (r, bottleneck, q.size, …).
         `device`: where it may run, `any` (default), `cpu` or `gpu`; only workers with that device claim it.
         The same idempotency key from the same token returns the job it made (a different request under
         it is an error; a different `device` is not: placement is not part of a job's identity, see the
-        module's doc); another token's key of the same text is another key."""
+        module's doc); another token's key of the same text is another key. `fusion_spec`: the spec of an
+        AdapterFusion job (method `fusion`), built from its sources by `PeltOperations.submit_fusion`."""
+        if (fusion_spec is not None) != (method == presets.FUSION):
+            raise RegistryValidationError("method", presets.FUSION_HOW)
         seed, k_shot, priority, max_attempts, key = self._check_job_args(
             seed, k_shot, priority, max_attempts, idempotency_key
         )
@@ -131,7 +135,7 @@ class Submissions(RegistryCore):
                 now = self._now()
                 task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
                 (plan,) = self._plan_method(
-                    session, method, split, task_row, backbone_row, [seed], [k_shot], now
+                    session, method, split, task_row, backbone_row, [seed], [k_shot], now, fusion_spec
                 )
                 if key is not None:
                     mine = submitted_by_current_actor(Job)
@@ -396,11 +400,15 @@ class Submissions(RegistryCore):
         seeds: list[int],
         k_values: list[int | None],
         now: datetime,
+        fusion_spec: Mapping[str, Any] | None = None,
     ) -> list[PlannedJob]:
         """The jobs of one method for every seed and K (seed first), validated: its spec with the
         overrides, each K's training config, and the ranges that depend on the backbone."""
         train, overrides, given = hyperparameters
-        base = presets.job_method(session, method, now)
+        if fusion_spec is not None:
+            base = presets.fusion_method(session, fusion_spec, now)
+        else:
+            base = presets.job_method(session, method, now)
         spec = resolve_method_spec(method, base.spec, overrides)
         facts = backbone.facts
         # validate once per K: the seed changes nothing else in the config

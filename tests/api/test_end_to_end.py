@@ -272,3 +272,62 @@ def test_predict_by_task_name_serves_each_version_from_one_backbone_and_follows_
     written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [w.get("id") for w in written] == [1, None] and written[1]["text"] == "w2 bad awful"
     assert all(w["prediction"]["label"] in {"negative", "positive"} for w in written)
+
+
+def test_pelt_fuse_trains_a_fusion_of_stored_adapters_pulled_served_and_ranked_by_task_name(
+    server, toy_files
+):
+    client = PeltClient(server.url, token=server.token, settings=server.settings)
+    for task in ("fuse-a", "fuse-b", "fuse-t"):
+        client.register_task(
+            task,
+            toy_files["train"],
+            toy_files["validation"],
+            text_fields=["sentence"],
+            label_names=["negative", "positive"],
+        )
+    sources = [
+        client.sweep("fuse-a", ["pfeiffer"], backbone=BACKBONE, hyperparameters=TRAINING),
+        client.sweep("fuse-b", ["houlsby", "lora"], backbone=BACKBONE, hyperparameters=TRAINING),
+    ]
+    ids = [job_id for sweep in sources for job_id in sweep.job_ids]
+    ended = client.wait(ids, timeout=300, poll_seconds=0.5, progress=False)
+    assert [job.status for job in ended] == ["succeeded"] * 3, [(j.id, j.last_error) for j in ended]
+    houlsby = client.delta_info("fuse-b", method="houlsby")
+
+    refused = cli(server, "fuse", "fuse-t", "--from", "fuse-a", "--from", "fuse-b@best-lora", exit_code=1)
+    assert "lora" in refused and "merge" in refused and client.jobs(task="fuse-t") == []
+    out = cli(
+        server,
+        "fuse",
+        "fuse-t",
+        "--from",
+        "fuse-a",
+        "--from",
+        "fuse-b@best-houlsby",
+        "--set",
+        "lr=5e-3",
+        "--watch",
+    )
+    assert f"fusion of fuse-a v1, fuse-b v{houlsby.version} on {BACKBONE}" in out
+    (job,) = client.jobs(task="fuse-t")
+    assert (job.status, job.method) == ("succeeded", "fusion"), job.last_error
+    assert [(s["task"], s["sha256"]) for s in job.sources] == [
+        ("fuse-a", client.delta_info("fuse-a").sha256),
+        ("fuse-b", houlsby.sha256),
+    ]
+
+    info = client.delta_info("fuse-t")  # its best: the fusion, a version of the task like any delta
+    assert (info.kind, info.method, info.job_id) == ("fusion", "fusion", job.id)
+    assert '"task":"fuse-a"' in info.tags["pelt.composition.sources"]
+    texts = ["w1 w2 w3 good great", "w1 w2 bad awful"]
+    pulled = client.pull("fuse-t", device="cpu").predict(texts)
+    assert_predictions(pulled, 2)
+    served = client.predict("fuse-t", texts)
+    assert served.method == "fusion" and [p["label"] for p in served.predictions] == [
+        p["label"] for p in pulled
+    ]
+    assert list(client.leaderboard("fuse-t")["method"]) == ["fusion"]
+
+    refused = cli(server, "fuse", "fuse-a", "--from", "fuse-t", "--from", "fuse-b@best-houlsby", exit_code=1)
+    assert "itself a fusion" in refused and len(client.jobs(task="fuse-a")) == 1

@@ -467,3 +467,31 @@ def test_a_read_token_gets_no_predict_box_and_a_predict_token_does(tab: PageSess
     tab.sign_in(app)
     tab.open_task(TASK)
     tab.page.locator("#predict-section").wait_for()
+
+
+def test_a_fusion_ranks_on_its_tasks_leaderboard_and_its_version_names_its_sources(
+    tab: PageSession, trained: Trained, toy_files
+):
+    client, target = trained.client, "page-fused"
+    client.register_task(target, toy_files["train"], toy_files["validation"], text_fields=["sentence"])
+    adapters = client.sweep(TASK, ["pfeiffer", "houlsby"], backbone=BACKBONE, hyperparameters=TRAINING)
+    assert {
+        j.status for j in client.wait(adapters, timeout=180 * LOAD_FACTOR, poll_seconds=0.3, progress=False)
+    } == {"succeeded"}
+    sources = {m: client.delta_info(TASK, method=m).version for m in ("pfeiffer", "houlsby")}
+    fused = client.fuse(target, [f"{TASK}@best-{m}" for m in sources], hyperparameters=TRAINING)
+    (ended,) = client.wait([fused.id], timeout=180 * LOAD_FACTOR, poll_seconds=0.3, progress=False)
+    assert ended.status == "succeeded", ended.last_error
+
+    tab.sign_in(trained.token)
+    tab.page.locator(f"#task-list button[data-task='{target}']").wait_for()
+    tab.open_task(target)
+    tab.page.locator("#leaderboard tbody tr").first.wait_for()
+    assert tab.page.locator("#leaderboard tbody td.method").all_inner_texts() == ["fusion"]
+    tab.page.locator("#pareto-plot svg circle.point[data-method='fusion']").wait_for()
+    tab.page.locator("#deltas tbody tr[data-kind='fusion']").wait_for()
+    provenance = tab.page.locator("#deltas .provenance li").all_inner_texts()
+    assert provenance == [f"{TASK}/{sources['pfeiffer']}", f"{TASK}/{sources['houlsby']}"]
+    assert "fusion of" in tab.page.locator("#deltas .provenance").inner_text()
+    tab.screenshot("fusion")
+    assert tab.csp_violations() == [] and tab.dialogs == []

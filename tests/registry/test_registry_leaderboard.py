@@ -240,6 +240,25 @@ def test_a_runs_settings_resolve_the_learning_rate_and_flatten_the_spec() -> Non
     assert settings[f"{role}.size"] == spec["modules"][role]["size"]
 
 
+def test_fusions_of_different_source_versions_are_different_configurations_named_by_their_sources() -> None:
+    from pelt_core.methods.fusion import Source, fusion_method
+
+    pfeiffer = pelt_core.get_method("pfeiffer")
+    train = pelt_core.TrainConfig(seed=0).to_dict()
+
+    def settings(mrpc_version: int) -> dict:
+        spec = fusion_method(
+            [Source("sst2", "a" * 64, pfeiffer, 3), Source("mrpc", "b" * 64, pfeiffer, mrpc_version)]
+        )
+        return run_settings(train, spec.to_dict())
+
+    first, second = settings(1), settings(2)
+    assert first["fusion.sources"] == "sst2@3, mrpc@1" and first["fusion.regularization"] == 0.01
+    assert first["learning_rate"] == 5e-5  # the fusion's own default
+    runs = [Run("fusion", i, 0, None, 0.7, 1, 0.1, 1.0, settings=s) for i, s in enumerate((first, second), 1)]
+    assert runs[0].config_id != runs[1].config_id  # one row each
+
+
 def test_the_tie_test_needs_two_seeds_a_side_and_noise_free_rows_tie_only_when_equal() -> None:
     assert tied([0.8], [0.7, 0.9]) is None and tied([0.7, 0.9], [0.8]) is None
     assert tied([0.8, 0.8], [0.8, 0.8]) is True and tied([0.8, 0.8], [0.7, 0.7]) is False

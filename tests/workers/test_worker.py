@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -530,3 +531,40 @@ def test_a_report_the_registry_refuses_drops_its_loss_points_and_the_lease_is_re
 def test_a_worker_config_with_a_time_that_is_not_positive_is_refused_naming_it(field, value):
     with pytest.raises(ValueError, match=f"{field} must be a positive number of seconds"):
         WorkerConfig(**{field: value})
+
+
+def test_a_fusion_job_fetches_its_recorded_sources_from_the_sink_and_a_changed_one_fails_it_for_good(
+    worker, tiny_backbone, toy_data, tmp_path
+):
+    from pelt_core import get_method
+    from pelt_core.methods.fusion import Source, fusion_method
+
+    sink = LocalDeltaSink(tmp_path / "deltas")
+    pfeiffer = get_method("pfeiffer").to_dict()
+    stored = {}
+    for job_id, task in ((1, "src-a"), (2, "src-b")):
+        spec = job_spec(tiny_backbone, toy_data, job_id, steps=4, method="pfeiffer", method_spec=pfeiffer)
+        spec = replace(spec, task=replace(spec.task, name=task))
+        outcome = worker.run(spec, RecordingLease(job_id), sink)
+        assert outcome.status == "succeeded", outcome.error
+        stored[task] = outcome.delta_sha256
+    fusion = fusion_method([Source(task, sha, get_method("pfeiffer"), 1) for task, sha in stored.items()])
+    fused = job_spec(tiny_backbone, toy_data, 3, steps=4, method="fusion", method_spec=fusion.to_dict())
+    lease = RecordingLease(3)
+    outcome = worker.run(fused, lease, sink)
+    assert outcome.status == "succeeded", outcome.error
+    manifest = read_manifest(tmp_path / "deltas" / "toy" / "job-3")
+    assert [s["sha256"] for s in manifest["method"]["fusion"]["sources"]] == list(stored.values())
+
+    changed = fusion_method(
+        [
+            Source("src-a", "0" * 64, get_method("pfeiffer"), 1),
+            Source("src-b", stored["src-b"], get_method("pfeiffer"), 1),
+        ]
+    )
+    lease = RecordingLease(4)
+    outcome = worker.run(
+        job_spec(tiny_backbone, toy_data, 4, method="fusion", method_spec=changed.to_dict()), lease, sink
+    )
+    assert (outcome.status, outcome.retryable) == ("failed", False)
+    assert "no stored delta of task 'src-a' has sha256 000000000000" in outcome.error

@@ -1,5 +1,5 @@
 """The API's routes by resource, each module a thin `APIRouter` over the service layer
-(`services.operations.PeltOperations`): tasks, predictions, leaderboard, methods, backbones, jobs, sweeps, deltas
+(`services.operations.PeltOperations`): tasks, predictions, leaderboard, methods, backbones, jobs, fusions, sweeps, deltas
 (composition included), audit, and health (the one route without a token).
 
 Every route under /v1 needs a token (`services.api.dependencies.authenticated`) and declares the scope
@@ -17,6 +17,7 @@ from services.api.routes import (
     audit,
     backbones,
     deltas,
+    fusions,
     health,
     jobs,
     leaderboard,
@@ -44,6 +45,7 @@ V1_ROUTERS = (
     methods.router,
     backbones.router,
     jobs.router,
+    fusions.router,
     sweeps.router,
     searches.router,
     deltas.router,

@@ -19,6 +19,7 @@
   const SVG_NS = "http://www.w3.org/2000/svg";
   const SOURCES_TAG = "pelt.composition.sources";
   const OP_TAG = "pelt.composition.op";
+  const JOB_KINDS = new Set(["job", "fusion"]); // versions a job trained (a fusion job's: kind fusion)
 
   const state = {
     scope: null, // the token's scope: read, predict, write or admin
@@ -770,7 +771,7 @@
     if (generation !== state.generation) return;
     state.versionsByJob.clear();
     for (const version of versions) {
-      if (version.job_id !== null && version.kind === "job") state.versionsByJob.set(version.job_id, version.version);
+      if (version.job_id !== null && JOB_KINDS.has(version.kind)) state.versionsByJob.set(version.job_id, version.version);
     }
     byId("deltas").tBodies[0].replaceChildren(...versions.map((version) => deltaRow(name, version)));
     byId("deltas-empty").hidden = versions.length > 0;
@@ -797,8 +798,8 @@
     return tr;
   }
 
-  // Where a composed version came from: its operation and its sources (task/version), from the tags
-  // the delta store wrote when it composed them.
+  // Where a composed or fused version came from: its operation (a fusion's: "fusion") and its sources
+  // (task/version), from the tags the delta store wrote when it composed or fused them.
   function provenanceCell(version) {
     const cell = element("td", "", "provenance");
     const sources = version.tags[SOURCES_TAG];
@@ -806,7 +807,7 @@
     const op = version.tags[OP_TAG] || version.kind;
     let listed;
     try {
-      listed = JSON.parse(sources).map((s) => `${s.name === s.task ? "" : `${s.name}: `}${s.task}/${s.version}`);
+      listed = JSON.parse(sources).map((s) => `${!s.name || s.name === s.task ? "" : `${s.name}: `}${s.task}/${s.version}`);
     } catch {
       listed = [sources]; // clipped by the store: show it as it is
     }
