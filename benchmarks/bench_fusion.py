@@ -192,6 +192,8 @@ def run_cell(args, backbone, sources, target: str, k: int | None, folder: Path) 
     for (arm, seed), member in zip(keys, members, strict=True):
         result = member.result
         entry = cell["arms"].setdefault(arm, {"runs": []})
+        if member.method.fusion is not None:  # which task each fused module came from
+            entry["fused"] = {role: s.task for s in member.method.fusion.sources for role in s.roles}
         entry["runs"].append(
             {
                 "seed": seed,

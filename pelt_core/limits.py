@@ -311,6 +311,8 @@ def estimate_job_memory(
     extras = h * h + 3 * h  # the task head
     extras += layers * (6 * h + ffn) if method_spec.get("bias") else 0
     extras += layers * 4 * h if method_spec.get("layer_norm") else 0
+    fused_sites = _fused_sites(method_spec, layers)
+    extras += fused_sites * (3 * h * h + 2 * h)  # AdapterFusion: query, key (with biases) and value per site
     prefix = max((int(m["size"]) for m in modules.values() if m.get("form") == "prefix"), default=0)
     per_token = layers * (18 * h + 4 * ffn + 5 * heads * (tokens + prefix))
     for module in modules.values():
@@ -318,6 +320,7 @@ def estimate_job_memory(
             d_out = _dims(str(module.get("representation")), h, ffn, kv)[1]
             width = 0 if module.get("form") == "dense" else 2 * int(module["size"])
             per_token += _sites(module, layers) * (width + d_out)
+    per_token += fused_sites * (2 * len(modules) + 1) * h  # the members' keys and values, the query
     training = batch * tokens * per_token * _FLOAT
     evaluation = eval_batch * tokens * (4 * h + ffn + 2 * heads * (tokens + prefix)) * _FLOAT
     weight_bytes = 2 if train_config.get("backbone_dtype") == "bfloat16" else _FLOAT
@@ -450,6 +453,19 @@ def _kv_width(facts: Mapping[str, int], hidden: int) -> int:
     """num_kv_heads x head_dim where the facts have them (grouped-query attention), else the hidden size."""
     kv_heads, head_dim = facts.get("num_kv_heads"), facts.get("head_dim")
     return int(kv_heads) * int(head_dim) if kv_heads and head_dim else hidden
+
+
+def _fused_sites(method_spec: Mapping[str, Any], num_layers: int) -> int:
+    """The sub-layers an AdapterFusion attends at (one per representation and layer its modules use); 0
+    for any other method."""
+    if not method_spec.get("fusion"):
+        return 0
+    sites = set()
+    for module in (method_spec.get("modules") or {}).values():
+        chosen = module.get("layers")
+        for layer in set(chosen) if chosen else range(num_layers):
+            sites.add((module.get("representation"), layer))
+    return len(sites)
 
 
 def _sites(module: Mapping[str, Any], num_layers: int) -> int:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from pelt_core.delta_format import read_manifest
-from pelt_core.methods.fusion import FusionError, Source, fusion_method
+from pelt_core.methods import BUILTIN_METHODS
+from pelt_core.methods.fusion import FusionError, Source, fusable_roles, fusion_method
 from pelt_core.pulled import MULTI_TASK
 from pelt_core.spec import MethodSpec, SpecError
 from services.registry import JobRecord, Registry, RegistryValidationError
@@ -63,6 +64,9 @@ def plan_fusion(
                 FIELD,
                 f"{ref!r} is a multi-task bundle ({info.task} version {info.version}); fuse task deltas",
             )
+        if info.archived:
+            raise RegistryValidationError(FIELD, f"{ref!r} ({info.task} version {info.version}) is archived")
+        _refuse_by_method(info)  # before any download: a LoRA or `full` delta is refused by its method's name
     scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="fusion-", dir=scratch))
     try:
@@ -126,6 +130,20 @@ def submit_fusion(
         device=device,
         fusion_spec=plan.spec,
     )
+
+
+def _refuse_by_method(info: Any) -> None:
+    """A source whose method is a built-in preset fusion cannot use (or a fusion) is refused from its
+    version's tags alone; other methods are read from the downloaded manifest."""
+    if info.kind == "fusion":
+        raise RegistryValidationError(
+            FIELD, f"{info.task} version {info.version} is itself a fusion; fuse its sources directly instead"
+        )
+    if info.method in BUILTIN_METHODS:
+        try:
+            fusable_roles(BUILTIN_METHODS[info.method], f"source {info.task} version {info.version}")
+        except FusionError as exc:
+            raise RegistryValidationError(FIELD, str(exc)) from None
 
 
 def _check_refs(sources: Any) -> list[str]:

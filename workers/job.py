@@ -16,6 +16,7 @@ the slot is free again.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,6 +99,7 @@ class LeaseLost(RuntimeError):
     """The lease is gone (expired and taken back, or the job ended elsewhere): stop and record nothing."""
 
 
+TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # the registry's rule for task names
 LOSS_POINTS = 256  # a job's loss curve: at most this many [step, loss] points (the registry keeps as many)
 
 
@@ -160,6 +162,9 @@ class LocalDeltaSink:
 
     def fetch(self, task: str, version: int | None, sha256: str, dest: Path) -> Path:
         """The delta of `task` whose file has `sha256` (this sink keeps no version numbers), copied to `dest`."""
+        tasks = self.root.resolve()
+        if not TASK_NAME.fullmatch(task) or (tasks / task).resolve().parent != tasks:
+            raise DeltaError(f"{task!r} is not a task name")
         for folder in sorted((self.root / task).glob("job-*")):
             if (folder / DELTA_FILE).is_file() and sha256_file(folder / DELTA_FILE) == sha256:
                 shutil.copytree(folder, dest)

@@ -122,12 +122,14 @@ class ReadMixin(AliasMixin):
         """An AdapterFusion job's source (`workers.job.DeltaSource`): version `version` of `task`
         downloaded into `dest` and checked against `sha256`, the hash the fusion recorded when it was
         submitted. A version gone, archived or changed since is a pelt_core DeltaError naming it (the job
-        fails for good: another try would find the same)."""
+        fails for good: another try would find the same); a store that cannot be reached is retried."""
         where = f"source {task} version {version}"
         if version is None:
             raise DeltaError(f"{where}: the fusion recorded no version to fetch")
         try:
             info = self.get_version(DeltaRef(task, version=str(version)))
+            if info.archived:
+                raise DeltaError(f"{where} was archived since the fusion was submitted; it is not fused")
             if info.sha256 != sha256:
                 raise DeltaError(
                     f"{where} now has sha256 {str(info.sha256)[:12]}…, not the {sha256[:12]}… the fusion "
@@ -135,6 +137,10 @@ class ReadMixin(AliasMixin):
                 )
             return self._download(info, dest)
         except (DeltaNotFoundError, DeltaIntegrityError) as exc:
+            raise DeltaError(f"{where}: {exc}") from exc
+        except DeltaStoreError as exc:  # a name the store refuses: the same on every try
+            if getattr(exc, "field", None) is None:
+                raise  # the store itself failed (unreachable, ...): the job may try again
             raise DeltaError(f"{where}: {exc}") from exc
 
     def pull(

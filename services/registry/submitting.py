@@ -410,6 +410,8 @@ class Submissions(RegistryCore):
         else:
             base = presets.job_method(session, method, now)
         spec = resolve_method_spec(method, base.spec, overrides)
+        if fusion_spec is not None:
+            _check_frozen_sources(base.spec, spec, overrides)
         facts = backbone.facts
         # validate once per K: the seed changes nothing else in the config
         by_k = {
@@ -516,10 +518,27 @@ class Submissions(RegistryCore):
             )
 
 
+def _check_frozen_sources(
+    base: Mapping[str, Any], spec: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> None:
+    """A fusion's overrides change its own adapter (`adapter.size`, ...) and training, never the modules it
+    holds from its sources: those are the stored deltas it names."""
+    frozen = {role for source in base["fusion"]["sources"] for role in source["roles"]}
+    for role in sorted(frozen):
+        if spec["modules"][role] != base["modules"][role]:
+            given = ", ".join(sorted(overrides)) or "none"
+            raise RegistryValidationError(
+                "hyperparameters",
+                f"the overrides ({given}) change {role!r}, a module a fusion holds frozen from a source delta; "
+                "a fusion's overrides may change its own adapter only (adapter.size=..., adapter.dropout=...)",
+            )
+
+
 def _job_identity(plan: PlannedJob, task: Task, backbone: Backbone) -> tuple[Any, ...]:
     """What a job is, for idempotency: task, method, backbone, seed, K and hyperparameters (its device,
-    priority and attempts are how it runs, not what it is)."""
-    return (task.id, plan.method.id, backbone.id, plan.seed, plan.k_shot, jsonable(plan.hyperparameters))
+    priority and attempts are how it runs, not what it is); and a fusion's method spec (its sources)."""
+    identity = (task.id, plan.method.id, backbone.id, plan.seed, plan.k_shot, jsonable(plan.hyperparameters))
+    return (*identity, jsonable(plan.method_spec)) if plan.method_spec.get("fusion") else identity
 
 
 def _check_same_job(existing: Job, plan: PlannedJob, task: Task, backbone: Backbone, key: str) -> None:
@@ -533,6 +552,8 @@ def _check_same_job(existing: Job, plan: PlannedJob, task: Task, backbone: Backb
         existing.k_shot,
         jsonable(existing.hyperparameters),
     )
+    if existing.method_spec.get("fusion"):
+        found = (*found, jsonable(existing.method_spec))
     if _job_identity(plan, task, backbone) != found:
         raise IdempotencyConflictError(key, "job")
 

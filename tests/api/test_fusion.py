@@ -106,3 +106,41 @@ def test_the_worker_fetches_exactly_the_recorded_version_and_nothing_changed(
         api.store.fetch("src-b", 1, adapters["a"].sha256, tmp_path / "wrong")
     with pytest.raises(DeltaError, match="src-b version 7"):
         api.store.fetch("src-b", 7, adapters["b"].sha256, tmp_path / "gone")
+
+
+def test_overrides_change_the_fusions_own_adapter_never_its_frozen_sources(api: Api, adapters):
+    client = api.client()
+    refused(
+        lambda: client.fuse(
+            "toy", ["src-a/1", "src-b/1"], own_adapter=True, hyperparameters={"bottleneck": 8}
+        ),
+        422,
+        "hyperparameters",
+        "frozen",
+    )
+    refused(
+        lambda: client.fuse("toy", ["src-a/1", "src-b/1"], hyperparameters={"s1_adapter.dropout": 0.1}), 422
+    )
+    job = client.fuse("toy", ["src-a/1", "src-b/1"], own_adapter=True, hyperparameters={"adapter.size": 8})
+    assert api.registry.get_job(job.id).method_spec["modules"]["adapter"]["size"] == 8
+
+
+def test_the_same_key_with_other_sources_is_a_conflict_not_the_old_job(api: Api, adapters, tmp_path: Path):
+    client = api.client()
+    first = client.fuse("toy", ["src-a/1", "src-b/1"], idempotency_key="fuse-1")
+    assert client.fuse("toy", ["src-a/1", "src-b/1"], idempotency_key="fuse-1").id == first.id
+    store_delta(api, "src-a", "pfeiffer", tmp_path / "a2", seed=2)
+    refused(lambda: client.fuse("toy", ["src-a/2", "src-b/1"], idempotency_key="fuse-1"), 409)
+    refused(
+        lambda: client.fuse("toy", ["src-a/1", "src-b/1"], own_adapter=True, idempotency_key="fuse-1"), 409
+    )
+
+
+def test_an_archived_source_is_refused_at_submit_and_by_the_worker(api: Api, adapters, tmp_path: Path):
+    client = api.client()
+    job = client.fuse("toy", ["src-a/1", "src-b/1"])
+    client.archive_version("src-b", 1)
+    refused(lambda: client.fuse("toy", ["src-a/1", "src-b/1"]), 422, "sources", "archived")
+    (_, source) = api.registry.get_job(job.id).method_spec["fusion"]["sources"]
+    with pytest.raises(DeltaError, match="archived"):
+        api.store.fetch(source["task"], source["version"], source["sha256"], tmp_path / "archived")

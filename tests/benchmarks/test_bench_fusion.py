@@ -72,9 +72,13 @@ def test_every_cell_runs_every_arm_for_every_seed(glue, tmp_path):
         for arm, entry in cell["arms"].items():
             assert [run["seed"] for run in entry["runs"]] == [0, 1]
             assert entry["half_width"] is not None
-            if arm.startswith("fusion"):  # the other three tasks' adapters (and its own), never the target's
+            if arm.startswith("fusion"):  # the other three tasks' stage-one adapters, and the target's own
                 members = set(entry["runs"][0]["fusion_weights"])
                 assert len(members) == (4 if arm in ("fusion_own", "fusion_st") else 3)
+                others = sorted(task for task in TASKS if task != cell["target"])
+                fused = sorted(entry["fused"].values())
+                # fusion_st's fourth is the target's own adapter of the `adapter` arm, not its stage-one source
+                assert fused == (sorted([*others, cell["target"]]) if arm == "fusion_st" else others)
     table = (tmp_path / "fusion.md").read_text()
     assert "| rte | full |" in table and "71.0 → 76.8" not in table.split("| rte | 16 |")[1].split("\n")[0]
 

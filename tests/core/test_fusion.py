@@ -126,11 +126,25 @@ def test_the_fusion_layer_computes_the_papers_attention():
     assert torch.allclose(layer.value_penalty(), (torch.eye(8) - layer.value.weight).pow(2).sum())
 
 
-def test_a_fusion_of_one_adapter_twice_with_a_blind_query_is_that_adapter(make_backbone, sentences, family):
+@pytest.mark.parametrize(
+    "method", ["pfeiffer", "houlsby_adapters", "parallel_adapter", "scaled_parallel_adapter"]
+)
+def test_a_fusion_of_one_adapter_twice_with_a_blind_query_is_that_adapter(
+    make_backbone, sentences, family, method
+):
     """Q = 0 gives every member the same weight and V starts at identity: fusing a source with itself is the
-    source alone, so the fused model must place and compose the adapters exactly where the source had them."""
+    source alone, so the fused model must place and compose the adapters exactly where the source had them:
+    after the FFN and the attention (Houlsby's), from the sub-layer's input (the parallel adapters)."""
     backbone = make_backbone(family)
-    source = source_delta(backbone, seed=1)
+    if (
+        method == "houlsby_adapters"
+    ):  # Houlsby's two adapters, without its LayerNorm deltas (fusion drops them)
+        spec = get_method("houlsby")
+        spec = MethodSpec.from_dict({**spec.to_dict(), "layer_norm": False})
+    else:
+        spec = get_method(method)
+    torch.manual_seed(1)
+    source = trained_like(JobDelta(spec, backbone, num_labels=2), 1).eval()
     spec = fusion_method([Source("a", sha(1), source.method), Source("b", sha(2), source.method)])
     torch.manual_seed(5)
     fused = JobDelta(spec, backbone, num_labels=2)
@@ -148,7 +162,10 @@ def test_a_fusion_of_one_adapter_twice_with_a_blind_query_is_that_adapter(make_b
         alone = PeltModel(backbone, source).eval()(ids, mask)
         together = PeltModel(backbone, fused.eval())(ids, mask)
     assert torch.allclose(together, alone, atol=1e-5)
-    assert fusion_weights(fused) == pytest.approx({"s1_adapter": 0.5, "s2_adapter": 0.5})
+    weights = fusion_weights(fused)
+    assert weights == pytest.approx({role: 0.5 for role in weights}) and len(weights) == 2 * len(
+        source.method.modules
+    )
 
 
 # -- training -------------------------------------------------------------------------------------------
@@ -243,3 +260,24 @@ def test_a_saved_fusion_loads_and_predicts_the_same_with_its_sources_recorded(ma
     after = predict(PeltModel(backbone, loaded), texts)
     assert [r["label"] for r in after] == [r["label"] for r in before]
     assert [r["score"] for r in after] == pytest.approx([r["score"] for r in before], abs=1e-6)
+
+
+def test_the_memory_estimate_counts_the_attention_at_every_fused_site():
+    from pelt_core.limits import estimate_job_memory
+
+    facts = {
+        "hidden_size": 384,
+        "num_layers": 6,
+        "num_heads": 12,
+        "intermediate_size": 1536,
+        "num_parameters": 22_700_000,
+    }
+    train = {"max_length": 128, "batch_size": 16}
+    houlsby = MethodSpec.from_dict({**get_method("houlsby").to_dict(), "layer_norm": False})
+    fused = fusion_method([Source("a", sha(1), houlsby), Source("b", sha(2), houlsby)]).to_dict()
+    plain = {**fused, "fusion": None}
+    extra = (
+        estimate_job_memory(train, fused, facts).parameters
+        - estimate_job_memory(train, plain, facts).parameters
+    )
+    assert extra == 16 * 12 * (3 * 384 * 384 + 2 * 384)  # 12 sites (Houlsby: 2 a layer), 16 bytes a value

@@ -533,7 +533,7 @@ def test_a_worker_config_with_a_time_that_is_not_positive_is_refused_naming_it(f
         WorkerConfig(**{field: value})
 
 
-def test_a_fusion_job_fetches_its_recorded_sources_from_the_sink_and_a_changed_one_fails_it_for_good(
+def test_a_fusion_job_fetches_its_recorded_sources_from_the_sink_and_a_source_changed_since_fails_it_for_good(
     worker, tiny_backbone, toy_data, tmp_path
 ):
     from pelt_core import get_method
@@ -556,15 +556,11 @@ def test_a_fusion_job_fetches_its_recorded_sources_from_the_sink_and_a_changed_o
     manifest = read_manifest(tmp_path / "deltas" / "toy" / "job-3")
     assert [s["sha256"] for s in manifest["method"]["fusion"]["sources"]] == list(stored.values())
 
-    changed = fusion_method(
-        [
-            Source("src-a", "0" * 64, get_method("pfeiffer"), 1),
-            Source("src-b", stored["src-b"], get_method("pfeiffer"), 1),
-        ]
-    )
+    stored_file = tmp_path / "deltas" / "src-a" / "job-1" / "delta.safetensors"
+    stored_file.write_bytes(stored_file.read_bytes()[:-8] + b"changed!")  # src-a's delta changed since
     lease = RecordingLease(4)
     outcome = worker.run(
-        job_spec(tiny_backbone, toy_data, 4, method="fusion", method_spec=changed.to_dict()), lease, sink
+        job_spec(tiny_backbone, toy_data, 4, method="fusion", method_spec=fusion.to_dict()), lease, sink
     )
     assert (outcome.status, outcome.retryable) == ("failed", False)
-    assert "no stored delta of task 'src-a' has sha256 000000000000" in outcome.error
+    assert f"no stored delta of task 'src-a' has sha256 {stored['src-a'][:12]}" in outcome.error
