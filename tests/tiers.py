@@ -48,6 +48,7 @@ CLUSTER_MODULES = frozenset(
         "tests/api/test_page.py",
         "tests/benchmarks/test_soak.py",
         "tests/deploy/test_compose_smoke.py",
+        "tests/workers/test_autoscaling.py",
         "tests/workers/test_backbone_store.py",
         "tests/workers/test_cluster.py",
         "tests/workers/test_dispatcher_ha.py",

@@ -175,6 +175,20 @@ def _command() -> Any:
         "(a standby takes over at once) instead of giving the jobs back and stopping the workers",
     )
     @click.option(
+        "--idle-worker-seconds",
+        type=click.FloatRange(min=1),
+        default=None,
+        help="stop a worker idle this long while nothing of its kind is queued, so an autoscaled node can go "
+        "(default: workers stay warm)",
+    )
+    @click.option(
+        "--scaling-seconds",
+        type=click.FloatRange(min=0),
+        default=5.0,
+        show_default=True,
+        help="how often to ask Ray's autoscaler for the workers the queue needs (0: never)",
+    )
+    @click.option(
         "--delta-store",
         type=click.Choice(["local", "mlflow"]),
         default="local",
@@ -195,6 +209,8 @@ def _command() -> Any:
         heartbeat_seconds: float | None,
         drain: bool,
         handover: bool,
+        idle_worker_seconds: float | None,
+        scaling_seconds: float,
         delta_store: str,
     ) -> None:
         """Drain the job queue into Ray workers (joins PELT_RAY_ADDRESS or starts a local Ray). One dispatcher
@@ -211,6 +227,8 @@ def _command() -> Any:
             cpus_per_gpu_worker=cpus_per_gpu_worker,
             max_workers_per_node=max_workers_per_node,
             heartbeat_seconds=heartbeat_seconds,
+            idle_worker_seconds=idle_worker_seconds,
+            scaling_seconds=scaling_seconds,
         )
         private_files()  # what the dispatcher and its local Ray write is for its user only (0600 / 0700)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

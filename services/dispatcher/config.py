@@ -46,6 +46,12 @@ class DispatcherConfig:
         10.0  # no new worker on a node for this long after one died or failed there
     )
     reap_seconds: float = 5.0  # how often expired leases are taken back (also when the queue is empty)
+    # Scaling from the queue (services/dispatcher/scaling.py): how often the dispatcher asks Ray's autoscaler
+    # for the workers its queue needs (0: never), at most how many of each kind, and how long a worker may
+    # stay idle, with nothing of its kind queued, before it is stopped (None: workers stay warm)
+    scaling_seconds: float = 5.0
+    max_requested_workers: int = 16
+    idle_worker_seconds: float | None = None
     search_seconds: float = 2.0  # how often running method searches are advanced (a rung that ended)
     # on taking the lead: the delta store settles again the tasks whose jobs ended this recently (a
     # dispatcher that led before may have died between a job's end and its settling)
@@ -82,6 +88,13 @@ class DispatcherConfig:
                 f"leader_seconds ({self.leader_seconds}) must be in (standby_poll_seconds "
                 f"({self.standby_poll_seconds}), 3600]"
             )
+        if self.scaling_seconds < 0 or self.max_requested_workers < 0:
+            raise ValueError(
+                f"--scaling-seconds ({self.scaling_seconds}) and max_requested_workers "
+                f"({self.max_requested_workers}) must be 0 or more"
+            )
+        if self.idle_worker_seconds is not None and self.idle_worker_seconds <= 0:
+            raise ValueError(f"--idle-worker-seconds must be above 0, got {self.idle_worker_seconds}")
         if self.cpus_per_gpu_worker <= 0:
             raise ValueError(f"--cpus-per-gpu-worker must be above 0, got {self.cpus_per_gpu_worker}")
         if self.packs and self.jobs_per_worker > 1:

@@ -26,6 +26,7 @@ from services.dispatcher.leadership import LeaderLock
 from services.dispatcher.lease import RegistryLease
 from services.dispatcher.placement import Nodes, start_worker
 from services.dispatcher.ray_cluster import connect_ray
+from services.dispatcher.scaling import NodeRequests
 from services.dispatcher.slots import SlotJob, WorkerSlots, running_jobs
 from services.registry import (
     JobStateError,
@@ -86,7 +87,7 @@ class Dispatcher:
         self._searched_at = 0.0
         self._unsettled: dict[int, str] = {}  # job id → task: the delta store could not settle them yet
         self._settle_tries: dict[int, int] = {}
-        self._warned_no_gpu = False
+        self.scaling = NodeRequests(self.config)
         self.lock = LeaderLock(self.registry, self.config.namespace, self.config.leader_seconds)
         self._reconciled = False
         self._thread: threading.Thread | None = None
@@ -528,11 +529,14 @@ class Dispatcher:
             k: [w for w in self.workers.values() if w.ready and w.free_slots() and w.device == k]
             for k in kinds
         }
-        room = sum(sum(self.nodes.room(self.workers.values(), kind).values()) for kind in kinds)
-        if not any(open_.values()) and not room:
+        room = {kind: sum(self.nodes.room(self.workers.values(), kind).values()) for kind in ("gpu", "cpu")}
+        scaling = self.scaling.due()
+        if not any(open_.values()) and not any(room[k] for k in kinds) and not scaling:
             return
         queued = self.registry.queued_by_device()  # one read; claims (writes) only when there is work
-        self._warn_if_no_gpu(queued)
+        if scaling:  # ask Ray for the nodes the queue needs; let long-idle workers go (scaling.py)
+            for worker in self.scaling.update(queued, self.workers.values(), room, self.nodes.has_gpus):
+                self._drop(worker, kill=True)
         for kind in kinds:
             waiting = sum(queued.get(device, 0) for device in self._claim_devices(kind))
             if waiting:
@@ -543,17 +547,6 @@ class Dispatcher:
         if kind == "gpu":
             return ("gpu", "any")
         return ("cpu",) if self.nodes.has_gpus else ("cpu", "any")
-
-    def _warn_if_no_gpu(self, queued: dict[str, int]) -> None:
-        """Say (once while it lasts) that jobs wait for a GPU the cluster does not offer."""
-        stuck = queued.get("gpu", 0) if not self.nodes.has_gpus else 0
-        if stuck and not self._warned_no_gpu:
-            log.warning(
-                "%d queued job(s) need a GPU, and no node of the cluster offers one to pelt (no GPU resource "
-                "in Ray, or --gpus-per-worker 0): they wait until a GPU node joins",
-                stuck,
-            )
-        self._warned_no_gpu = bool(stuck)
 
     def _assign_kind(self, kind: str, open_: list[WorkerSlots], queued: int) -> None:
         """Hand `queued` jobs this kind may run to its free places, spreading them over the node's compute

@@ -1,0 +1,162 @@
+"""Scaling from the queue: the dispatcher asks Ray's autoscaler for the nodes its queued jobs need, and lets
+workers that stay idle go so that idle nodes can be removed.
+
+Every `scaling_seconds` the dispatcher reads the queue by device and counts, for each kind of worker (gpu,
+cpu), the jobs that would wait beyond every place it has: free places of its workers (started or starting)
+and the places of the workers the nodes have room for. It then asks Ray
+(`ray.autoscaler.sdk.request_resources`) for one bundle per worker it keeps and one per worker those jobs
+need, each shaped as that worker reserves (a GPU worker: `gpus_per_worker` GPUs and `cpus_per_gpu_worker`
+CPUs; a CPU worker: `cpus_per_actor` CPUs), at most `max_requested_workers` of each kind. Ray's autoscaler
+reads that as the capacity to have, whatever runs now: a GPU group at zero nodes gets one when a GPU job
+queues (KubeRay, or any Ray cluster with an autoscaler; without one the request does nothing). The request
+is sent when it changes.
+
+Scaling down: with `idle_worker_seconds`, a worker that has had no job that long, while no job its kind
+could run waits, is stopped; its node, idle then, is removed by the autoscaler after its own idle timeout
+(KubeRay's `idleTimeoutSeconds`). Without it (the default) workers stay warm, their backbones loaded.
+
+A GPU job waiting with no GPU in the cluster is said once in the log while it lasts (the request goes out
+all the same: a node may come).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from services.dispatcher.config import DispatcherConfig
+from services.dispatcher.slots import WorkerSlots
+
+log = logging.getLogger("pelt.dispatcher")
+KINDS = ("gpu", "cpu")
+
+
+def request_resources(bundles: list[dict[str, float]]) -> None:
+    """Ray's autoscaler SDK call (a standing request, replaced by the next one)."""
+    from ray.autoscaler.sdk import request_resources as ray_request
+
+    ray_request(bundles=bundles)
+
+
+class NodeRequests:
+    """What the dispatcher asks Ray's autoscaler for, and which of its workers it lets go (module docstring)."""
+
+    def __init__(
+        self, config: DispatcherConfig, request: Callable[[list[dict[str, float]]], None] = request_resources
+    ) -> None:
+        self.config = config
+        self.request = request
+        self.sent: list[dict[str, float]] | None = None  # the standing request (None: none sent yet)
+        self._at = float("-inf")
+        self._idle_since: dict[str, float] = {}  # worker id -> when it was first seen without a job
+        self._warned_no_gpu = False
+        self._failed = False
+
+    def due(self, now: float | None = None) -> bool:
+        """Whether the queue should be read for scaling now."""
+        if self.config.scaling_seconds <= 0:
+            return False
+        return (time.monotonic() if now is None else now) - self._at >= self.config.scaling_seconds
+
+    def waiting(self, queued: Mapping[str, int], has_gpus: bool) -> dict[str, int]:
+        """Queued jobs per kind of worker that may run them: gpu jobs (and `any` ones where a node has a
+        GPU) on GPU workers, the rest on CPU workers."""
+        any_jobs = queued.get("any", 0)
+        return {
+            "gpu": queued.get("gpu", 0) + (any_jobs if has_gpus else 0),
+            "cpu": queued.get("cpu", 0) + (0 if has_gpus else any_jobs),
+        }
+
+    def update(
+        self,
+        queued: Mapping[str, int],
+        workers: Iterable[WorkerSlots],
+        room: Mapping[str, int],
+        has_gpus: bool,
+        now: float | None = None,
+    ) -> list[WorkerSlots]:
+        """Ask for the workers the queue needs (when the request changes) and return the workers to stop:
+        idle for `idle_worker_seconds` with nothing of their kind waiting. `room`: workers of each kind the
+        nodes have room for now."""
+        now = time.monotonic() if now is None else now
+        self._at = now
+        workers = list(workers)
+        waiting = self.waiting(queued, has_gpus)
+        self._warn_if_no_gpu(queued.get("gpu", 0), has_gpus)
+        bundles: list[dict[str, float]] = []
+        for kind in KINDS:
+            mine = [w for w in workers if w.device == kind]
+            free = sum(len(w.free_slots()) for w in mine) + room.get(kind, 0) * self.config.places(kind)
+            extra = math.ceil(max(0, waiting[kind] - free) / self.config.places(kind))
+            wanted = min(len(mine) + extra, self.config.max_requested_workers)
+            if kind == "gpu" and self.config.gpus_per_worker <= 0:
+                wanted = 0  # no GPU workers at all (--gpus-per-worker 0)
+            bundles += [self._shape(kind)] * wanted
+        if bundles != self.sent:
+            self._send(bundles)
+        return self._idle(workers, waiting, now)
+
+    def _shape(self, kind: str) -> dict[str, float]:
+        if kind == "gpu":
+            return {"GPU": float(self.config.gpus_per_worker), "CPU": float(self.config.cpus_per_gpu_worker)}
+        return {"CPU": float(self.config.cpus_per_actor)}
+
+    def _send(self, bundles: list[dict[str, float]]) -> None:
+        try:
+            self.request(bundles)
+        except Exception as exc:  # no autoscaler state to write to (e.g. an old cluster): say it once
+            if not self._failed:
+                log.warning("could not ask Ray's autoscaler for nodes (%s); the cluster keeps its size", exc)
+            self._failed = True
+            return
+        self._failed = False
+        if bundles:
+            counts = {
+                kind: sum(1 for b in bundles if (b.get("GPU", 0) > 0) == (kind == "gpu")) for kind in KINDS
+            }
+            log.info("asking Ray for room for %d GPU and %d CPU worker(s)", counts["gpu"], counts["cpu"])
+        elif self.sent:
+            log.info("asking Ray for no more room: the queue is empty")
+        self.sent = bundles
+
+    def _idle(self, workers: list[WorkerSlots], waiting: Mapping[str, int], now: float) -> list[WorkerSlots]:
+        alive = {w.worker_id for w in workers}
+        for worker_id in set(self._idle_since) - alive:
+            del self._idle_since[worker_id]
+        retired = []
+        for worker in workers:
+            if worker.jobs or not worker.ready:
+                self._idle_since.pop(worker.worker_id, None)
+                continue
+            since = self._idle_since.setdefault(worker.worker_id, now)
+            limit = self.config.idle_worker_seconds
+            if limit is not None and now - since >= limit and not waiting.get(worker.device, 0):
+                retired.append(worker)
+                del self._idle_since[worker.worker_id]
+        if retired:
+            log.info(
+                "stopping %d worker(s) idle for %g s or more", len(retired), self.config.idle_worker_seconds
+            )
+        return retired
+
+    def _warn_if_no_gpu(self, stuck: int, has_gpus: bool) -> None:
+        """Say (once while it lasts) that jobs wait for a GPU the cluster does not offer."""
+        stuck = stuck if not has_gpus else 0
+        if stuck and not self._warned_no_gpu:
+            log.warning(
+                "%d queued job(s) need a GPU, and no node of the cluster offers one to pelt (no GPU resource "
+                "in Ray, or --gpus-per-worker 0): they wait until a GPU node joins (asked of Ray's autoscaler)",
+                stuck,
+            )
+        self._warned_no_gpu = bool(stuck)
+
+    def describe(self) -> dict[str, Any]:
+        """The standing request, per kind of worker."""
+        sent = self.sent or []
+        return {
+            "gpu_workers": sum(1 for b in sent if b.get("GPU", 0) > 0),
+            "cpu_workers": sum(1 for b in sent if not b.get("GPU", 0)),
+        }
