@@ -230,15 +230,21 @@ class Dispatcher:
     def _kill_workers_and_hosts(self) -> None:
         import ray
 
-        from workers.backbone_host import host_name
-
         for worker in self.workers.values():
             with contextlib.suppress(Exception):
                 ray.kill(worker.actor, no_restart=True)
         for node_id in {w.node_id for w in self.workers.values()} | set(self.nodes.capacity):
-            with contextlib.suppress(ValueError):
-                ray.kill(ray.get_actor(host_name(node_id), namespace=self.config.namespace), no_restart=True)
+            self._kill_host(node_id)
         self.workers.clear()
+
+    def _kill_host(self, node_id: str) -> None:
+        """Stop the node's backbone host: its shared backbone copies leave the node's object store."""
+        import ray
+
+        from workers.backbone_host import host_name
+
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(host_name(node_id), namespace=self.config.namespace), no_restart=True)
 
     def _close_registry(self) -> None:
         if self._owns_registry and not self._closed:
@@ -529,14 +535,16 @@ class Dispatcher:
             k: [w for w in self.workers.values() if w.ready and w.free_slots() and w.device == k]
             for k in kinds
         }
-        room = {kind: sum(self.nodes.room(self.workers.values(), kind).values()) for kind in ("gpu", "cpu")}
+        room = sum(sum(self.nodes.room(self.workers.values(), kind).values()) for kind in kinds)
         scaling = self.scaling.due()
-        if not any(open_.values()) and not any(room[k] for k in kinds) and not scaling:
+        if not any(open_.values()) and not room and not scaling:
             return
         queued = self.registry.queued_by_device()  # one read; claims (writes) only when there is work
         if scaling:  # ask Ray for the nodes the queue needs; let long-idle workers go (scaling.py)
-            for worker in self.scaling.update(queued, self.workers.values(), room, self.nodes.has_gpus):
+            for worker in self.scaling.update(queued, self.workers.values(), self.nodes.has_gpus):
                 self._drop(worker, kill=True)
+                if not any(w.node_id == worker.node_id for w in self.workers.values()):
+                    self._kill_host(worker.node_id)  # a node holding objects is never idle to the autoscaler
         for kind in kinds:
             waiting = sum(queued.get(device, 0) for device in self._claim_devices(kind))
             if waiting:

@@ -2,18 +2,18 @@
 workers that stay idle go so that idle nodes can be removed.
 
 Every `scaling_seconds` the dispatcher reads the queue by device and counts, for each kind of worker (gpu,
-cpu), the jobs that would wait beyond every place it has: free places of its workers (started or starting)
-and the places of the workers the nodes have room for. It then asks Ray
+cpu), the jobs that the free places of its workers (started or starting) cannot take. It then asks Ray
 (`ray.autoscaler.sdk.request_resources`) for one bundle per worker it keeps and one per worker those jobs
 need, each shaped as that worker reserves (a GPU worker: `gpus_per_worker` GPUs and `cpus_per_gpu_worker`
 CPUs; a CPU worker: `cpus_per_actor` CPUs), at most `max_requested_workers` of each kind. Ray's autoscaler
-reads that as the capacity to have, whatever runs now: a GPU group at zero nodes gets one when a GPU job
-queues (KubeRay, or any Ray cluster with an autoscaler; without one the request does nothing). The request
+reads that as the capacity to have, whatever runs now (a node with room counts toward it, and is kept
+while the request holds it): a GPU group at zero nodes gets one when a GPU job queues (KubeRay, or any Ray cluster with an autoscaler; without one the request does nothing). The request
 is sent when it changes.
 
 Scaling down: with `idle_worker_seconds`, a worker that has had no job that long, while no job its kind
-could run waits, is stopped; its node, idle then, is removed by the autoscaler after its own idle timeout
-(KubeRay's `idleTimeoutSeconds`). Without it (the default) workers stay warm, their backbones loaded.
+could run waits, is stopped, and with the last one on its node the node's backbone host (whose shared
+copies would keep the node busy: Ray does not remove a node that holds objects); the node, idle then, is
+removed by the autoscaler after its own idle timeout (KubeRay's `idleTimeoutSeconds`). Without it (the default) workers stay warm, their backbones loaded.
 
 A GPU job waiting with no GPU in the cluster is said once in the log while it lasts (the request goes out
 all the same: a node may come).
@@ -74,13 +74,11 @@ class NodeRequests:
         self,
         queued: Mapping[str, int],
         workers: Iterable[WorkerSlots],
-        room: Mapping[str, int],
         has_gpus: bool,
         now: float | None = None,
     ) -> list[WorkerSlots]:
         """Ask for the workers the queue needs (when the request changes) and return the workers to stop:
-        idle for `idle_worker_seconds` with nothing of their kind waiting. `room`: workers of each kind the
-        nodes have room for now."""
+        idle for `idle_worker_seconds` with nothing of their kind waiting."""
         now = time.monotonic() if now is None else now
         self._at = now
         workers = list(workers)
@@ -89,7 +87,7 @@ class NodeRequests:
         bundles: list[dict[str, float]] = []
         for kind in KINDS:
             mine = [w for w in workers if w.device == kind]
-            free = sum(len(w.free_slots()) for w in mine) + room.get(kind, 0) * self.config.places(kind)
+            free = sum(len(w.free_slots()) for w in mine)
             extra = math.ceil(max(0, waiting[kind] - free) / self.config.places(kind))
             wanted = min(len(mine) + extra, self.config.max_requested_workers)
             if kind == "gpu" and self.config.gpus_per_worker <= 0:

@@ -24,60 +24,60 @@ def worker(name: str, device: str = "cpu", busy: bool = False, slots: int = 1) -
 
 def test_a_gpu_job_with_no_gpu_anywhere_asks_for_one_gpu_worker_and_the_same_again_sends_nothing():
     scaling, sent = requests(DispatcherConfig(cpus_per_gpu_worker=2, gpu_pack_size=4))
-    scaling.update({"gpu": 1}, [], {"gpu": 0, "cpu": 0}, has_gpus=False, now=0)
+    scaling.update({"gpu": 1}, [], has_gpus=False, now=0)
     assert sent == [[GPU]]
-    scaling.update({"gpu": 3}, [], {"gpu": 0, "cpu": 0}, has_gpus=False, now=10)  # a pack of 4 takes 3
+    scaling.update({"gpu": 3}, [], has_gpus=False, now=10)  # a pack of 4 takes 3
     assert sent == [[GPU]]
-    scaling.update({"gpu": 5}, [], {"gpu": 0, "cpu": 0}, has_gpus=False, now=20)
+    scaling.update({"gpu": 5}, [], has_gpus=False, now=20)
     assert sent[-1] == [GPU, GPU]
 
 
 def test_any_jobs_ask_for_cpu_workers_unless_a_node_has_a_gpu():
     scaling, sent = requests(DispatcherConfig())
-    scaling.update({"any": 2}, [], {"gpu": 0, "cpu": 0}, has_gpus=False, now=0)
+    scaling.update({"any": 2}, [], has_gpus=False, now=0)
     assert sent == [[CPU, CPU]]
     gpu_worker = worker("g", "gpu", busy=True)
-    scaling.update({"any": 2}, [gpu_worker], {"gpu": 0, "cpu": 0}, has_gpus=True, now=10)
+    scaling.update({"any": 2}, [gpu_worker], has_gpus=True, now=10)
     assert sent[-1] == [{"GPU": 1.0, "CPU": 1.0}] * 2  # the busy GPU worker and one more for the pack of 2
 
 
-def test_free_places_and_room_on_the_nodes_are_counted_before_asking_for_more():
+def test_free_places_are_counted_before_asking_for_more_and_the_request_keeps_the_workers_it_has():
     scaling, sent = requests(DispatcherConfig())
     workers = [worker("a", busy=True), worker("b")]
-    scaling.update({"cpu": 1}, workers, {"gpu": 0, "cpu": 0}, has_gpus=False, now=0)
+    scaling.update({"cpu": 1}, workers, has_gpus=False, now=0)
     assert sent == [[CPU, CPU]]  # the two it has: b's free place takes the queued job
-    scaling.update({"cpu": 4}, workers, {"gpu": 0, "cpu": 2}, has_gpus=False, now=10)
-    assert sent[-1] == [CPU] * 3  # 4 jobs: b's place and room for 2 take 3, the fourth needs a worker
-    scaling.update({}, workers, {"gpu": 0, "cpu": 2}, has_gpus=False, now=20)
-    assert sent[-1] == [CPU, CPU]
+    scaling.update({"cpu": 4}, workers, has_gpus=False, now=10)
+    assert sent[-1] == [CPU] * 5  # b's place takes one, three more workers for the rest
+    scaling.update({}, workers, has_gpus=False, now=20)
+    assert sent[-1] == [CPU, CPU]  # a node's room is not asked for until a worker stands on it
 
 
 def test_the_request_is_capped_and_no_gpu_is_asked_for_without_gpu_workers():
     scaling, sent = requests(DispatcherConfig(max_requested_workers=3))
-    scaling.update({"cpu": 50}, [], {"gpu": 0, "cpu": 0}, has_gpus=False, now=0)
+    scaling.update({"cpu": 50}, [], has_gpus=False, now=0)
     assert sent == [[CPU] * 3]
     scaling, sent = requests(DispatcherConfig(gpus_per_worker=0))
-    scaling.update({"gpu": 2}, [], {"gpu": 0, "cpu": 0}, has_gpus=False, now=0)
+    scaling.update({"gpu": 2}, [], has_gpus=False, now=0)
     assert sent == [[]]
 
 
 def test_idle_workers_go_after_the_idle_time_only_when_nothing_of_their_kind_waits():
     scaling, _ = requests(DispatcherConfig(idle_worker_seconds=60))
     idle, busy = worker("idle"), worker("busy", busy=True)
-    assert scaling.update({}, [idle, busy], {}, has_gpus=False, now=0) == []
-    assert scaling.update({"cpu": 1}, [idle, busy], {}, has_gpus=False, now=61) == []  # a job waits
-    assert scaling.update({}, [idle, busy], {}, has_gpus=False, now=62) == [idle]
+    assert scaling.update({}, [idle, busy], has_gpus=False, now=0) == []
+    assert scaling.update({"cpu": 1}, [idle, busy], has_gpus=False, now=61) == []  # a job waits
+    assert scaling.update({}, [idle, busy], has_gpus=False, now=62) == [idle]
     busy.jobs.clear()
-    assert scaling.update({}, [busy], {}, has_gpus=False, now=100) == []  # idle since 100, not since 0
-    assert scaling.update({}, [busy], {}, has_gpus=False, now=160) == [busy]
+    assert scaling.update({}, [busy], has_gpus=False, now=100) == []  # idle since 100, not since 0
+    assert scaling.update({}, [busy], has_gpus=False, now=160) == [busy]
     keep_warm, _ = requests(DispatcherConfig())
-    assert keep_warm.update({}, [idle], {}, has_gpus=False, now=10**6) == []
+    assert keep_warm.update({}, [idle], has_gpus=False, now=10**6) == []
 
 
 def test_it_is_due_every_scaling_seconds_and_never_at_0():
     scaling, _ = requests(DispatcherConfig(scaling_seconds=5))
     assert scaling.due(now=0)
-    scaling.update({}, [], {}, has_gpus=False, now=0)
+    scaling.update({}, [], has_gpus=False, now=0)
     assert not scaling.due(now=4) and scaling.due(now=5)
     off, _ = requests(DispatcherConfig(scaling_seconds=0))
     assert not off.due(now=0)
@@ -91,6 +91,6 @@ def test_a_cluster_that_refuses_the_request_keeps_its_size_and_is_asked_again_ne
         raise RuntimeError("no autoscaler")
 
     scaling = NodeRequests(DispatcherConfig(), request=refuse)
-    scaling.update({"cpu": 1}, [], {}, has_gpus=False, now=0)
-    scaling.update({"cpu": 1}, [], {}, has_gpus=False, now=10)
+    scaling.update({"cpu": 1}, [], has_gpus=False, now=0)
+    scaling.update({"cpu": 1}, [], has_gpus=False, now=10)
     assert calls == [[CPU], [CPU]] and scaling.sent is None
