@@ -294,6 +294,12 @@ class Settings(BaseSettings):
 
     lease_seconds: float = Field(default=60.0, gt=0, description="how long a claim lasts without a heartbeat")
     heartbeat_seconds: float = Field(default=15.0, gt=0, description="how often a worker renews its lease")
+    idle_worker_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="the dispatcher stops a worker idle this long while nothing of its kind is queued, so "
+        "that an autoscaled node can go (default: workers stay warm; `pelt dispatcher --idle-worker-seconds`)",
+    )
     max_attempts: int = Field(default=3, ge=1, description="default attempts per job before it fails")
     retry_backoff_seconds: float = Field(
         default=5.0, ge=0, description="first retry delay; doubles per attempt"

@@ -179,7 +179,7 @@ def _command() -> Any:
         type=click.FloatRange(min=1),
         default=None,
         help="stop a worker idle this long while nothing of its kind is queued, so an autoscaled node can go "
-        "(default: workers stay warm)",
+        "(default: PELT_IDLE_WORKER_SECONDS, else workers stay warm)",
     )
     @click.option(
         "--scaling-seconds",

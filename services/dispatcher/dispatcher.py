@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -57,6 +58,8 @@ class Dispatcher:
     ) -> None:
         self.settings = settings or get_settings()
         self.config = config or DispatcherConfig()
+        if self.config.idle_worker_seconds is None and self.settings.idle_worker_seconds is not None:
+            self.config = replace(self.config, idle_worker_seconds=self.settings.idle_worker_seconds)
         self._owns_registry = not isinstance(registry, Registry)
         self.registry = (
             registry if isinstance(registry, Registry) else Registry(registry, settings=self.settings)

@@ -94,3 +94,19 @@ def test_a_cluster_that_refuses_the_request_keeps_its_size_and_is_asked_again_ne
     scaling.update({"cpu": 1}, [], has_gpus=False, now=0)
     scaling.update({"cpu": 1}, [], has_gpus=False, now=10)
     assert calls == [[CPU], [CPU]] and scaling.sent is None
+
+
+def test_the_idle_time_comes_from_pelt_idle_worker_seconds_unless_the_dispatcher_is_given_one(
+    registry_url, tmp_path
+):
+    from services.dispatcher import Dispatcher
+    from services.registry import Registry
+    from services.settings import Settings
+
+    settings = Settings(data_dir=tmp_path / "data", idle_worker_seconds=600)
+    with Registry(registry_url) as registry:
+        assert Dispatcher(registry, settings=settings).config.idle_worker_seconds == 600
+        given = DispatcherConfig(idle_worker_seconds=30)
+        assert Dispatcher(registry, config=given, settings=settings).config.idle_worker_seconds == 30
+        unset = Settings(data_dir=tmp_path / "data")
+        assert Dispatcher(registry, settings=unset).config.idle_worker_seconds is None
