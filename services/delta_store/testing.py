@@ -34,9 +34,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class MlflowServer:
     """`mlflow server` on 127.0.0.1 and a free port, in its own process group.
 
-    Artifacts are proxied (`--serve-artifacts --artifacts-destination <folder>`): clients upload and
-    download through the server's HTTP API and never touch the folder, as workers on other nodes
-    would in a deployment. One uvicorn worker, no job runner.
+    Artifacts are proxied (`--serve-artifacts --artifacts-destination <folder or s3://bucket/prefix>`):
+    clients upload and download through the server's HTTP API and never touch the folder or the bucket, as
+    workers on other nodes would in a deployment. One uvicorn worker, no job runner.
     """
 
     def __init__(
@@ -46,9 +46,16 @@ class MlflowServer:
         log_path: str | Path,
         host: str = "127.0.0.1",
         port: int | None = None,
+        environment: dict[str, str] | None = None,
     ) -> None:
         self.backend_store_uri = backend_store_uri
-        self.artifacts_destination = Path(artifacts_destination)
+        # a folder, or an object store's URI (s3://bucket/prefix: credentials and endpoint in `environment`)
+        self.artifacts_destination = (
+            artifacts_destination
+            if isinstance(artifacts_destination, str) and "://" in artifacts_destination
+            else Path(artifacts_destination)
+        )
+        self.environment = dict(environment or {})
         self.log_path = Path(log_path)
         self.host = host
         self.port = port or free_port(host)
@@ -60,7 +67,8 @@ class MlflowServer:
 
     def start(self, timeout: float = 120.0) -> str:
         """Start the server and wait for its /health; returns its URL."""
-        self.artifacts_destination.mkdir(parents=True, exist_ok=True)
+        if isinstance(self.artifacts_destination, Path):
+            self.artifacts_destination.mkdir(parents=True, exist_ok=True)
         command = [
             sys.executable,
             "-m",
@@ -78,7 +86,7 @@ class MlflowServer:
             "--workers",
             "1",
         ]
-        env = {**os.environ, **SERVER_ENVIRONMENT}
+        env = {**os.environ, **SERVER_ENVIRONMENT, **self.environment}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -15,6 +15,7 @@ def overlays(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "example": overlay_copy(tmp_path_factory.mktemp("example")),
         "external-database": overlay_copy(tmp_path_factory.mktemp("external"), external_database=True),
+        "s3-artifacts": overlay_copy(tmp_path_factory.mktemp("s3"), s3_artifacts=True),
     }
 
 

@@ -355,15 +355,28 @@ def head_address(cluster: Manifest) -> str:
     return f"{cluster['metadata']['name']}-head-svc:{port}"
 
 
-def overlay_copy(root: Path, *, external_database: bool = False) -> Path:
-    """deploy/k8s copied under root, with the overlay's secrets.env filled in (and the component on)."""
+S3_SECRETS = {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE0123456789", "AWS_SECRET_ACCESS_KEY": "s3-secret-" + "x" * 30}
+
+
+def overlay_copy(root: Path, *, external_database: bool = False, s3_artifacts: bool = False) -> Path:
+    """deploy/k8s copied under root, with the overlay's secrets.env filled in (and the components on)."""
     shutil.copytree(K8S, root / "k8s")
     overlay = root / "k8s" / "overlays" / "example"
-    (overlay / "secrets.env").write_text("".join(f"{key}={value}\n" for key, value in SECRETS.items()))
-    if external_database:
+    secrets = {**SECRETS, **(S3_SECRETS if s3_artifacts else {})}
+    (overlay / "secrets.env").write_text("".join(f"{key}={value}\n" for key, value in secrets.items()))
+    components = [
+        name for name, on in (("external-database", external_database), ("s3-artifacts", s3_artifacts)) if on
+    ]
+    if components:
         kustomization = overlay / "kustomization.yaml"
-        kustomization.write_text(kustomization.read_text() + "components:\n  - external-database\n")
+        listed = "".join(f"  - {name}\n" for name in components)
+        kustomization.write_text(kustomization.read_text() + "components:\n" + listed)
     return overlay
+
+
+def load_compose_override(name: str, variables: Mapping[str, str]) -> dict[str, Any]:
+    """An override file of deploy/ (e.g. compose.s3.yaml) as Compose reads it with these variables."""
+    return _interpolated(yaml.safe_load((DEPLOY / name).read_text()), variables)
 
 
 OTHER_IMAGES = {"postgres:16", "redis:7"}  # the containers of the manifests that do not run pelt's image

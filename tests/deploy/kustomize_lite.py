@@ -133,14 +133,14 @@ def merge(base: Any, patch: Any) -> Any:
                 merged[key] = merge(merged[key], value) if key in merged else copy.deepcopy(value)
         return merged
     if isinstance(base, list) and isinstance(patch, list) and _named(base) and _named(patch):
-        merged = copy.deepcopy(base)
+        merged, added = copy.deepcopy(base), []
         for item in patch:
             index = next((i for i, old in enumerate(merged) if old["name"] == item["name"]), None)
             if index is None:
-                merged.append(copy.deepcopy(item))
+                added.append(copy.deepcopy(item))
             else:
                 merged[index] = merge(merged[index], item)
-        return merged
+        return added + merged  # as kubectl's strategic merge: the patch's new items first, in its order
     return copy.deepcopy(patch)
 
 

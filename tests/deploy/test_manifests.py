@@ -37,6 +37,7 @@ from tests.deploy.deployment_files import (
     K8S,
     OTHER_IMAGES,
     ROLES,
+    S3_SECRETS,
     SECRET_KEYS,
     SECRETS,
     compose_environment,
@@ -47,6 +48,7 @@ from tests.deploy.deployment_files import (
     head_address,
     instruction,
     kuberay_start_line,
+    load_compose_override,
     objects_of,
     parse_command_line,
     parsed,
@@ -88,7 +90,7 @@ def raycluster_schema() -> jsonschema.protocols.Validator:
     return jsonschema.Draft7Validator(strict(json.loads(RAYCLUSTER_SCHEMA.read_text())))
 
 
-@pytest.mark.parametrize("build", ["example", "external-database", "base"])
+@pytest.mark.parametrize("build", ["example", "external-database", "s3-artifacts", "base"])
 def test_every_kubernetes_object_validates_against_its_schema(builds, raycluster_schema, build: str):
     kinds = {manifest["kind"] for manifest in builds[build]}
     assert {"Namespace", "ConfigMap", "Service", "PersistentVolumeClaim", "Deployment", "Job"} <= kinds
@@ -447,3 +449,46 @@ def test_the_overlay_patches_aim_at_objects_of_the_base(builds):
     assert len(patches) == 5
     for patch in patches:
         assert kustomize_lite.find(base, patch["kind"], patch["metadata"]["name"])
+
+
+def test_the_s3_artifacts_option_points_mlflow_at_a_bucket_with_credentials_and_drops_the_volume(
+    builds, compose
+):
+    """Kubernetes (the s3-artifacts component) and compose (compose.s3.yaml) alike: the MLflow server's
+    artifacts go to a bucket, the rest of its command is the same as without the option, and the credentials
+    come from the secrets; pelt's own containers get none of them (they reach the files through the server)."""
+    default = objects_of(builds["example"], "Deployment")["mlflow"]["spec"]["template"]["spec"]
+    s3 = objects_of(builds["s3-artifacts"], "Deployment")["mlflow"]["spec"]["template"]["spec"]
+    (server,), (before,) = s3["containers"], default["containers"]
+    destination = server["args"].index("--artifacts-destination") + 1
+    assert server["args"][destination].startswith("s3://")
+    assert [a for i, a in enumerate(server["args"]) if i != destination] == [
+        a for i, a in enumerate(before["args"]) if i != destination
+    ]
+    env = {item["name"]: item for item in server["env"]}
+    for key in S3_SECRETS:
+        reference = env[key]["valueFrom"]["secretKeyRef"]  # kustomize names the Secret with a hash suffix
+        assert reference["key"] == key and reference["name"].startswith("pelt-secrets")
+    assert env["MLFLOW_S3_ENDPOINT_URL"]["value"].startswith("https://")
+    assert "mlflow-artifacts" not in objects_of(builds["s3-artifacts"], "PersistentVolumeClaim")
+    assert [volume for volume in s3["volumes"] if volume["name"] == "artifacts"] == [
+        {"name": "artifacts", "emptyDir": {}}
+    ]
+    for name, template in pod_templates(builds["s3-artifacts"]):
+        if name != "Deployment/mlflow":
+            assert not any(
+                item.get("name", "").startswith("AWS_")
+                for c in containers(template)
+                for item in c.get("env", [])
+            ), name
+
+    variables = {**SECRETS, **S3_SECRETS, "MLFLOW_ARTIFACTS_DESTINATION": "s3://pelt/deltas"}
+    variables["MLFLOW_S3_ENDPOINT_URL"] = "http://minio:9000"
+    override = load_compose_override("compose.s3.yaml", variables)
+    (service,) = override["services"].values()
+    assert service["command"][destination] == "s3://pelt/deltas"
+    expected = [a for i, a in enumerate(compose["services"]["mlflow"]["command"]) if i != destination]
+    assert [a for i, a in enumerate(service["command"]) if i != destination] == expected
+    assert service["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
+    with pytest.raises(KeyError, match="MLFLOW_ARTIFACTS_DESTINATION"):
+        load_compose_override("compose.s3.yaml", {**SECRETS, **S3_SECRETS})
