@@ -326,12 +326,49 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(connection).get_current_revision()
 
 
+UPGRADE_LOCK_KEY = (
+    7_470_761_001  # pg_advisory_lock key of the registry's schema upgrades (MLflow's is another)
+)
+
+
 def upgrade(url: str | URL | None = None, revision: str = "head") -> str | None:
-    """Create or upgrade the database to `revision`; returns the revision it is at afterwards."""
+    """Create or upgrade the database to `revision`; returns the revision it is at afterwards. On PostgreSQL
+    one upgrade runs at a time (an advisory lock): two processes upgrading at once (two API pods starting)
+    leave one schema, the second finding the work done; on SQLite, a file lock beside the database."""
     url = _url_or_default(url)
     ensure_sqlite_folder(url)
-    command.upgrade(alembic_config(url), revision)
+    with _upgrade_lock(make_url(url) if isinstance(url, str) else url):
+        command.upgrade(alembic_config(url), revision)
     return _revision_at(url)
+
+
+@contextmanager
+def _upgrade_lock(url: URL) -> Iterator[None]:
+    """One schema upgrade at a time: an advisory lock on PostgreSQL, a file lock next to an SQLite file."""
+    if url.get_backend_name() != "postgresql":
+        path = sqlite_path(url)
+        if path is None:  # an in-memory database: nobody else can see it
+            yield
+            return
+        import fcntl
+
+        with open(path.with_name(path.name + ".upgrade.lock"), "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+        return
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            connection.exec_driver_sql(f"SELECT pg_advisory_lock({UPGRADE_LOCK_KEY})")
+            try:
+                yield
+            finally:
+                connection.exec_driver_sql(f"SELECT pg_advisory_unlock({UPGRADE_LOCK_KEY})")
+    finally:
+        engine.dispose()
 
 
 def downgrade(url: str | URL | None, revision: str) -> str | None:

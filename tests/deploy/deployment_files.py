@@ -129,20 +129,17 @@ def _interpolated(node: Any, variables: Mapping[str, str]) -> Any:
     return interpolate(node, variables) if isinstance(node, str) else node
 
 
-def uncomment_gpu_worker(text: str) -> str:
-    """compose.yaml with its commented-out `ray-gpu-worker` service turned on."""
-    lines = text.splitlines()
-    start = lines.index("  # ray-gpu-worker:")
-    end = start
-    while end < len(lines) and lines[end].startswith("  #"):
-        end += 1
-    return "\n".join([*lines[:start], *("  " + line[4:] for line in lines[start:end]), *lines[end:]])
-
-
 def load_compose(variables: Mapping[str, str], *, gpu_worker: bool = False) -> dict[str, Any]:
-    """deploy/compose.yaml as Compose sees it with these variables (deploy/.env's)."""
-    text = (DEPLOY / "compose.yaml").read_text()
-    return _interpolated(yaml.safe_load(uncomment_gpu_worker(text) if gpu_worker else text), variables)
+    """deploy/compose.yaml as Compose sees it with these variables (deploy/.env's): a service of a profile
+    (`ray-gpu-worker`, profile `gpu`) only when `gpu_worker` turns that profile on."""
+    loaded = _interpolated(yaml.safe_load((DEPLOY / "compose.yaml").read_text()), variables)
+    enabled = {"gpu"} if gpu_worker else set()
+    loaded["services"] = {
+        name: service
+        for name, service in loaded["services"].items()
+        if not service.get("profiles") or set(service["profiles"]) & enabled
+    }
+    return loaded
 
 
 def compose_environment(service: dict[str, Any]) -> dict[str, str]:

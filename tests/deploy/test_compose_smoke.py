@@ -36,7 +36,8 @@ How this machine stands in for Compose's containers, network and volumes (`Machi
   node and dispatcher are killed, whatever the machine's speed, without training for long.
 - Scale: one dispatcher (compose runs two: the standby's takeover is tested in
   tests/workers/test_dispatcher_ha.py), one ray-worker and one ray-predict.
-- Ignored: `image`, `build`, `restart`, `init`, `shm_size` (IGNORED_KEYS says why). Compose's start order
+- Ignored: `image`, `build`, `restart`, `init`, `shm_size`, `mem_limit`, `logging` (IGNORED_KEYS says why);
+  a service of a profile (the GPU worker) is not started, as Compose does without `--profile`. Compose's start order
   is kept: a service starts once what it `depends_on` is started, healthy (its own healthcheck command,
   translated) or completed successfully.
 
@@ -97,6 +98,8 @@ IGNORED_KEYS = {
     "restart": "the test restarts what it kills itself, and fails on any other exit",
     "init": "no container PID 1 to reap zombies: each process leads a session of its own",
     "shm_size": "processes here share the machine's /dev/shm",
+    "mem_limit": "processes here share the machine's memory (the limits: test_image_and_compose.py)",
+    "logging": "each process writes to a log file of the test's",
 }
 HANDLED_KEYS = {
     "entrypoint",

@@ -31,6 +31,7 @@ from tests.deploy.deployment_files import (
     compose_command_lines,
     compose_environment,
     compose_variables,
+    containers,
     created_databases,
     env_file,
     instruction,
@@ -39,7 +40,7 @@ from tests.deploy.deployment_files import (
     parse_command_line,
     parsed,
     pelt_services,
-    uncomment_gpu_worker,
+    pod_templates,
 )
 
 # --- the image --------------------------------------------------------------------------------------------
@@ -95,9 +96,9 @@ def test_the_build_context_and_git_leave_out_environments_and_secrets():
 
 
 def test_compose_variables_are_the_ones_env_example_explains():
-    raw = yaml.safe_load(uncomment_gpu_worker((DEPLOY / "compose.yaml").read_text()))
+    raw = [yaml.safe_load((DEPLOY / name).read_text()) for name in ("compose.yaml", "compose.s3.yaml")]
     example = env_file(DEPLOY / "env.example", commented=True)
-    assert compose_variables(raw) == set(example)
+    assert compose_variables(raw) == set(example)  # the S3 override's (commented out there) included
     required = env_file(DEPLOY / "env.example")
     assert set(required) == SECRET_KEYS and not any(required.values())  # filled in by the operator
 
@@ -213,7 +214,8 @@ def test_compose_start_order_and_shared_data(compose: dict[str, Any]):
 
 
 def test_the_gpu_worker_is_an_option_compose_accepts(compose: dict[str, Any]):
-    assert "ray-gpu-worker" not in load_compose(SECRETS)["services"]  # commented out by default
+    assert "ray-gpu-worker" not in load_compose(SECRETS)["services"]  # only with `--profile gpu`
+    assert compose["services"]["ray-gpu-worker"]["profiles"] == ["gpu"]
     gpu = compose["services"]["ray-gpu-worker"]
     assert gpu["build"]["args"]["TORCH_VARIANT"] == "cu130"
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
@@ -225,3 +227,29 @@ def test_postgres_makes_the_mlflow_database_in_compose_and_kubernetes(compose, c
     assert "./postgres-init:/docker-entrypoint-initdb.d:ro" in compose["services"]["postgres"]["volumes"]
     script = objects_of(cluster, "ConfigMap")["postgres-init"]["data"]["10-databases.sql"]
     assert script == (DEPLOY / "postgres-init" / "10-databases.sql").read_text()
+
+
+def test_every_compose_container_has_the_manifests_memory_limit_and_rotated_logs(compose, cluster):
+    """What a container may take, the same on one host as in the cluster (its role's limit in the manifests),
+    and Docker's logs rotated (json-file, bounded) for every container."""
+    limits = {
+        (name, container["name"]): container.get("resources", {}).get("limits", {}).get("memory")
+        for name, template in pod_templates(cluster)
+        for container in containers(template)  # init containers too
+    }
+    roles = {
+        "postgres": ("StatefulSet/postgres", "postgres"),
+        "migrate": ("Deployment/pelt-api", "migrate"),
+        "mlflow": ("Deployment/mlflow", "mlflow"),
+        "ray-head": ("RayCluster/pelt-ray/head", "ray-head"),
+        "ray-worker": ("RayCluster/pelt-ray/cpu", "ray-worker"),
+        "ray-gpu-worker": ("RayCluster/pelt-ray/gpu", "ray-worker"),
+        "ray-predict": ("RayCluster/pelt-ray/predict", "ray-worker"),
+        "api": ("Deployment/pelt-api", "api"),
+        "dispatcher": ("Deployment/pelt-dispatcher", "dispatcher"),
+    }
+    assert set(roles) == set(compose["services"])
+    for service, container in roles.items():
+        spec = compose["services"][service]
+        assert spec["mem_limit"] == limits[container].removesuffix("Gi") + "g", service
+        assert spec["logging"]["driver"] == "json-file" and spec["logging"]["options"]["max-size"], service

@@ -93,7 +93,8 @@ def raycluster_schema() -> jsonschema.protocols.Validator:
 @pytest.mark.parametrize("build", ["example", "external-database", "s3-artifacts", "base"])
 def test_every_kubernetes_object_validates_against_its_schema(builds, raycluster_schema, build: str):
     kinds = {manifest["kind"] for manifest in builds[build]}
-    assert {"Namespace", "ConfigMap", "Service", "PersistentVolumeClaim", "Deployment", "Job"} <= kinds
+    assert {"Namespace", "ConfigMap", "Service", "PersistentVolumeClaim", "Deployment"} <= kinds
+    assert "Job" not in kinds  # migrations run in the API pods' init container: applied any number of times
     assert {"NetworkPolicy", "RayCluster"} <= kinds
     assert ("StatefulSet" in kinds) == (build != "external-database")
     assert ("Secret" in kinds) == (build != "base")  # the overlay makes it from secrets.env
@@ -209,13 +210,16 @@ def test_kubernetes_roles_match_the_compose_ones(cluster, compose, monkeypatch):
     assert (token["scope"], token["secret_variable"], token["if_none"]) == ("admin", "FIRST_API_TOKEN", True)
     (serve,) = [params for _, params in roles["pelt serve"]]
     assert (serve["dispatcher"], serve["host"], serve["port"]) == (False, "0.0.0.0", 8000)
+    api_pod = objects_of(cluster, "Deployment")["pelt-api"]["spec"]["template"]["spec"]
     scripts = {
-        "migrate": objects_of(cluster, "Job")["pelt-migrate"]["spec"]["template"],
-        "dispatcher": objects_of(cluster, "Deployment")["pelt-dispatcher"]["spec"]["template"],
-        "api": objects_of(cluster, "Deployment")["pelt-api"]["spec"]["template"],
+        "migrate": api_pod["initContainers"][0],  # compose's one-shot service: the API pods' init container
+        "dispatcher": objects_of(cluster, "Deployment")["pelt-dispatcher"]["spec"]["template"]["spec"][
+            "containers"
+        ][0],
+        "api": api_pod["containers"][0],
     }
-    for service, template in scripts.items():  # the same script as compose.yaml's
-        assert template["spec"]["containers"][0]["args"] == compose["services"][service]["command"], service
+    for service, container in scripts.items():  # the same script as compose.yaml's
+        assert container["args"] == compose["services"][service]["command"], service
 
 
 @pytest.mark.parametrize(
@@ -361,8 +365,10 @@ def test_workloads_run_non_root_with_health_probes_and_a_standby_dispatcher(clus
     assert api["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert api["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert api["ports"] == [{"name": "http", "containerPort": 8000}]
-    job = objects_of(cluster, "Job")["pelt-migrate"]["spec"]
-    assert job["template"]["spec"]["restartPolicy"] == "OnFailure"
+    # migrations first, in every API pod (each upgrade under a database lock)
+    assert [c["name"] for c in deployments["pelt-api"]["spec"]["template"]["spec"]["initContainers"]] == [
+        "migrate"
+    ]
     for pod, template in pod_templates(cluster):
         if pod != "StatefulSet/postgres":
             context = template["spec"]["securityContext"]

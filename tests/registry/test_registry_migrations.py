@@ -68,6 +68,17 @@ def test_every_migration_upgrades_downgrades_and_upgrades_again(db_url: str) -> 
     assert _schema_differences(db_url, Base.metadata) == []
 
 
+def test_upgrades_started_together_leave_one_schema_at_head(db_url: str) -> None:
+    """Two API pods starting at once each run `pelt db upgrade`: one migrates, the other finds it done (on
+    PostgreSQL under an advisory lock; on SQLite the file's own write lock)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        revisions = list(pool.map(lambda _: db.upgrade(db_url), range(3)))
+    assert revisions == [db.head_revision()] * 3
+    assert _schema_differences(db_url, Base.metadata) == []
+
+
 def test_the_model_metadata_matches_the_migrated_schema(migrated_url: str) -> None:
     assert _schema_differences(migrated_url, Base.metadata) == []
 

@@ -149,7 +149,7 @@ def test_without_gpus_cpu_workers_take_any_jobs_and_gpu_jobs_wait_with_a_warning
     warnings = [r.getMessage() for r in caplog.records if "need a GPU" in r.getMessage()]
     assert warnings == [
         "1 queued job(s) need a GPU, and no node of the cluster offers one to pelt (no GPU "
-        "resource in Ray, or --gpus-per-worker 0): they wait until a GPU node joins"
+        "resource in Ray, or --gpus-per-worker 0): they wait until a GPU node joins (asked of Ray's autoscaler)"
     ]
 
 
