@@ -28,7 +28,14 @@ from services.dispatcher.lease import RegistryLease
 from services.dispatcher.placement import Nodes, start_worker
 from services.dispatcher.ray_cluster import connect_ray
 from services.dispatcher.scaling import NodeRequests
-from services.dispatcher.slots import SlotJob, WorkerSlots, running_jobs
+from services.dispatcher.slots import (
+    SlotJob,
+    WorkerSlots,
+    idle_streams,
+    largest_worker_memory,
+    running_jobs,
+    streams,
+)
 from services.registry import (
     JobStateError,
     LeaseLostError,
@@ -92,6 +99,7 @@ class Dispatcher:
         self._settle_tries: dict[int, int] = {}
         self.scaling = NodeRequests(self.config)
         self.lock = LeaderLock(self.registry, self.config.namespace, self.config.leader_seconds)
+        self.lock.worker_memory = lambda: largest_worker_memory(self.workers.values())
         self._reconciled = False
         self._thread: threading.Thread | None = None
         self._halt = threading.Event()
@@ -375,6 +383,7 @@ class Dispatcher:
             return
         worker.ready = True
         worker.node_id = info["node_id"] or worker.node_id
+        worker.memory_bytes = info.get("memory_bytes")
         self.stats["workers_started"] += 1
 
     def _finished(self, worker: WorkerSlots, slot: int, ref: Any) -> None:
@@ -687,15 +696,3 @@ class Dispatcher:
             }
             for w in self.workers.values()
         ]
-
-
-def streams(worker: WorkerSlots) -> int:
-    """The worker's compute streams: one for a pack (it steps its places together), else one per slot."""
-    return 1 if worker.packed else worker.slots
-
-
-def idle_streams(worker: WorkerSlots) -> int:
-    """Its compute streams with no job: a pack with no job has one; a worker of job slots, its free slots."""
-    if worker.packed:
-        return 0 if worker.jobs else 1
-    return len(worker.free_slots())

@@ -15,6 +15,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 
 from services.registry import Registry
 
@@ -37,6 +38,9 @@ class LeaderLock:
         self._renewed_at = 0.0  # when the last successful renewal (or acquisition) was sent
         self._told_standby = False
         self.asked = 0  # times it asked to lead
+        # the largest job budget of its workers per kind, recorded with each renewal (what submits check
+        # jobs' memory against: Registry.renew_leadership); None: nothing to report
+        self.worker_memory: Callable[[], dict[str, int]] | None = None
 
     def try_acquire(self) -> bool:
         """Lead now if the namespace is free (or its leader's row expired); False: stand by."""
@@ -81,7 +85,10 @@ class LeaderLock:
             return True
         sent = time.monotonic()
         try:
-            renewed = self.registry.renew_leadership(self.namespace, self.holder, self.leader_seconds)
+            memory = self.worker_memory() if self.worker_memory is not None else None
+            renewed = self.registry.renew_leadership(
+                self.namespace, self.holder, self.leader_seconds, worker_memory=memory or None
+            )
         except Exception as exc:
             log.warning(
                 "cannot renew the leadership of namespace %s (%.0f s since the last): %s",

@@ -5,6 +5,7 @@ lease-owner names that tie a job's lease in the registry to the slot that runs i
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ class WorkerSlots:
     backbones: set[str] = field(default_factory=set)  # registry backbone names it keeps warm
     packed: bool = False  # trains its jobs as one pack (its slots are the pack's places)
     device: str = "cpu"  # the kind of worker: "cpu", or "gpu" (holds its backbones on a GPU)
+    memory_bytes: int | None = None  # its budget for one job, as it measured it where it runs (info())
 
     def free_slots(self) -> list[int]:
         return [slot for slot in range(self.slots) if slot not in self.jobs]
@@ -54,6 +56,15 @@ class WorkerSlots:
 
     def owner(self, slot: int) -> str:
         return slot_owner(self.worker_id, slot, self.slots)
+
+
+def largest_worker_memory(workers: Iterable[WorkerSlots]) -> dict[str, int]:
+    """The largest job budget among the started workers of each kind ("cpu", "gpu")."""
+    largest: dict[str, int] = {}
+    for worker in workers:
+        if worker.ready and worker.memory_bytes:
+            largest[worker.device] = max(largest.get(worker.device, 0), int(worker.memory_bytes))
+    return largest
 
 
 def worker_kind(worker_id: str) -> str:
@@ -79,3 +90,15 @@ def owner_worker(owner: str) -> tuple[str, int | None]:
     """(worker id, slot) of a lease owner ("<worker id>#<slot>"; a bare worker id: slot None)."""
     worker_id, _, slot = owner.partition("#")
     return worker_id, int(slot) if slot.isdigit() else None
+
+
+def streams(worker: WorkerSlots) -> int:
+    """The worker's compute streams: one for a pack (it steps its places together), else one per slot."""
+    return 1 if worker.packed else worker.slots
+
+
+def idle_streams(worker: WorkerSlots) -> int:
+    """Its compute streams with no job: a pack with no job has one; a worker of job slots, its free slots."""
+    if worker.packed:
+        return 0 if worker.jobs else 1
+    return len(worker.free_slots())

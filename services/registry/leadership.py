@@ -8,6 +8,7 @@ standby to ask takes it over. A leader whose renewal fails has lost the namespac
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -61,16 +62,37 @@ class Leadership(RegistryCore):
         except IntegrityError:  # another standby inserted the namespace's first row at the same moment
             return False
 
-    def renew_leadership(self, namespace: str, holder: str, ttl_seconds: float) -> bool:
+    def renew_leadership(
+        self,
+        namespace: str,
+        holder: str,
+        ttl_seconds: float,
+        worker_memory: Mapping[str, int] | None = None,
+    ) -> bool:
         """Extend `holder`'s leadership by `ttl_seconds` from now; False if it no longer leads (another
-        dispatcher took the namespace over after its row expired, or the row is gone)."""
+        dispatcher took the namespace over after its row expired, or the row is gone). `worker_memory`: the
+        largest job budget of its workers per kind ("cpu", "gpu"), what submits check jobs against."""
         self._check_leadership(namespace, holder, ttl_seconds)
+        memory = None if worker_memory is None else _worker_memory(worker_memory)
         with self._writing() as session:
             row = session.get(DispatcherLeader, namespace, with_for_update=True)
             if row is None or row.holder != holder:
                 return False
             row.expires_at = self._now() + timedelta(seconds=ttl_seconds)
+            if memory is not None and memory != row.worker_memory:
+                row.worker_memory = memory
             return True
+
+    def largest_workers(self) -> dict[str, int]:
+        """The largest job budget of the workers of each kind ("cpu", "gpu") that the leading dispatchers
+        run now, over every namespace ({} before any leader has reported one)."""
+        with self._reading() as session:
+            largest: dict[str, int] = {}
+            now = self._now()
+            for row in session.scalars(select(DispatcherLeader).where(DispatcherLeader.expires_at > now)):
+                for kind, memory in (row.worker_memory or {}).items():
+                    largest[kind] = max(largest.get(kind, 0), int(memory))
+            return largest
 
     def release_leadership(self, namespace: str, holder: str) -> bool:
         """Give the namespace up (a standby takes over at once instead of after the expiry); True if
@@ -102,6 +124,22 @@ class Leadership(RegistryCore):
                 raise RegistryValidationError(field, f"must be 1 to {MAX_NAME_LENGTH} characters")
         if ttl_seconds is not None and not 0 < ttl_seconds <= 3600:
             raise RegistryValidationError("ttl_seconds", f"must be in (0, 3600], got {ttl_seconds}")
+
+
+def _worker_memory(worker_memory: Mapping[str, int]) -> dict[str, int]:
+    checked = {}
+    for kind, memory in worker_memory.items():
+        if (
+            kind not in ("cpu", "gpu")
+            or isinstance(memory, bool)
+            or not isinstance(memory, int)
+            or memory <= 0
+        ):
+            raise RegistryValidationError(
+                "worker_memory", f"expected cpu/gpu -> bytes, got {kind!r}: {memory!r}"
+            )
+        checked[kind] = memory
+    return checked
 
 
 __all__ = ["LeaderRecord", "Leadership"]

@@ -338,6 +338,8 @@ class DispatcherLeader(Base):
     holder: Mapped[str] = mapped_column(String(200))  # "<host>:<pid>:<random>" of the leading dispatcher
     acquired_at: Mapped[datetime]
     expires_at: Mapped[datetime]
+    # the largest job budget of its workers, per kind ({"cpu": bytes, "gpu": bytes}); None: not known yet
+    worker_memory: Mapped[dict[str, Any] | None]
 
 
 class AuditEvent(Base):

@@ -40,7 +40,16 @@ from services.registry.errors import (
     RegistryValidationError,
     UnknownSweepError,
 )
-from services.registry.models import DEFAULT_JOB_DEVICE, ApiToken, Backbone, Job, JobStatus, Sweep, Task
+from services.registry.models import (
+    DEFAULT_JOB_DEVICE,
+    ApiToken,
+    Backbone,
+    DispatcherLeader,
+    Job,
+    JobStatus,
+    Sweep,
+    Task,
+)
 from services.registry.records import JobRecord, SweepRecord
 from services.registry.rows import (
     PlannedJob,
@@ -135,7 +144,7 @@ class Submissions(RegistryCore):
                 now = self._now()
                 task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
                 (plan,) = self._plan_method(
-                    session, method, split, task_row, backbone_row, [seed], [k_shot], now, fusion_spec
+                    session, method, split, task_row, backbone_row, [seed], [k_shot], now, fusion_spec, device
                 )
                 if key is not None:
                     mine = submitted_by_current_actor(Job)
@@ -204,7 +213,7 @@ class Submissions(RegistryCore):
             with self._writing() as session:
                 now = self._now()
                 task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
-                planned = self._plan_sweep(session, request, task_row, backbone_row, now)
+                planned = self._plan_sweep(session, request, task_row, backbone_row, now, device)
                 stored_key, mine = key, submitted_by_current_actor(Sweep)
                 if key is not None:
                     existing = session.scalar(select(Sweep).where(Sweep.idempotency_key == key, mine))
@@ -336,7 +345,7 @@ class Submissions(RegistryCore):
             try:
                 with self._writing() as session:  # planning may make a built-in method's row: rolled back
                     task_row, backbone_row = find_task(session, task), find_backbone(session, backbone)
-                    planned = self._plan_sweep(session, request, task_row, backbone_row, self._now())
+                    planned = self._plan_sweep(session, request, task_row, backbone_row, self._now(), device)
                     raise _Checked(len(planned))
             except _Checked as checked:
                 return checked.jobs
@@ -379,14 +388,28 @@ class Submissions(RegistryCore):
         return request, priority, max_attempts, key, device
 
     def _plan_sweep(
-        self, session: Session, request: _SweepRequest, task: Task, backbone: Backbone, now: datetime
+        self,
+        session: Session,
+        request: _SweepRequest,
+        task: Task,
+        backbone: Backbone,
+        now: datetime,
+        device: str = DEFAULT_JOB_DEVICE,
     ) -> list[PlannedJob]:
         """Every job of the sweep, validated (`_plan_method` for each method)."""
         return [
             plan
             for name in request.methods
             for plan in self._plan_method(
-                session, name, request.split[name], task, backbone, request.seeds, request.k_values, now
+                session,
+                name,
+                request.split[name],
+                task,
+                backbone,
+                request.seeds,
+                request.k_values,
+                now,
+                device=device,
             )
         ]
 
@@ -401,6 +424,7 @@ class Submissions(RegistryCore):
         k_values: list[int | None],
         now: datetime,
         fusion_spec: Mapping[str, Any] | None = None,
+        device: str = DEFAULT_JOB_DEVICE,
     ) -> list[PlannedJob]:
         """The jobs of one method for every seed and K (seed first), validated: its spec with the
         overrides, each K's training config, and the ranges that depend on the backbone."""
@@ -426,6 +450,7 @@ class Submissions(RegistryCore):
             )
             for k in k_values
         }
+        budget, budget_source = self._memory_budget(session, device)
         check_against_backbone(
             method,
             base.spec,
@@ -434,7 +459,8 @@ class Submissions(RegistryCore):
             by_k[k_values[0]],
             given,
             facts,
-            memory_budget=self.worker_memory_bytes,
+            memory_budget=budget,
+            budget_source=budget_source,
         )
         stored = {k: canonical_hyperparameters(train, config, overrides) for k, config in by_k.items()}
         return [
@@ -442,6 +468,22 @@ class Submissions(RegistryCore):
             for seed in seeds
             for k in k_values
         ]
+
+    def _memory_budget(self, session: Session, device: str) -> tuple[int, str]:
+        """(bytes, what they are) a job's memory estimate is checked against: the largest worker that could
+        run it as the leading dispatchers report them (`gpu` jobs: GPU workers, `cpu`: CPU workers, `any`:
+        either), else PELT_WORKER_MEMORY_BYTES (no report yet, or none of that kind: one may join)."""
+        kinds = {"gpu": ("gpu",), "cpu": ("cpu",)}.get(device, ("cpu", "gpu"))
+        largest, largest_kind = 0, None
+        leaders = session.scalars(select(DispatcherLeader).where(DispatcherLeader.expires_at > self._now()))
+        for row in leaders:
+            for kind in kinds:
+                memory = int((row.worker_memory or {}).get(kind) or 0)
+                if memory > largest:
+                    largest, largest_kind = memory, kind
+        if largest_kind is None:
+            return self.worker_memory_bytes, "PELT_WORKER_MEMORY_BYTES"
+        return largest, f"the cluster's largest {largest_kind.upper()} worker: {largest / 2**30:.1f} GiB"
 
     def _queue_sweep(
         self,

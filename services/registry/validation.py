@@ -368,10 +368,12 @@ def check_against_backbone(
     facts: Mapping[str, Any] | None,
     *,
     memory_budget: int,
+    budget_source: str = "PELT_WORKER_MEMORY_BYTES",
 ) -> None:
     """The ranges that depend on the backbone (limits.check_against_backbone: ranks, prefix lengths, layer
-    indices, max_length, the job's memory under `memory_budget`), naming the key the caller wrote (`r`
-    rather than `lora.modules.q.size`). Skipped for a backbone registered without facts."""
+    indices, max_length, the job's memory under `memory_budget`, which `budget_source` names), naming the
+    key the caller wrote (`r` rather than `lora.modules.q.size`). Skipped for a backbone registered without
+    facts."""
     if facts is None:
         return
     try:
@@ -380,7 +382,7 @@ def check_against_backbone(
         field = given.get(exc.field, exc.field)
         if ".modules." in exc.field:
             field = _backbone_culprit(method_spec, overrides, train_config, facts, exc.field) or field
-        where = " (PELT_WORKER_MEMORY_BYTES)" if isinstance(exc, limits.MemoryBudgetError) else ""
+        where = f" ({budget_source})" if isinstance(exc, limits.MemoryBudgetError) else ""
         raise RegistryValidationError(field, f"{exc} (method {method_name!r}){where}") from None
 
 

@@ -392,6 +392,35 @@ def test_a_job_over_the_worker_memory_budget_is_422_naming_what_to_lower(client,
     assert client.submit(toy_task, "lora", backbone=sized, hyperparameters={"batch_size": 16})
 
 
+def test_a_job_no_worker_of_the_cluster_can_hold_is_refused_naming_the_largest_worker(
+    client, toy_task, api, sized
+):
+    """The leading dispatcher reports its workers' budgets (measured where they run: their cgroup limit
+    included); a submit checks against the largest worker that could run the job, not the API host's."""
+    api.registry.worker_memory_bytes = 64 << 30  # the API's host: plenty
+    registry = api.registry
+    assert registry.acquire_leadership("pelt", "dispatcher-a", ttl_seconds=60)
+    assert registry.renew_leadership("pelt", "dispatcher-a", 60, worker_memory={"cpu": 1 << 30})
+    assert registry.largest_workers() == {"cpu": 1 << 30}
+    big = {"batch_size": 4096}
+    refused(
+        lambda: client.submit(toy_task, "lora", backbone=sized, hyperparameters=big, device="cpu"),
+        422,
+        "batch_size",
+        "the cluster's largest CPU worker: 1.0 GiB",
+    )
+    refused(lambda: client.sweep(toy_task, ["lora"], backbone=sized, hyperparameters=big), 422, "batch_size")
+    assert registry.list_jobs() == []
+    # no GPU worker reported (one may join): a GPU job is checked against PELT_WORKER_MEMORY_BYTES
+    assert client.submit(toy_task, "lora", backbone=sized, hyperparameters=big, device="gpu")
+    registry.renew_leadership("pelt", "dispatcher-a", 60, worker_memory={"cpu": 1 << 30, "gpu": 80 << 30})
+    assert client.submit(
+        toy_task, "lora", backbone=sized, hyperparameters=big
+    )  # `any`: the GPU worker holds it
+    registry.release_leadership("pelt", "dispatcher-a")  # no leader: nothing reported, the API host's budget
+    assert client.submit(toy_task, "lora", backbone=sized, hyperparameters=big, device="cpu")
+
+
 def test_the_default_budget_is_the_machines_memory_and_the_sweep_cap_comes_from_the_table():
     settings = Settings(data_dir="/nonexistent")
     assert settings.worker_memory_bytes == limits.machine_memory_bytes()  # see test_workers_side.py

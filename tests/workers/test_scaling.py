@@ -110,3 +110,33 @@ def test_the_idle_time_comes_from_pelt_idle_worker_seconds_unless_the_dispatcher
         assert Dispatcher(registry, config=given, settings=settings).config.idle_worker_seconds == 30
         unset = Settings(data_dir=tmp_path / "data")
         assert Dispatcher(registry, settings=unset).config.idle_worker_seconds is None
+
+
+def test_the_leader_reports_its_largest_started_worker_of_each_kind():
+    from services.dispatcher.slots import largest_worker_memory
+
+    workers = [worker("a"), worker("b"), worker("g", "gpu")]
+    workers[0].memory_bytes, workers[1].memory_bytes, workers[2].memory_bytes = 3 << 30, 5 << 30, 70 << 30
+    starting = worker("c")
+    starting.ready, starting.memory_bytes = False, 100 << 30  # not started yet: not counted
+    assert largest_worker_memory([*workers, starting]) == {"cpu": 5 << 30, "gpu": 70 << 30}
+
+
+def test_each_renewal_of_the_leadership_carries_the_workers_budgets():
+    from services.dispatcher.leadership import LeaderLock
+
+    class Registry:
+        def __init__(self):
+            self.renewals = []
+
+        def renew_leadership(self, namespace, holder, ttl_seconds, worker_memory=None):
+            self.renewals.append(worker_memory)
+            return True
+
+    registry = Registry()
+    lock = LeaderLock(registry, "pelt", leader_seconds=15)
+    lock.leading = True
+    assert lock.still_leading(force=True)  # nothing to report yet: nothing sent
+    lock.worker_memory = lambda: {"cpu": 3 << 30}
+    assert lock.still_leading(force=True)
+    assert registry.renewals == [None, {"cpu": 3 << 30}]
