@@ -632,9 +632,10 @@ def limits_table_markdown() -> str:
         f"| sources of a composition | <= {MAX_COMPOSE_SOURCES} | aliases: <= {MAX_COMPOSE_ALIASES} |",
         f"| jobs of a sweep | <= {DEFAULT_MAX_SWEEP_JOBS:,} | `PELT_MAX_SWEEP_JOBS`; each list <= {SWEEP_LIST_LENGTH:,}"
         " entries |",
-        "| a job's memory estimate | <= the machine's memory (`PELT_WORKER_MEMORY_BYTES`) | backbone, "
-        "parameters with AdamW state, activations; checked at submission and by the worker that takes the "
-        "job, each against its own machine |",
+        "| a job's memory estimate | <= the largest worker that could run it, as the dispatcher reports them; "
+        "before that the machine's memory (`PELT_WORKER_MEMORY_BYTES`) | backbone, parameters with AdamW "
+        "state, activations; checked at submission and by the worker that takes the job, against its own "
+        "machine |",
         f"| a composition's memory estimate | <= {_gib(DEFAULT_COMPOSE_MEMORY_BYTES)} | `PELT_COMPOSE_MEMORY_BYTES`: "
         "the sources' stored bytes x 4 (DARE 6, multi_task 2) + 6 x the largest, + the dense ΔW of LoRA "
         "modules for TIES/DARE; computed in a child process bounded by that + 3 GiB |",

@@ -247,6 +247,7 @@ class Dispatcher:
         for node_id in {w.node_id for w in self.workers.values()} | set(self.nodes.capacity):
             self._kill_host(node_id)
         self.workers.clear()
+        self.scaling.withdraw()  # no workers kept: nothing asked of the autoscaler any more
 
     def _kill_host(self, node_id: str) -> None:
         """Stop the node's backbone host: its shared backbone copies leave the node's object store."""
@@ -554,6 +555,8 @@ class Dispatcher:
         queued = self.registry.queued_by_device()  # one read; claims (writes) only when there is work
         if scaling:  # ask Ray for the nodes the queue needs; let long-idle workers go (scaling.py)
             for worker in self.scaling.update(queued, self.workers.values(), self.nodes.has_gpus):
+                if not self.lock.may_act():  # a stalled leader's standby may have adopted it meanwhile
+                    break
                 self._drop(worker, kill=True)
                 if not any(w.node_id == worker.node_id for w in self.workers.values()):
                     self._kill_host(worker.node_id)  # a node holding objects is never idle to the autoscaler

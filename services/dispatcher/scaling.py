@@ -5,7 +5,8 @@ Every `scaling_seconds` the dispatcher reads the queue by device and counts, for
 cpu), the jobs that the free places of its workers (started or starting) cannot take. It then asks Ray
 (`ray.autoscaler.sdk.request_resources`) for one bundle per worker it keeps and one per worker those jobs
 need, each shaped as that worker reserves (a GPU worker: `gpus_per_worker` GPUs and `cpus_per_gpu_worker`
-CPUs; a CPU worker: `cpus_per_actor` CPUs), at most `max_requested_workers` of each kind. Ray's autoscaler
+CPUs; a CPU worker: `cpus_per_actor` CPUs), at most `max_requested_workers` more than it has of each kind per
+request (the next request asks for more once those have started). Ray's autoscaler
 reads that as the capacity to have, whatever runs now (a node with room counts toward it, and is kept
 while the request holds it): a GPU group at zero nodes gets one when a GPU job queues (KubeRay, or any Ray cluster with an autoscaler; without one the request does nothing). The request
 is sent when it changes.
@@ -89,7 +90,7 @@ class NodeRequests:
             mine = [w for w in workers if w.device == kind]
             free = sum(len(w.free_slots()) for w in mine)
             extra = math.ceil(max(0, waiting[kind] - free) / self.config.places(kind))
-            wanted = min(len(mine) + extra, self.config.max_requested_workers)
+            wanted = len(mine) + min(extra, self.config.max_requested_workers)
             if kind == "gpu" and self.config.gpus_per_worker <= 0:
                 wanted = 0  # no GPU workers at all (--gpus-per-worker 0)
             bundles += [self._shape(kind)] * wanted
@@ -98,9 +99,19 @@ class NodeRequests:
         return self._idle(workers, waiting, now)
 
     def _shape(self, kind: str) -> dict[str, float]:
+        """What one worker of a kind reserves; whole numbers as ints (Ray before 2.60 took ints only)."""
         if kind == "gpu":
-            return {"GPU": float(self.config.gpus_per_worker), "CPU": float(self.config.cpus_per_gpu_worker)}
-        return {"CPU": float(self.config.cpus_per_actor)}
+            shape = {"GPU": self.config.gpus_per_worker, "CPU": self.config.cpus_per_gpu_worker}
+        else:
+            shape = {"CPU": self.config.cpus_per_actor}
+        return {
+            key: int(value) if float(value).is_integer() else float(value) for key, value in shape.items()
+        }
+
+    def withdraw(self) -> None:
+        """Ask for nothing any more (the dispatcher stopped its workers): the autoscaler may shrink."""
+        if self.sent:
+            self._send([])
 
     def _send(self, bundles: list[dict[str, float]]) -> None:
         try:

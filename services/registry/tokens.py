@@ -21,7 +21,7 @@ from services.registry.errors import (
 )
 from services.registry.models import TOKEN_SCOPES, ApiToken, AuditEvent
 from services.registry.records import ApiTokenRecord, AuditEventRecord
-from services.registry.rows import audit
+from services.registry.rows import audit, retry_once_on_conflict
 from services.registry.validation import check_int, check_name
 
 TOKEN_PREFIX = "pelt_"
@@ -69,7 +69,7 @@ class TokensAndAudit(RegistryCore):
                 audit(session, row.created_at, "token.create", name, {"scope": scope})
                 return ApiTokenRecord.of(row)
 
-        return write(), secret
+        return retry_once_on_conflict(write), secret  # a name inserted at the same moment: AlreadyExistsError
 
     def authenticate(self, secret: str) -> ApiTokenRecord | None:
         """The active token whose secret this is, or None (unknown or revoked). Marks it used at most

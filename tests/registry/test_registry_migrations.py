@@ -68,14 +68,37 @@ def test_every_migration_upgrades_downgrades_and_upgrades_again(db_url: str) -> 
     assert _schema_differences(db_url, Base.metadata) == []
 
 
-def test_upgrades_started_together_leave_one_schema_at_head(db_url: str) -> None:
-    """Two API pods starting at once each run `pelt db upgrade`: one migrates, the other finds it done (on
-    PostgreSQL under an advisory lock; on SQLite the file's own write lock)."""
+def test_upgrades_started_together_run_one_at_a_time_and_leave_one_schema_at_head(
+    db_url, monkeypatch
+) -> None:
+    """API pods starting at once each run `pelt db upgrade`: the upgrades run one after another (an advisory
+    lock on PostgreSQL, a file lock beside SQLite's file), the first migrating, the others finding it done."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    from alembic import command
+
+    inside, overlapped, barrier = [0], [False], threading.Barrier(3)
+    real_upgrade = command.upgrade
+
+    def slow_upgrade(*args, **kwargs):
+        inside[0] += 1
+        overlapped[0] |= inside[0] > 1
+        try:
+            threading.Event().wait(0.3)  # long enough for another upgrade to come in, were it not locked out
+            return real_upgrade(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(db.command, "upgrade", slow_upgrade)
+
+    def upgrade(_: int) -> str | None:
+        barrier.wait(timeout=60)  # all three ask at the same moment
+        return db.upgrade(db_url)
+
     with ThreadPoolExecutor(3) as pool:
-        revisions = list(pool.map(lambda _: db.upgrade(db_url), range(3)))
-    assert revisions == [db.head_revision()] * 3
+        revisions = list(pool.map(upgrade, range(3)))
+    assert revisions == [db.head_revision()] * 3 and not overlapped[0]
     assert _schema_differences(db_url, Base.metadata) == []
 
 

@@ -140,3 +140,13 @@ def test_each_renewal_of_the_leadership_carries_the_workers_budgets():
     lock.worker_memory = lambda: {"cpu": 3 << 30}
     assert lock.still_leading(force=True)
     assert registry.renewals == [None, {"cpu": 3 << 30}]
+
+
+def test_a_dispatcher_stopping_its_workers_withdraws_its_request_and_shapes_are_whole_numbers():
+    scaling, sent = requests(DispatcherConfig(cpus_per_worker=2))
+    scaling.withdraw()
+    assert sent == []  # nothing asked yet: nothing to withdraw
+    scaling.update({"cpu": 1}, [], has_gpus=False, now=0)
+    assert sent == [[{"CPU": 2}]] and isinstance(sent[0][0]["CPU"], int)  # Ray before 2.60 took ints only
+    scaling.withdraw()
+    assert sent[-1] == []
