@@ -21,8 +21,9 @@ PELT_MAX_ARCHIVE_EXPANSION   unpacked bytes per archive byte (default 50; an arc
 PELT_DATASET_PROBE_MEMORY_BYTES, PELT_DATASET_PROBE_TIMEOUT_SECONDS   limits of the child process that reads
                           an uploaded task's data (default PELT_MAX_DATASET_BYTES + 2 GiB, which it must exceed: a
                           split is memory-mapped whole; 300 s); beyond them (or a crash): 422
-PELT_DATASET_PROBE_CONCURRENCY   uploads whose data are unpacked and checked at once (default 2, each in a
-                          child of up to PELT_DATASET_PROBE_MEMORY_BYTES); beyond: 503 with Retry-After
+PELT_DATASET_PROBE_CONCURRENCY   uploads whose data are unpacked and checked at once (each in a child of up to
+                          PELT_DATASET_PROBE_MEMORY_BYTES; default: as many as the API's memory holds beside 2 GiB
+                          for the API itself, 1 to 2: one in an 8 GiB pod); beyond: 503 with Retry-After
 PELT_BACKBONE_DIRS        folders whose model folders may be registered as backbones (os.pathsep-separated
                           or a JSON list; default none: only the packaged backbones); never PELT_DATA_DIR
 PELT_MAX_BACKBONE_PARAMETERS   largest backbone registered, in parameters estimated from its config
@@ -150,10 +151,12 @@ class Settings(BaseSettings):
         "(a split is memory-mapped whole)",
     )
     dataset_probe_concurrency: int = Field(
-        default=limits.DEFAULT_DATASET_PROBE_CONCURRENCY,
-        ge=1,
+        default=0,
+        ge=0,
         description="uploads whose data are unpacked and checked at once, each with a probe of up to "
-        "dataset_probe_memory_bytes; an upload beyond them is a 503 with Retry-After",
+        "dataset_probe_memory_bytes; an upload beyond them is a 503 with Retry-After; 0: as many as this "
+        "machine's memory (its cgroup limit included) holds beside API_MEMORY_RESERVE_BYTES, 1 to "
+        "limits.DEFAULT_DATASET_PROBE_CONCURRENCY",
     )
     dataset_probe_timeout_seconds: float = Field(
         default=300.0, gt=0, description="time limit of the child process that reads an uploaded task's data"
@@ -338,7 +341,13 @@ class Settings(BaseSettings):
                 "PELT_DATASET_PROBE_MEMORY_BYTES must exceed PELT_MAX_DATASET_BYTES: the probe "
                 "memory-maps a split whole"
             )
+        if not self.dataset_probe_concurrency:  # probes that fit beside the API in its memory (its pod's)
+            room = (machine_memory_bytes() - API_MEMORY_RESERVE_BYTES) // self.dataset_probe_memory_bytes
+            self.dataset_probe_concurrency = max(1, min(limits.DEFAULT_DATASET_PROBE_CONCURRENCY, room))
         return self
+
+
+API_MEMORY_RESERVE_BYTES = 2 << 30  # what the API process keeps for itself beside its dataset probes
 
 
 @lru_cache(maxsize=1)

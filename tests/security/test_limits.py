@@ -421,6 +421,18 @@ def test_a_job_no_worker_of_the_cluster_can_hold_is_refused_naming_the_largest_w
     assert client.submit(toy_task, "lora", backbone=sized, hyperparameters=big, device="cpu")
 
 
+@pytest.mark.parametrize(("memory_gib", "probes"), [(8, 1), (24, 2), (4, 1), (64, 2)])
+def test_the_dataset_probes_at_once_follow_the_apis_memory(monkeypatch, memory_gib, probes):
+    """By default as many probes (each up to PELT_DATASET_PROBE_MEMORY_BYTES: 6 GiB with the default 4 GiB
+    datasets) as the machine's memory, its cgroup limit included, holds beside 2 GiB for the API: one in the
+    Kubernetes API pod's 8 GiB, never none, at most the table's default; an explicit value is kept."""
+    import services.settings as settings_module
+
+    monkeypatch.setattr(settings_module, "machine_memory_bytes", lambda: memory_gib << 30)
+    assert Settings(data_dir="/nonexistent").dataset_probe_concurrency == probes
+    assert Settings(data_dir="/nonexistent", dataset_probe_concurrency=3).dataset_probe_concurrency == 3
+
+
 def test_the_default_budget_is_the_machines_memory_and_the_sweep_cap_comes_from_the_table():
     settings = Settings(data_dir="/nonexistent")
     assert settings.worker_memory_bytes == limits.machine_memory_bytes()  # see test_workers_side.py
