@@ -17,14 +17,11 @@ that opens it, concurrently.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
-import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 from services.delta_store.errors import DeltaStoreError, StoreNotReadyError
@@ -185,34 +182,11 @@ def _upgrade(uri: str) -> str:
         engine.dispose()
 
 
-@contextlib.contextmanager
-def _init_lock(uri: str) -> Iterator[None]:
-    """One schema upgrade at a time: pg_advisory_lock on PostgreSQL, else an exclusive file lock
-    (next to an SQLite file; in the temp folder, per host, for other databases)."""
-    if uri.split(":", 1)[0].split("+", 1)[0] in ("postgresql", "postgres"):
-        engine = _engine(uri)
-        try:
-            with engine.connect() as connection:
-                connection.exec_driver_sql(f"SELECT pg_advisory_lock({_ADVISORY_LOCK_KEY})")
-                try:
-                    yield
-                finally:
-                    connection.exec_driver_sql(f"SELECT pg_advisory_unlock({_ADVISORY_LOCK_KEY})")
-        finally:
-            engine.dispose()
-        return
-    path = sqlite_file(uri)
-    if path is not None:
-        lock_path = path.with_name(path.name + ".upgrade.lock")
-    else:
-        digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
-        lock_path = Path(tempfile.gettempdir()) / f"pelt-mlflow-upgrade-{digest}.lock"
-    with open(lock_path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _init_lock(uri: str) -> contextlib.AbstractContextManager[None]:
+    """One MLflow schema upgrade at a time (`services.upgrade_lock`: an advisory lock, or a file lock)."""
+    from services.upgrade_lock import upgrade_lock
+
+    return upgrade_lock(uri, _ADVISORY_LOCK_KEY, "mlflow")
 
 
 __all__ = [

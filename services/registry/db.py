@@ -342,33 +342,11 @@ def upgrade(url: str | URL | None = None, revision: str = "head") -> str | None:
     return _revision_at(url)
 
 
-@contextmanager
-def _upgrade_lock(url: URL) -> Iterator[None]:
-    """One schema upgrade at a time: an advisory lock on PostgreSQL, a file lock next to an SQLite file."""
-    if url.get_backend_name() != "postgresql":
-        path = sqlite_path(url)
-        if path is None:  # an in-memory database: nobody else can see it
-            yield
-            return
-        import fcntl
+def _upgrade_lock(url: URL) -> AbstractContextManager[None]:
+    """One registry upgrade at a time (`services.upgrade_lock`: an advisory lock, or a file lock)."""
+    from services.upgrade_lock import upgrade_lock
 
-        with open(path.with_name(path.name + ".upgrade.lock"), "a+") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-        return
-    engine = create_engine(url)
-    try:
-        with engine.connect() as connection:
-            connection.exec_driver_sql(f"SELECT pg_advisory_lock({UPGRADE_LOCK_KEY})")
-            try:
-                yield
-            finally:
-                connection.exec_driver_sql(f"SELECT pg_advisory_unlock({UPGRADE_LOCK_KEY})")
-    finally:
-        engine.dispose()
+    return upgrade_lock(url.render_as_string(hide_password=False), UPGRADE_LOCK_KEY, "registry")
 
 
 def downgrade(url: str | URL | None, revision: str) -> str | None:
