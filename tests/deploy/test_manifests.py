@@ -40,6 +40,7 @@ from tests.deploy.deployment_files import (
     S3_SECRETS,
     SECRET_KEYS,
     SECRETS,
+    compose_command_lines,
     compose_environment,
     container_command_lines,
     container_environment,
@@ -498,3 +499,44 @@ def test_the_s3_artifacts_option_points_mlflow_at_a_bucket_with_credentials_and_
     assert service["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
     with pytest.raises(KeyError, match="MLFLOW_ARTIFACTS_DESTINATION"):
         load_compose_override("compose.s3.yaml", {**SECRETS, **S3_SECRETS})
+
+
+def test_every_ray_nodes_object_store_is_set_and_fits_its_dev_shm(cluster, compose, monkeypatch):
+    """Ray's object store holds a node's shared backbone copies; by default it is 30% of the memory, which
+    outgrows a pod's /dev/shm (Ray then spills to disk). Every Ray node sets it, below its /dev/shm, and a
+    training node holds two warm copies of the largest packaged backbone in fp32 (SmolLM2-135M)."""
+    largest_backbone = 134_515_008 * 4  # SmolLM2-135M's parameters, fp32
+    units = {"Gi": 1 << 30, "Mi": 1 << 20, "gb": 1 << 30, "mb": 1 << 20}
+
+    def size(text: str) -> int:
+        number, unit = re.fullmatch(r"(\d+)(Gi|Mi|gb|mb)", str(text)).groups()
+        return int(number) * units[unit]
+
+    shm = {}
+    for pod, template in pod_templates(cluster):
+        for volume in template["spec"].get("volumes", []):
+            if volume["name"] == "shm":
+                shm[pod] = size(volume["emptyDir"]["sizeLimit"])
+    pods = {None: "RayCluster/pelt-ray/head"} | {
+        g: f"RayCluster/pelt-ray/{g}" for g in ("cpu", "gpu", "predict")
+    }
+    pods |= {
+        "Deployment/pelt-api": "Deployment/pelt-api",
+        "Deployment/pelt-dispatcher": "Deployment/pelt-dispatcher",
+    }
+    starts = kubernetes_roles(cluster, monkeypatch)["ray start"]
+    assert len(starts) == len(pods)
+    for where, params in starts:
+        store = params["object_store_memory"]
+        assert store and store < shm[pods[where]], where
+        if where in ("cpu", "gpu"):
+            assert store >= 2 * largest_backbone, where
+
+    for name, service in compose["services"].items():
+        for argv in compose_command_lines(service):
+            if argv[:2] == ["ray", "start"]:
+                params = parse_command_line(argv).params
+                store = params["object_store_memory"]
+                assert store and store < size(service["shm_size"]), name
+                if name in ("ray-worker", "ray-gpu-worker"):
+                    assert store >= 2 * largest_backbone, name
