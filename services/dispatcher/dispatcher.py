@@ -25,7 +25,7 @@ from services.dispatcher.config import DispatcherConfig
 from services.dispatcher.job_specs import JobSpecs
 from services.dispatcher.leadership import LeaderLock
 from services.dispatcher.lease import RegistryLease
-from services.dispatcher.placement import Nodes, start_worker
+from services.dispatcher.placement import Nodes, kill_backbone_host, start_worker
 from services.dispatcher.ray_cluster import connect_ray
 from services.dispatcher.scaling import NodeRequests
 from services.dispatcher.slots import (
@@ -245,18 +245,9 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 ray.kill(worker.actor, no_restart=True)
         for node_id in {w.node_id for w in self.workers.values()} | set(self.nodes.capacity):
-            self._kill_host(node_id)
+            kill_backbone_host(node_id, self.config.namespace)
         self.workers.clear()
         self.scaling.withdraw()  # no workers kept: nothing asked of the autoscaler any more
-
-    def _kill_host(self, node_id: str) -> None:
-        """Stop the node's backbone host: its shared backbone copies leave the node's object store."""
-        import ray
-
-        from workers.backbone_host import host_name
-
-        with contextlib.suppress(ValueError):
-            ray.kill(ray.get_actor(host_name(node_id), namespace=self.config.namespace), no_restart=True)
 
     def _close_registry(self) -> None:
         if self._owns_registry and not self._closed:
@@ -559,7 +550,7 @@ class Dispatcher:
                     break
                 self._drop(worker, kill=True)
                 if not any(w.node_id == worker.node_id for w in self.workers.values()):
-                    self._kill_host(worker.node_id)  # a node holding objects is never idle to the autoscaler
+                    kill_backbone_host(worker.node_id, self.config.namespace)  # objects keep a node busy
         for kind in kinds:
             waiting = sum(queued.get(device, 0) for device in self._claim_devices(kind))
             if waiting:

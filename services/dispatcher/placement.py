@@ -186,3 +186,16 @@ def start_worker(
     return WorkerSlots(
         worker_id, node_id, actor, slots=places, packed=packed, device=kind, poll_ref=actor.info.remote()
     )
+
+
+def kill_backbone_host(node_id: str, namespace: str) -> None:
+    """Stop the node's backbone host, if it has one: its shared backbone copies leave the node's object store
+    (a node holding objects is never idle to Ray's autoscaler)."""
+    import contextlib
+
+    import ray
+
+    from workers.backbone_host import host_name
+
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(host_name(node_id), namespace=namespace), no_restart=True)

@@ -16,6 +16,7 @@ import pytest
 from pelt_core import limits
 from pelt_core.config import ConfigError, TrainConfig, parse_settings
 from pelt_core.limits import LimitError, Range, check_against_backbone, estimate_job_memory
+from pelt_core.limits_table import limits_table_markdown
 from pelt_core.methods import get_method
 from pelt_core.spec import MethodSpec, SpecError
 from services.errors import classify
@@ -232,7 +233,7 @@ def test_the_trainer_refuses_a_rank_above_the_backbone_with_the_registrys_messag
 
 
 def test_the_readme_lists_the_table_of_limits():
-    assert limits.limits_table_markdown() in (ROOT / "README.md").read_text()
+    assert limits_table_markdown() in (ROOT / "README.md").read_text()
 
 
 # --- over the API: refused with the field named, nothing queued or registered ------------------------------
