@@ -28,7 +28,7 @@ import pytest
 from services.dispatcher import loopback_only, require_token_auth
 from services.registry import Registry
 from tests.workers.conftest import BACKBONE, TASK, submit, wait_for
-from tests.workers.test_cluster import ensure_ray_token
+from tests.workers.test_cluster import dispatcher_environment, ensure_ray_token
 
 pytestmark = pytest.mark.slow  # a Ray cluster with an autoscaler and `pelt dispatcher` (tests/tiers.py)
 NODE_TYPES = {
@@ -145,18 +145,7 @@ def alive_nodes(address: str) -> list[dict[str, float]]:
 
 
 def start_dispatcher(address: str, registry_url: str, tmp_path: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PELT_")}
-    env.pop("RAY_AUTH_MODE", None)  # `pelt dispatcher` turns token auth on by itself when joining by address
-    env.update(
-        {
-            "PELT_RAY_ADDRESS": address,
-            "PELT_DATABASE_URL": registry_url,
-            "PELT_DATA_DIR": str(tmp_path / "data"),
-            "PELT_LEASE_SECONDS": "20",
-            "PELT_HEARTBEAT_SECONDS": "1",
-            "PELT_RETRY_BACKOFF_SECONDS": "0.2",
-        }
-    )
+    env = dispatcher_environment(address, registry_url, tmp_path, LEASE_SECONDS="20")
     log = open(tmp_path / "dispatcher.log", "w")  # noqa: SIM115 - the process writes it until it ends
     return subprocess.Popen(
         [

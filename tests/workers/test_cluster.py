@@ -96,9 +96,11 @@ def held_now(registry: Registry, hold: Hold, job_ids: list[int]) -> dict[int, in
     return None
 
 
-def start_dispatcher(
-    address: str, registry_url: str, tmp_path: Path, name: str, hold: Hold
-) -> subprocess.Popen:
+def dispatcher_environment(
+    address: str, registry_url: str, tmp_path: Path, **settings: str
+) -> dict[str, str]:
+    """The environment of a `pelt dispatcher` joining the cluster at `address` (none of this process's
+    PELT_* settings): short heartbeats and backoffs, plus `settings` (PELT_<name>)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PELT_")}
     env.pop("RAY_AUTH_MODE", None)  # `pelt dispatcher` turns token auth on by itself when joining by address
     env.update(
@@ -106,13 +108,20 @@ def start_dispatcher(
             "PELT_RAY_ADDRESS": address,
             "PELT_DATABASE_URL": registry_url,
             "PELT_DATA_DIR": str(tmp_path / "data"),
-            "PELT_LEASE_SECONDS": "10",
-            "PELT_MAX_ATTEMPTS": "6",  # a lease lost to a slow start, then the lost node: attempts to spare
             "PELT_HEARTBEAT_SECONDS": "1",
             "PELT_RETRY_BACKOFF_SECONDS": "0.2",
             "PELT_RETRY_BACKOFF_MAX_SECONDS": "1",
+            **{f"PELT_{name}": value for name, value in settings.items()},
         }
     )
+    return env
+
+
+def start_dispatcher(
+    address: str, registry_url: str, tmp_path: Path, name: str, hold: Hold
+) -> subprocess.Popen:
+    # a lease lost to a slow start, then the lost node: attempts to spare
+    env = dispatcher_environment(address, registry_url, tmp_path, LEASE_SECONDS="10", MAX_ATTEMPTS="6")
     log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - the process writes it until it ends
     return subprocess.Popen(
         [
