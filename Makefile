@@ -1,5 +1,5 @@
 # The two set-up commands of the README:  `make demo`  and  `make test`.
-# Both build the virtual environment first (deploy/install.sh: torch's CPU build first, pinned, then the rest).
+# Both build the virtual environment first (deploy/install.sh: every package from the hashed lock in deploy/lock/).
 # `make test` also installs Debian's chromium for the page's browser tests (deploy/install-chromium.sh).
 VENV ?= .venv
 TEST_PROCESSES ?= 2  # pytest-xdist processes of `make test` (3 on 2 cores overloaded them: leases expired)
@@ -14,13 +14,17 @@ export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 # re-rewrites every test module in each of its processes (collection alone: 18.3 s without, 11.3 s with)
 export PYTHONDONTWRITEBYTECODE :=
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast lint lock bench clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt deploy/install.sh
-	bash deploy/install.sh $(VENV)
+$(VENV)/.installed: pyproject.toml deploy/install.sh deploy/lock/dev.txt deploy/lock/torch-cpu.txt
+	bash deploy/install.sh $(VENV) dev
 	touch $@
+
+# relock after a change to pyproject.toml or constraints.txt (versions already locked stay: deploy/lock.py)
+lock: install
+	$(PY) deploy/lock.py $(LOCK_ARGS)
 
 demo: install
 	$(VENV)/bin/pelt demo

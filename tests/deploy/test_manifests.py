@@ -355,7 +355,7 @@ def test_the_ray_cluster_has_an_idle_head_and_an_autoscaling_cpu_group(builds):
     assert gpu["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert gpu["template"]["spec"]["containers"][0]["image"].endswith("cu130")
     base_gpu = objects_of(builds["base"], "RayCluster")["pelt-ray"]["spec"]["workerGroupSpecs"][1]
-    assert base_gpu["template"]["spec"]["containers"][0]["image"] == "pelt-cuda:latest"
+    assert base_gpu["template"]["spec"]["containers"][0]["image"] == "pelt-cuda:0.1.0-ray2.60.0-cu130"
 
 
 def test_workloads_run_non_root_with_health_probes_and_a_standby_dispatcher(cluster):
@@ -414,7 +414,10 @@ def test_disruptions_leave_an_api_a_dispatcher_and_the_ray_head_and_dispatchers_
 def test_images_are_named_once_in_the_overlay(builds):
     overlay = yaml.safe_load((K8S / "overlays/example/kustomization.yaml").read_text())
     named = {f"{image['newName']}:{image['newTag']}" for image in overlay["images"]}
-    for build, expected in (("example", named), ("base", {"pelt:latest", "pelt-cuda:latest"})):
+    for build, expected in (
+        ("example", named),
+        ("base", {"pelt:0.1.0-ray2.60.0", "pelt-cuda:0.1.0-ray2.60.0-cu130"}),
+    ):
         images = {c["image"] for _, t in pod_templates(builds[build]) for c in containers(t)} - OTHER_IMAGES
         assert images == expected, build
 
