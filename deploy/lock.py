@@ -105,7 +105,9 @@ def lock_cuda_130(upgrade: list[str]) -> None:
         full = Path(scratch) / "torch-full.txt"
         if out.exists():
             full.write_text(out.read_text())  # keep its versions
-        compile_lock(["deploy/lock/torch-cu130.in"], full, "--no-config", "-c", "deploy/lock/dev.txt", *upgrade)
+        compile_lock(
+            ["deploy/lock/torch-cu130.in"], full, "--no-config", "-c", "deploy/lock/dev.txt", *upgrade
+        )
         runtime_packages = locked_names(LOCK / "dev.txt")
         out.write_text(without_packages(full, runtime_packages))
     if not any(name.startswith("nvidia-cuda-runtime") for name in locked_names(out)):
