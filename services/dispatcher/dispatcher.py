@@ -27,7 +27,7 @@ from services.dispatcher.leadership import LeaderLock
 from services.dispatcher.lease import RegistryLease
 from services.dispatcher.placement import Nodes, kill_backbone_host, start_worker
 from services.dispatcher.ray_cluster import connect_ray
-from services.dispatcher.scaling import NodeRequests
+from services.dispatcher.scaling import NodeRequests, queued_per_device
 from services.dispatcher.slots import (
     SlotJob,
     WorkerSlots,
@@ -543,9 +543,14 @@ class Dispatcher:
         scaling = self.scaling.due()
         if not any(open_.values()) and not room and not scaling:
             return
-        queued = self.registry.queued_by_device()  # one read; claims (writes) only when there is work
+        # one read; claims (writes) only when there is work
+        by_backbone = self.registry.queued_by_device_and_backbone() if scaling else None
+        queued = (
+            queued_per_device(by_backbone) if by_backbone is not None else self.registry.queued_by_device()
+        )
         if scaling:  # ask Ray for the nodes the queue needs; let long-idle workers go (scaling.py)
-            for worker in self.scaling.update(queued, self.workers.values(), self.nodes.has_gpus):
+            workers = self.scaling.update(queued, self.workers.values(), self.nodes.has_gpus, by_backbone)
+            for worker in workers:
                 if not self.lock.may_act():  # a stalled leader's standby may have adopted it meanwhile
                     break
                 self._drop(worker, kill=True)

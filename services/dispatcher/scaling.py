@@ -1,8 +1,11 @@
 """Scaling from the queue: the dispatcher asks Ray's autoscaler for the nodes its queued jobs need, and lets
 workers that stay idle go so that idle nodes can be removed.
 
-Every `scaling_seconds` the dispatcher reads the queue by device and counts, for each kind of worker (gpu,
-cpu), the jobs that the free places of its workers (started or starting) cannot take. It then asks Ray
+Every `scaling_seconds` the dispatcher reads the queue by device and backbone and counts, for each kind of
+worker (gpu, cpu), the jobs that the free places of its workers (started or starting) cannot take: a pack
+that is training jobs of one backbone takes only more of that backbone (a pack never mixes backbones), an
+idle pack takes jobs of one backbone, a worker of job slots one job of any backbone per free slot; the jobs
+left need `ceil(left / places)` new workers per backbone. It then asks Ray
 (`ray.autoscaler.sdk.request_resources`) for one bundle per worker it keeps and one per worker those jobs
 need, each shaped as that worker reserves (a GPU worker: `gpus_per_worker` GPUs and `cpus_per_gpu_worker`
 CPUs; a CPU worker: `cpus_per_actor` CPUs), at most `max_requested_workers` more than it has of each kind per
@@ -25,11 +28,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from services.dispatcher.config import DispatcherConfig
 from services.dispatcher.slots import WorkerSlots
+from services.registry.models import JOB_DEVICES
 
 log = logging.getLogger("pelt.dispatcher")
 KINDS = ("gpu", "cpu")
@@ -40,6 +45,14 @@ def request_resources(bundles: list[dict[str, float]]) -> None:
     from ray.autoscaler.sdk import request_resources as ray_request
 
     ray_request(bundles=bundles)
+
+
+def queued_per_device(by_backbone: Mapping[tuple[str, str], int]) -> dict[str, int]:
+    """{"any": n, "cpu": n, "gpu": n} (zeros included) from the queued jobs per (device, backbone)."""
+    counts = dict.fromkeys(JOB_DEVICES, 0)
+    for (device, _), count in by_backbone.items():
+        counts[device] = counts.get(device, 0) + count
+    return counts
 
 
 class NodeRequests:
@@ -76,10 +89,13 @@ class NodeRequests:
         queued: Mapping[str, int],
         workers: Iterable[WorkerSlots],
         has_gpus: bool,
+        queued_backbones: Mapping[tuple[str, str], int] | None = None,
         now: float | None = None,
     ) -> list[WorkerSlots]:
         """Ask for the workers the queue needs (when the request changes) and return the workers to stop:
-        idle for `idle_worker_seconds` with nothing of their kind waiting."""
+        idle for `idle_worker_seconds` with nothing of their kind waiting. `queued_backbones`: the queued
+        jobs per (device, backbone name) (the registry's `queued_by_device_and_backbone`); without it every
+        free place counts as able to take any queued job."""
         now = time.monotonic() if now is None else now
         self._at = now
         workers = list(workers)
@@ -88,8 +104,11 @@ class NodeRequests:
         bundles: list[dict[str, float]] = []
         for kind in KINDS:
             mine = [w for w in workers if w.device == kind]
-            free = sum(len(w.free_slots()) for w in mine)
-            extra = math.ceil(max(0, waiting[kind] - free) / self.config.places(kind))
+            if queued_backbones is None:
+                by_backbone: Mapping[str | None, int] = {None: waiting[kind]}
+            else:
+                by_backbone = self._waiting_by_backbone(kind, queued_backbones, has_gpus)
+            extra = self.workers_needed(kind, by_backbone, mine)
             wanted = len(mine) + min(extra, self.config.max_requested_workers)
             if kind == "gpu" and self.config.gpus_per_worker <= 0:
                 wanted = 0  # no GPU workers at all (--gpus-per-worker 0)
@@ -97,6 +116,56 @@ class NodeRequests:
         if bundles != self.sent:
             self._send(bundles)
         return self._idle(workers, waiting, now)
+
+    def _waiting_by_backbone(
+        self, kind: str, queued_backbones: Mapping[tuple[str, str], int], has_gpus: bool
+    ) -> Counter[str | None]:
+        """The queued jobs a worker of this kind may run, per backbone (as `waiting` splits the devices)."""
+        devices = {
+            "gpu": ("gpu", "any") if has_gpus else ("gpu",),
+            "cpu": ("cpu",) if has_gpus else ("cpu", "any"),
+        }
+        counts: Counter[str | None] = Counter()
+        for (device, backbone), count in queued_backbones.items():
+            if device in devices[kind]:
+                counts[backbone] += count
+        return counts
+
+    def workers_needed(
+        self, kind: str, waiting: Mapping[str | None, int], workers: Iterable[WorkerSlots]
+    ) -> int:
+        """New workers of a kind for the jobs waiting per backbone (None: backbone not known) that the free
+        places of `workers` cannot take (the module docstring's rule)."""
+        left = Counter({backbone: count for backbone, count in waiting.items() if count > 0})
+        idle_packs, any_slots = [], 0
+        for worker in workers:
+            free = len(worker.free_slots())
+            if not free:
+                continue
+            if not worker.packed:
+                any_slots += free
+            elif not worker.jobs or None in left:
+                idle_packs.append(free)  # its backbone is not fixed yet (or the queue's is not known)
+            else:
+                for backbone in worker.claim_backbones() or ():
+                    taken = min(free, left[backbone])
+                    left[backbone] -= taken
+                    free -= taken
+        for free in sorted(idle_packs, reverse=True):  # each takes jobs of one backbone, the most waiting
+            if left:
+                backbone, count = left.most_common(1)[0]
+                left[backbone] = count - min(free, count)
+            left = +left  # drop the backbones with nothing left
+        while any_slots and left:  # a free slot takes one job of any backbone
+            backbone, count = left.most_common(1)[0]
+            taken = min(any_slots, count)
+            left[backbone] -= taken
+            any_slots -= taken
+            left = +left
+        places = self.config.places(kind)
+        if self.config.pack_size_of(kind) == 1:  # workers of job slots: a new one takes any backbone
+            return math.ceil(sum(left.values()) / places)
+        return sum(math.ceil(count / places) for count in left.values())  # a new pack: one backbone
 
     def _shape(self, kind: str) -> dict[str, float]:
         """What one worker of a kind reserves; whole numbers as ints (Ray before 2.60 took ints only)."""

@@ -140,6 +140,18 @@ class JobQueue(RegistryCore):
             counts.update({device: count for device, count in session.execute(query)})
             return counts
 
+    def queued_by_device_and_backbone(self) -> dict[tuple[str, str], int]:
+        """How many queued jobs wait for each (device, backbone name), only pairs with jobs (one query): what
+        the dispatcher's scaling needs, since a pack that trains one backbone cannot take another's jobs."""
+        with self._reading() as session:
+            query = (
+                select(Job.device, Backbone.name, func.count())
+                .join(Backbone, Backbone.id == Job.backbone_id)
+                .where(Job.status == JobStatus.QUEUED.value)
+                .group_by(Job.device, Backbone.name)
+            )
+            return {(device, backbone): count for device, backbone, count in session.execute(query)}
+
     def heartbeat(
         self,
         job_id: int,

@@ -117,6 +117,28 @@ def test_queued_by_device_counts_the_queued_jobs_of_each_device(ready: Registry,
     assert ready.queued_by_device() == {"any": 1, "cpu": 1, "gpu": 3}
 
 
+def test_queued_by_device_and_backbone_splits_the_queue_for_scaling(ready: Registry) -> None:
+    assert ready.queued_by_device_and_backbone() == {}
+    ready.register_backbone("tiny-bert-2", "hf:prajjwal1/bert-tiny-2", "sha256:" + "cd" * 32)
+    for seed, (device, backbone) in enumerate(
+        [
+            ("gpu", "tiny-bert"),
+            ("gpu", "tiny-bert"),
+            ("cpu", "tiny-bert"),
+            ("cpu", "tiny-bert-2"),
+            ("any", "tiny-bert-2"),
+        ]
+    ):
+        submit(ready, seed=seed, device=device, backbone=backbone)
+    ready.claim_job("w1", devices=["gpu"])  # running: not queued
+    assert ready.queued_by_device_and_backbone() == {
+        ("gpu", "tiny-bert"): 1,
+        ("cpu", "tiny-bert"): 1,
+        ("cpu", "tiny-bert-2"): 1,
+        ("any", "tiny-bert-2"): 1,
+    }
+
+
 # --- leases --------------------------------------------------------------------------------------
 
 

@@ -52,6 +52,40 @@ def test_free_places_are_counted_before_asking_for_more_and_the_request_keeps_th
     assert sent[-1] == [CPU, CPU]  # a node's room is not asked for until a worker stands on it
 
 
+def pack(name: str, backbone: str | None = None, running: int = 0, places: int = 4) -> WorkerSlots:
+    """A pack worker with `running` jobs of `backbone` in its places."""
+    jobs = {slot: SlotJob(slot + 1, f"{name}#{slot}", backbone=backbone) for slot in range(running)}
+    return WorkerSlots(name, "node", actor=None, slots=places, ready=True, jobs=jobs, packed=True)
+
+
+def test_a_pack_training_one_backbone_has_no_room_for_another_backbones_jobs():
+    scaling, sent = requests(DispatcherConfig(pack_size=4))
+    busy_on_minilm = pack("p", backbone="minilm", running=1)  # 3 free places, for MiniLM jobs only
+    scaling.update({"cpu": 2}, [busy_on_minilm], False, {("cpu", "smollm2"): 2}, now=0)
+    assert sent == [[CPU, CPU]]  # the pack it keeps, and one more for the SmolLM2 jobs
+    scaling.update({"cpu": 3}, [busy_on_minilm], False, {("cpu", "minilm"): 3}, now=10)
+    assert sent[-1] == [CPU]  # the pack's free places take them
+    both = {("cpu", "minilm"): 3, ("cpu", "smollm2"): 5}
+    scaling.update({"cpu": 8}, [busy_on_minilm], False, both, now=20)
+    assert sent[-1] == [CPU] * 3  # MiniLM's 3 fit; SmolLM2's 5 need two packs of 4
+    scaling.update({"cpu": 5}, [busy_on_minilm], False, None, now=30)
+    assert sent[-1] == [CPU, CPU]  # not told the backbones: every free place counts (2 left: one pack more)
+
+
+def test_an_idle_pack_takes_one_backbone_and_job_slots_take_any():
+    scaling, sent = requests(DispatcherConfig(pack_size=4))
+    two_backbones = {("cpu", "minilm"): 2, ("any", "smollm2"): 2}
+    scaling.update({"cpu": 2, "any": 2}, [pack("idle")], False, two_backbones, now=0)
+    assert sent == [[CPU, CPU]]  # the idle pack takes one backbone's jobs; the other needs a pack
+    scaling.update({"gpu": 2}, [pack("idle")], False, {("gpu", "minilm"): 2}, now=10)
+    assert sent[-1] == [{"GPU": 1, "CPU": 1}, CPU]  # GPU jobs never count on a CPU worker's places
+    slots, sent = requests(DispatcherConfig(jobs_per_worker=2))  # no packs: two job slots per worker
+    one_busy = worker("w", busy=True, slots=2)
+    three_backbones = {("cpu", "a"): 1, ("cpu", "b"): 1, ("cpu", "c"): 1}
+    slots.update({"cpu": 3}, [one_busy], False, three_backbones, now=0)
+    assert sent == [[{"CPU": 2}, {"CPU": 2}]]  # its free slot takes one; a new worker's two slots the others
+
+
 def test_the_request_is_capped_and_no_gpu_is_asked_for_without_gpu_workers():
     scaling, sent = requests(DispatcherConfig(max_requested_workers=3))
     scaling.update({"cpu": 50}, [], has_gpus=False, now=0)
