@@ -97,7 +97,10 @@ def test_every_kubernetes_object_validates_against_its_schema(builds, raycluster
     assert {"Namespace", "ConfigMap", "Service", "PersistentVolumeClaim", "Deployment"} <= kinds
     assert "Job" not in kinds  # migrations run in the API pods' init container: applied any number of times
     assert {"NetworkPolicy", "RayCluster"} <= kinds
-    assert ("StatefulSet" in kinds) == (build != "external-database")
+    # PostgreSQL in the cluster unless the overlay points at an external one; Redis (the GCS state) always
+    assert set(objects_of(builds[build], "StatefulSet")) == (
+        {"pelt-redis"} if build == "external-database" else {"pelt-redis", "postgres"}
+    )
     assert ("Secret" in kinds) == (build != "base")  # the overlay makes it from secrets.env
     for manifest in builds[build]:
         if manifest["apiVersion"] != "ray.io/v1":
@@ -301,6 +304,12 @@ def test_every_reference_names_something_the_cluster_has(cluster):
     (secret,) = secrets.values()
     assert set(secret["data"]) == SECRET_KEYS == set(env_file(K8S / "overlays/example/secrets.env.example"))
     claims = set(objects_of(cluster, "PersistentVolumeClaim"))
+    claim_templates = {  # a StatefulSet's pods mount the claims it makes per pod
+        f"StatefulSet/{name}": {
+            claim["metadata"]["name"] for claim in workload["spec"]["volumeClaimTemplates"]
+        }
+        for name, workload in objects_of(cluster, "StatefulSet").items()
+    }
     for pod, template in pod_templates(cluster):
         volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
         for volume in volumes.values():
@@ -309,7 +318,7 @@ def test_every_reference_names_something_the_cluster_has(cluster):
         for container in containers(template):
             container_environment(container, cluster)  # every Secret and ConfigMap key it names exists
             for mount in container.get("volumeMounts", []):
-                assert mount["name"] in volumes or pod == "StatefulSet/postgres", (pod, mount)
+                assert mount["name"] in volumes or mount["name"] in claim_templates.get(pod, ()), (pod, mount)
     ray = objects_of(cluster, "RayCluster")["pelt-ray"]
     autoscaler = {"spec": {"containers": [{"image": "", **ray["spec"]["autoscalerOptions"]}]}}
     for pod, template in [*pod_templates([ray]), ("autoscaler", autoscaler)]:
@@ -400,6 +409,13 @@ def test_disruptions_leave_an_api_a_dispatcher_and_the_ray_head_and_dispatchers_
             and budget["selector"]["matchLabels"]["app.kubernetes.io/name"] in labels.values()
         )
     assert budgets["pelt-redis"]["spec"]["minAvailable"] == 1  # the GCS state the head takes up
+    # ... kept on a volume of its own, so that it outlives the Redis pod (an emptyDir would not)
+    redis = objects_of(cluster, "StatefulSet")["pelt-redis"]["spec"]
+    (claim,) = redis["volumeClaimTemplates"]
+    mounts = redis["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert claim["metadata"]["name"] in {m["name"] for m in mounts if m["mountPath"] == "/data"}
+    assert "--appendonly" in redis["template"]["spec"]["containers"][0]["args"]
+    assert not any("emptyDir" in v for v in redis["template"]["spec"].get("volumes", []))
     head = budgets["pelt-ray-head"]["spec"]
     assert (
         head["minAvailable"] == 1
