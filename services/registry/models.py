@@ -244,7 +244,9 @@ class Job(Base):
     heartbeat_at: Mapped[datetime | None]
     progress: Mapped[float | None] = mapped_column(Float)  # fraction done, in [0, 1]
     progress_detail: Mapped[dict[str, Any] | None]  # the worker's last report: step, total, loss, tokens/s
-    loss_history: Mapped[list[Any] | None]  # [[step, loss], ...] of the current attempt (at most 256)
+    # [[step, loss], ...] of the current attempt (at most 256): loaded only where read (the loss route, a
+    # heartbeat adding points), so that job lists and records do not parse every job's curve
+    loss_history: Mapped[list[Any] | None] = mapped_column(deferred=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     last_error: Mapped[str | None] = mapped_column(Text)
     idempotency_key: Mapped[str | None] = mapped_column(String(200))  # unique per submitter
