@@ -18,7 +18,8 @@ Faults, at random moments while jobs run (`FAULTS`): SIGKILL a pelt worker; SIGK
 than a lease and restore it; SIGKILL the second worker host's Ray node and start it again; SIGKILL the Ray
 head and start it again (its GCS keeps the cluster's state in Redis on the `db` host, as KubeRay's GCS fault
 tolerance does); restart PostgreSQL (a fast or an immediate shutdown); restart the MLflow server (SIGKILL);
-restart the API.
+restart the API; cut the `db` host off from every other for longer than a lease (a partition of the
+database host: PostgreSQL, the MLflow server and the GCS's Redis out of reach at once) and restore it.
 
 Checked at the end (`check`): every job ended once (succeeded, or failed with its error after its attempts;
 none queued, running or cancelled) and no submitted sweep queued twice; exactly one result and one
@@ -124,6 +125,17 @@ class Faults:
         self.cluster.net.link(host, up=True)
         return f"{host} cut for {seconds:.0f} s"
 
+    def cut_database_host(self) -> str:
+        """A partition of the `db` host (PostgreSQL, the MLflow server, the GCS's Redis) from every other
+        for longer than a lease: connections in flight stall (no reset reaches them), new ones time out."""
+        seconds = LEASE_SECONDS + 5
+        self.cluster.net.link("db", up=False)
+        time.sleep(seconds)
+        self.cluster.net.link("db", up=True)
+        self.cluster.wait_postgres()
+        self.cluster.wait_mlflow()
+        return f"db cut for {seconds:.0f} s"
+
     def _restart(self, name: str, sig: signal.Signals, pause: float = 0.0, between: Any = None) -> None:
         """Stop a service with `sig` (SIGKILL for what is left after a while), `between()` if given, and
         start it again after `pause` s; the supervisor leaves it alone meanwhile."""
@@ -180,6 +192,7 @@ FAULTS = {
     "restart PostgreSQL": Faults.restart_postgres,
     "restart MLflow": Faults.restart_mlflow,
     "restart API": Faults.restart_api,
+    "cut database host": Faults.cut_database_host,
 }
 
 
