@@ -127,10 +127,11 @@ class TaskUploads:
             return self._register(name, files, fields)
 
     @contextlib.contextmanager
-    def probe_slot(self, field: str = "train") -> Iterator[None]:
+    def probe_slot(self, field: str | None = None) -> Iterator[None]:
         """Hold one of the PELT_DATASET_PROBE_CONCURRENCY slots until the block ends (a slot this context
         holds already, taken by the API from the request's headers, is used as it is); none free: a 503
-        with Retry-After naming `field`."""
+        with Retry-After naming `field` (None: the whole request, as the API refuses it from its headers,
+        before it knows which file fields the body holds)."""
         if _HOLDING_PROBE_SLOT.get() is self:
             yield
             return

@@ -37,7 +37,7 @@ def nothing_written(api: Api) -> None:
     assert api.files() == []
 
 
-def refused(response: Any, status: int, field: str, *words: str) -> str:
+def refused(response: Any, status: int, field: str | None, *words: str) -> str:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["field"] == field, error
@@ -846,7 +846,7 @@ def test_uploads_past_the_probe_concurrency_are_a_503_with_retry_after_and_write
     try:
         assert all(taken)
         response = upload(api, {"train": train}, definition='{"text_fields": ["sentence"]}')
-        refused(response, 503, "train", "PELT_DATASET_PROBE_CONCURRENCY")
+        refused(response, 503, None, "PELT_DATASET_PROBE_CONCURRENCY")  # the request, not a field
         assert int(response.headers["Retry-After"]) >= 1
         nothing_written(api)
     finally:
