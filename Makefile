@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml deploy/install.sh deploy/lock/dev.txt deploy/
 	bash deploy/install.sh $(VENV) dev
 	touch $@
 
-# relock after a change to pyproject.toml or constraints.txt (versions already locked stay: deploy/lock.py)
+# relock after a change to pyproject.toml, constraints.txt or deploy/lock/ (uv.toml, *.in); locked versions stay
 lock: install
 	$(PY) deploy/lock.py $(LOCK_ARGS)
 

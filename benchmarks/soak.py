@@ -119,21 +119,27 @@ class Faults:
 
     def cut_link(self) -> str:
         host = self.rng.choice(WORKER_HOSTS)
+        return f"{host} cut for {self._cut(host):.0f} s"
+
+    def _cut(self, host: str) -> float:
+        """Cut the host's link for longer than a lease; restored whatever happens meanwhile (an interrupt)."""
         seconds = LEASE_SECONDS + 5
         self.cluster.net.link(host, up=False)
-        time.sleep(seconds)
-        self.cluster.net.link(host, up=True)
-        return f"{host} cut for {seconds:.0f} s"
+        try:
+            time.sleep(seconds)
+        finally:
+            self.cluster.net.link(host, up=True)
+        return seconds
 
     def cut_database_host(self) -> str:
         """A partition of the `db` host (PostgreSQL, the MLflow server, the GCS's Redis) from every other
         for longer than a lease: connections in flight stall (no reset reaches them), new ones time out."""
-        seconds = LEASE_SECONDS + 5
-        self.cluster.net.link("db", up=False)
-        time.sleep(seconds)
-        self.cluster.net.link("db", up=True)
-        self.cluster.wait_postgres()
-        self.cluster.wait_mlflow()
+        seconds = self._cut("db")
+        try:  # the cut happened: it counts, however long the services take to answer again
+            self.cluster.wait_postgres()
+            self.cluster.wait_mlflow()
+        except Exception as exc:
+            return f"db cut for {seconds:.0f} s; then {type(exc).__name__}: {exc}"
         return f"db cut for {seconds:.0f} s"
 
     def _restart(self, name: str, sig: signal.Signals, pause: float = 0.0, between: Any = None) -> None:

@@ -99,7 +99,7 @@ def without_packages(path: Path, names: set[str]) -> str:
 
 def lock_cuda_130(upgrade: list[str]) -> None:
     """torch from PyPI (its Linux wheel is the CUDA 13.0 build) with the CUDA libraries it pulls, less what
-    dev.txt already pins (installed from runtime.txt)."""
+    runtime.txt already pins (every image installs that first)."""
     out = LOCK / "torch-cu130.txt"
     with tempfile.TemporaryDirectory() as scratch:
         full = Path(scratch) / "torch-full.txt"
@@ -108,8 +108,10 @@ def lock_cuda_130(upgrade: list[str]) -> None:
         compile_lock(
             ["deploy/lock/torch-cu130.in"], full, "--no-config", "-c", "deploy/lock/dev.txt", *upgrade
         )
-        runtime_packages = locked_names(LOCK / "dev.txt")
-        out.write_text(without_packages(full, runtime_packages))
+        dev_only = locked_names(LOCK / "dev.txt") - locked_names(LOCK / "runtime.txt")
+        if dev_only & locked_names(full):  # an image (runtime.txt) would lack them: install --no-deps
+            sys.exit(f"torch's CUDA build needs {sorted(dev_only & locked_names(full))}, locked for dev only")
+        out.write_text(without_packages(full, locked_names(LOCK / "runtime.txt")))
     if not any(name.startswith("nvidia-cuda-runtime") for name in locked_names(out)):
         sys.exit(f"{out}: PyPI's torch {TORCH_VERSION} pulled no CUDA runtime: is it still the CUDA build?")
 
@@ -143,7 +145,7 @@ def lock_from_torch_index(variant: str) -> None:
             "-c",
             "deploy/lock/dev.txt",
         )
-        out.write_text(without_packages(full, locked_names(LOCK / "dev.txt")))
+        out.write_text(without_packages(full, locked_names(LOCK / "runtime.txt")))
 
 
 def main(argv: list[str] | None = None) -> None:

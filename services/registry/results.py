@@ -129,7 +129,7 @@ class JobResults(RegistryCore):
     def loss_history(self, job_id: int) -> LossHistoryRecord:
         """The loss curve of the job's current attempt (UnknownJobError when there is no such job)."""
         with self._reading() as session:
-            return LossHistoryRecord.of(find_job(session, job_id))
+            return LossHistoryRecord.of(find_job(session, job_id, loss_history=True))
 
     def get_result(self, job_id: int) -> ResultRecord | None:
         """The job's result, or None while it has none."""

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, undefer
 
 from services.registry.actor import current_actor
 from services.registry.errors import (
@@ -83,19 +83,22 @@ def backbone_filter_ids(session: Session, name: str) -> list[int]:
     return list(session.scalars(select(Backbone.id).where(Backbone.name.in_(names))))
 
 
-def find_job(session: Session, job_id: int, *, lock: bool = False) -> Job:
-    """The job of that id, locked `FOR UPDATE` when asked (UnknownJobError when there is none)."""
+def find_job(session: Session, job_id: int, *, lock: bool = False, loss_history: bool = False) -> Job:
+    """The job of that id, locked `FOR UPDATE` when asked (UnknownJobError when there is none); with
+    `loss_history`, its loss curve loaded in the same query (a deferred column)."""
     if isinstance(job_id, bool) or not isinstance(job_id, int):
         raise RegistryValidationError("job_id", f"must be a whole number, got {job_id!r}")
-    job = session.get(Job, job_id, with_for_update=lock or None)
+    options = [undefer(Job.loss_history)] if loss_history else None
+    job = session.get(Job, job_id, with_for_update=lock or None, options=options)
     if job is None:
         raise UnknownJobError(job_id)
     return job
 
 
-def held_job(session: Session, job_id: int, worker_id: str) -> Job:
-    """The job, locked, if `worker_id` holds its lease; LeaseLostError otherwise."""
-    job = find_job(session, job_id, lock=True)
+def held_job(session: Session, job_id: int, worker_id: str, *, loss_history: bool = False) -> Job:
+    """The job, locked, if `worker_id` holds its lease; LeaseLostError otherwise (`loss_history`: see
+    `find_job`)."""
+    job = find_job(session, job_id, lock=True, loss_history=loss_history)
     if job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
         holder = f"held by {job.lease_owner}" if job.lease_owner else "not held by anyone"
         raise LeaseLostError(job_id, f"worker {worker_id!r} does not hold it (it is {job.status}, {holder})")

@@ -111,6 +111,8 @@ def test_the_lock_resolved_torch_as_the_cpu_build_declares_its_dependencies():
     config = tomllib.loads((LOCK / "uv.toml").read_text())
     (torch,) = [entry for entry in config["dependency-metadata"] if entry["name"] == "torch"]
     installed = importlib.metadata.distribution("torch")
+    if not installed.version.endswith("+cpu"):
+        pytest.skip(f"torch {installed.version} here, not the CPU build whose metadata the lock uses")
     declared = [r for r in installed.requires or [] if "extra ==" not in r]
     assert installed.version.split("+")[0] == torch["version"]
     assert {str(Requirement(r)) for r in torch["requires-dist"]} == {str(Requirement(r)) for r in declared}
@@ -118,9 +120,13 @@ def test_the_lock_resolved_torch_as_the_cpu_build_declares_its_dependencies():
         assert requirement.specifier.contains(RUNTIME[canonicalize_name(requirement.name)][0])
 
 
-@pytest.mark.skipif(
-    not (ROOT / ".venv" / ".installed").exists(), reason="an environment not built by `make install`"
-)
+INSTALLED = (
+    ROOT / ".venv" / ".pelt-install"
+)  # what deploy/install.sh installed: "locked|unlocked", the variant
+LOCKED_CPU = INSTALLED.exists() and INSTALLED.read_text().split() == ["locked", "cpu"]
+
+
+@pytest.mark.skipif(not LOCKED_CPU, reason="an environment not built from the lock by `make install`")
 def test_make_install_built_exactly_the_locked_versions():
     for name, (version, _) in DEV.items():
         try:
@@ -169,6 +175,9 @@ def test_the_image_installs_the_lock_before_it_copies_the_source():
 
 
 def test_install_sh_installs_only_hashed_locked_packages_and_refuses_unknown_choices(tmp_path):
+    fake_python = tmp_path / "python3.12"
+    fake_python.write_text('#!/bin/sh\necho "linux x86_64 3.12"\n')
+    fake_python.chmod(0o755)
     script = (DEPLOY / "install.sh").read_text()
     assert 'pip_install --require-hashes --no-deps -r "deploy/lock/$kind.txt"' in script
     assert "--no-deps --no-build-isolation" in script  # pelt itself fetches nothing
@@ -180,6 +189,8 @@ def test_install_sh_installs_only_hashed_locked_packages_and_refuses_unknown_cho
             "TORCH_VARIANT must be cpu, cu130 or cu128",
         ),
         ({}, [str(tmp_path / "v"), "production"], "the lock is dev or runtime"),
+        # another Python than the lock's: refused before a venv is made on it (it would be reused)
+        ({"PYTHON": str(fake_python)}, [str(tmp_path / "v"), "dev"], "'linux x86_64 3.12'"),
     ):
         done = subprocess.run(
             ["bash", str(DEPLOY / "install.sh"), *arguments],
