@@ -38,6 +38,17 @@ T = TypeVar("T")
 UNAVAILABLE_SQLSTATES = ("57P01", "57P02", "57P03")
 OUTAGE_RETRY_FIRST_WAIT, OUTAGE_RETRY_MAX_WAIT = 0.2, 5.0
 CONNECT_TIMEOUT_SECONDS = 10  # PostgreSQL's connect_timeout for the registry's connections
+# A connection whose packets stop being acknowledged (the database's host cut off, not restarted: no reset
+# reaches the client) is closed after this long instead of the kernel's ~15 minutes of retransmissions, so
+# that a heartbeat or a round stuck on it fails as an outage (ridden out, retried) rather than hanging; idle
+# pooled connections are probed by TCP keepalives. libpq's own options; a URL that sets one keeps its value.
+STALLED_CONNECTION_OPTIONS = {
+    "tcp_user_timeout": 30_000,  # ms of unacknowledged data (not a query's duration)
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
 
 SQLITE_BEGIN_OPTION = "pelt_sqlite_begin"
 """Execution option naming the BEGIN mode on SQLite: "DEFERRED" (reads) or "IMMEDIATE" (writes)."""
@@ -80,8 +91,10 @@ def make_engine(
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed, busy_timeout_seconds, **kwargs)
     kwargs.setdefault("pool_pre_ping", True)
-    if "connect_timeout" not in parsed.query:
-        kwargs.setdefault("connect_args", {}).setdefault("connect_timeout", CONNECT_TIMEOUT_SECONDS)
+    connect_args = kwargs.setdefault("connect_args", {})
+    for option, value in {"connect_timeout": CONNECT_TIMEOUT_SECONDS, **STALLED_CONNECTION_OPTIONS}.items():
+        if option not in parsed.query:
+            connect_args.setdefault(option, value)
     kwargs.setdefault("insertmanyvalues_page_size", 50)  # psycopg parses one huge INSERT slowly (big sweeps)
     return create_engine(parsed, **kwargs)
 

@@ -236,3 +236,25 @@ def test_a_dispatcher_never_gives_up_because_the_registry_was_away(ready: Regist
     assert dispatcher.broken is None and not dispatcher.stopped.is_set()
     dispatcher._failing_since = time.monotonic() - 3600
     assert dispatcher._given_up(JobStateError(7, "is cancelled")) is True  # any other registry error counts
+
+
+@pytest.mark.postgres
+def test_registry_connections_to_postgresql_give_up_on_a_stalled_peer_and_probe_idle_ones() -> None:
+    """A cut-off database host resets nothing: without these a query in flight waits out the kernel's
+    retransmissions (about 15 minutes) and a worker's heartbeat hangs instead of failing as an outage."""
+    from tests.registry.conftest import postgres_base_url
+
+    def parameters(url: str) -> dict[str, str]:
+        engine = db_module.make_engine(url)
+        try:
+            with engine.connect() as connection:
+                return connection.connection.driver_connection.info.get_parameters()
+        finally:
+            engine.dispose()
+
+    url = postgres_base_url()
+    given = parameters(url)
+    assert given["tcp_user_timeout"] == "30000" and given["connect_timeout"] == "10"
+    assert (given["keepalives"], given["keepalives_idle"]) == ("1", "30")
+    chosen = parameters(url + ("&" if "?" in url else "?") + "tcp_user_timeout=5000")
+    assert chosen["tcp_user_timeout"] == "5000"  # a URL's own value stays
