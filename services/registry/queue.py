@@ -173,9 +173,8 @@ class JobQueue(RegistryCore):
         points = check_loss_points(progress)
         lease = self._lease(lease_seconds)
         with self._writing() as session:
-            job = held_job(
-                session, job_id, worker_id, loss_history=fraction is not None
-            )  # a report: its curve
+            # a report may add to the loss curve: load it in the same locked read
+            job = held_job(session, job_id, worker_id, loss_history=fraction is not None)
             now = self._now()
             job.lease_expires_at = now + timedelta(seconds=lease)
             job.heartbeat_at = now
