@@ -49,6 +49,9 @@ class TrainConfig:
     # task's metric is kept, and the job's evaluation data becomes its test set, evaluated once at the end
     dev_rows: int | None = None
     patience: int | None = None  # early stopping: dev evaluations without improvement before it stops
+    # under the protocol, whether the test set is evaluated at the end: a search's early rungs turn it off
+    # (they are ranked on the dev split); such a job's result has dev metrics and no test metrics
+    evaluate_test: bool = True
 
     def resolved_learning_rate(self, method_defaults: dict[str, Any]) -> float:
         if self.learning_rate is not None:
@@ -69,6 +72,9 @@ class TrainConfig:
                 bound.check(value, name)
             except LimitError as exc:
                 raise ConfigError(str(exc)) from None
+        for name in BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.bf16 not in ("auto", "true", "false"):
             raise bad("bf16", f"must be auto, true or false, got {self.bf16!r}")
         if self.backbone_dtype not in ("float32", "bfloat16"):
@@ -79,6 +85,10 @@ class TrainConfig:
             raise bad("patience", "early stopping needs a dev split: set dev_rows too")
         if self.dev_rows is not None and not self.eval_every_epoch:
             raise bad("eval_every_epoch", "the study protocol (dev_rows) evaluates its dev split every epoch")
+        if not self.evaluate_test and self.dev_rows is None:
+            raise bad(
+                "evaluate_test", "only the study protocol has a test set to leave out: set dev_rows too"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
@@ -100,6 +110,7 @@ class TrainConfig:
 
 
 TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+BOOL_FIELDS = frozenset({"eval_every_epoch", "evaluate_test"})
 OPTIONAL_FIELDS = frozenset(
     {"learning_rate", "k_shot", "max_steps", "dev_rows", "patience"}
 )  # None: the method's default / all / epochs / no dev split / no early stopping
@@ -176,7 +187,7 @@ def parse_settings(pairs: dict[str, str]) -> dict[str, Any]:
             if train_name in TRAIN_RANGES:
                 optional = train_name in OPTIONAL_FIELDS and stripped.lower() in NULLS
                 values[key] = None if optional else TRAIN_RANGES[train_name].parse(stripped, key)
-            elif train_name == "eval_every_epoch":
+            elif train_name in BOOL_FIELDS:
                 values[key] = as_bool(stripped, key)
             else:
                 spec_name = override_field(key)

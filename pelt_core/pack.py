@@ -16,7 +16,7 @@ tolerance: tests/core/test_pack.py). `pelt_core.train.train` is a pack of one.
 A job with `dev_rows` follows UniPELT's low-resource protocol: its dev split (drawn from the training
 rows by seed) is evaluated every epoch, its best checkpoint by the task's metric is kept, `patience`
 evaluations without improvement stop it early, and its evaluation data, evaluated once with the best
-checkpoint, is its test set.
+checkpoint, is its test set (left out with `evaluate_test=false`: a search's early rungs, ranked on dev).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class Pack:
         task = task or infer_task_fields(train_data)
         test_data, selection = None, None
         if config.dev_rows is not None:  # the study protocol: the evaluation data is the test set
-            test_data = eval_data
+            test_data = eval_data if config.evaluate_test else None
             train_data, eval_data = sample_study_split(
                 train_data, config.k_shot, config.dev_rows, config.seed
             )
@@ -506,6 +506,7 @@ class Pack:
             member.optimizer,
             selection=member.selection,
             test_metrics=test_metrics,
+            test_left_out=member.selection is not None and not member.config.evaluate_test,
         )
 
     def leave(self, member: PackMember) -> None:

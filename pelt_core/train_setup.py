@@ -49,7 +49,8 @@ class TrainResult:
     delta: JobDelta
     task: TaskFields
     # the last evaluation (empty without evaluation data); under the study protocol (`dev_rows`) the test
-    # set's, evaluated with the best checkpoint (the best dev evaluation's when there is no test set)
+    # set's, evaluated with the best checkpoint (the best dev evaluation's when there is no test set; empty
+    # when the job left its test set out: `evaluate_test=false`)
     metrics: dict[str, float]
     history: list[dict[str, Any]] = field(default_factory=list)  # one entry per epoch (the dev split's)
     # the protocol's best dev evaluation, with its "epoch" and "step" (empty without the protocol)
@@ -256,12 +257,15 @@ def finished_result(
     optimizer: torch.optim.Optimizer,
     selection: Selection | None = None,
     test_metrics: dict[str, float] | None = None,
+    test_left_out: bool = False,
 ) -> TrainResult:
     """A finished run's result: the last evaluation's metrics (the protocol's: the test set's, else its best
-    dev evaluation's), the delta's sizes and gates, speed, memory."""
+    dev evaluation's; none when `test_left_out`), the delta's sizes and gates, speed, memory."""
     last = selection.best if selection is not None and selection.best is not None else None
     last = last or (history[-1] if history else {})
     metrics = test_metrics or {k: v for k, v in last.items() if k not in ("epoch", "step")}
+    if test_left_out:
+        metrics = {}
     dev_metrics = dict(selection.best) if selection is not None and selection.best is not None else {}
     counts = delta.parameter_counts()
     device = next(delta.parameters()).device

@@ -428,9 +428,12 @@ class SweepCancelOut(Response):
 class ResultOut(Response):
     job_id: int
     metrics: dict[str, Any] = Field(
-        description="on the task's evaluation split; under the study protocol (dev_rows), its test set"
+        description="on the task's evaluation split; under the study protocol (dev_rows), its test set "
+        "(empty when the job left it out: evaluate_test=false, a method search's early rungs)"
     )
-    primary_metric: float
+    primary_metric: float | None = Field(
+        description="the task's metric in `metrics`; null when the job left its test set out"
+    )
     dev_metrics: dict[str, Any] | None = Field(
         default=None,
         description="the study protocol's best evaluation on its held-out dev split (with its epoch and "

@@ -264,7 +264,11 @@ def _watch(client: PeltClient, ids: list[int]) -> None:
         line = f"job {job.id} {job.method}: {job.status}"
         if job.status == "succeeded":
             result = client.result(job.id)
-            line += f", {client.task(job.task).metric} {result.primary_metric:.4f}"
+            metric = client.task(job.task).metric
+            if result.primary_metric is not None:
+                line += f", {metric} {result.primary_metric:.4f}"
+            else:  # a test set left out (evaluate_test=false): its best dev score
+                line += f", {metric} on dev {result.dev_primary_metric:.4f} (test set left out)"
             if result.device:
                 line += f" on {result.device}"
             if result.job_memory_bytes is not None:

@@ -40,8 +40,8 @@ INTERVAL = "95% Student-t interval of the mean over seeds (needs 2 or more seeds
 TIE_TEST = "Welch's two-sided t-test against the top row: tied when p >= 0.05 (needs 2 or more seeds on both)"
 
 # training hyperparameters that are not part of a configuration: the seed is what rows pool over, K is
-# a configuration's own field
-_NOT_SETTINGS = frozenset({"seed", "k_shot"})
+# a configuration's own field, and whether the test set was evaluated changes nothing trained
+_NOT_SETTINGS = frozenset({"seed", "k_shot", "evaluate_test"})
 # a method spec's fields that describe it without changing what it trains
 _SPEC_LABELS = frozenset({"name", "description", "reference", "defaults"})
 

@@ -275,7 +275,8 @@ class Result(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
     metrics: Mapped[dict[str, Any]]  # on the task's evaluation split (the protocol's test set)
-    primary_metric: Mapped[float] = mapped_column(Float)
+    # None: the job left its test set out (`evaluate_test=false`: a search's early rung, ranked on dev)
+    primary_metric: Mapped[float | None] = mapped_column(Float)
     # the study protocol's best dev evaluation (with its epoch and step); None for a plain job
     dev_metrics: Mapped[dict[str, Any] | None]
     dev_primary_metric: Mapped[float | None] = mapped_column(Float)

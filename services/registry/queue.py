@@ -210,7 +210,8 @@ class JobQueue(RegistryCore):
                 holder = job.status == JobStatus.RUNNING and job.lease_owner == worker_id
                 if not holder and not worker_ever_held(session, job_id, worker_id):
                     raise LeaseLostError(job_id, f"was never held by worker {worker_id!r}")
-                values = check_result(result, self._task_metric(session, job.task_id))
+                test_left_out = (job.train_config or {}).get("evaluate_test") is False
+                values = check_result(result, self._task_metric(session, job.task_id), test_left_out)
                 now = self._now()
                 row = Result(
                     job_id=job.id, worker_id=worker_id, attempt=max(job.attempts, 1), created_at=now, **values

@@ -236,7 +236,7 @@ class ResultRecord:
     id: int
     job_id: int
     metrics: dict[str, Any]
-    primary_metric: float
+    primary_metric: float | None  # None: the job left its test set out (evaluate_test=false)
     trainable_params: int
     total_params: int | None
     trainable_percent: float

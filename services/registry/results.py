@@ -258,8 +258,7 @@ class JobResults(RegistryCore):
             .join(Backbone, Job.backbone_id == Backbone.id)
             .where(Job.task_id == task_row.id, Job.status == JobStatus.SUCCEEDED.value)
         )
-        if split == "dev":
-            query = query.where(Result.dev_primary_metric.is_not(None))
+        query = query.where(value.is_not(None))  # dev: the protocol's runs; test: not a test set left out
         if k_shot == FULL_SET:
             query = query.where(Job.k_shot.is_(None))
         elif k_shot is not None:

@@ -8,7 +8,8 @@ one transaction (a rung's jobs with their trials, or the answer), so calling it 
 service or a second dispatcher, changes nothing twice: the unique (search, configuration, rung, seed) of a
 trial refuses a second copy. The dispatcher calls `advance_searches` on a timer; nothing else is needed for
 a search to run to its end. Rungs rank by the dev split of the study protocol (each job holds out
-`dev_rows` training rows; the task's evaluation split is the test set, read only for the answer).
+`dev_rows` training rows; the task's evaluation split is the test set, evaluated only by the last rung's
+jobs, for the answer: the earlier rungs' jobs leave it out, `evaluate_test=false`).
 """
 
 from __future__ import annotations
@@ -83,8 +84,10 @@ log = logging.getLogger("pelt.registry")
 DEFAULT_SEARCH_METHODS = ("bitfit", "lora", "pfeiffer", "prefix", "unipelt")
 DEFAULT_K = 500
 DEFAULT_DEV_ROWS = 500
-# training hyperparameters a search sets itself: each rung's epochs, the protocol's dev split
-SEARCH_CONTROLLED = frozenset({"epochs", "max_steps", "dev_rows", "patience"})
+# training hyperparameters a search sets itself: each rung's epochs, the protocol's dev split, and whether
+# a job evaluates the test set (only the last rung's: the earlier ones are ranked on dev, and their test
+# evaluation cost as much as a short rung's training)
+SEARCH_CONTROLLED = frozenset({"epochs", "max_steps", "dev_rows", "patience", "evaluate_test"})
 
 
 class Searches(RegistryCore):
@@ -119,7 +122,9 @@ class Searches(RegistryCore):
         controlled = sorted(given[name] for name in SEARCH_CONTROLLED & set(train) if name != "epochs")
         if controlled:
             raise RegistryValidationError(
-                controlled[0], "a search sets it itself (each rung's length, the protocol's dev split)"
+                controlled[0],
+                "a search sets it itself (each rung's length, the protocol's dev split, which rung "
+                "evaluates the test set)",
             )
         full_epochs = float(
             check_range(
@@ -467,6 +472,7 @@ class Searches(RegistryCore):
                 **configuration.hyperparameters,
                 "epochs": step.epochs,
                 "dev_rows": search.dev_rows,
+                "evaluate_test": rung == len(schedule.rungs) - 1,  # earlier rungs are ranked on dev
             }
             split = split_hyperparameters(values)
             planned.extend(

@@ -481,10 +481,11 @@ RESULT_FIELDS = (
 )
 
 
-def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
+def check_result(result: Mapping[str, Any], metric: str, test_left_out: bool = False) -> dict[str, Any]:
     """A worker's result: metrics (with the task's primary metric), sizes, time, memory, the device it
     trained on (text of at most 200 characters, e.g. "cuda:0 (NVIDIA H100 80GB HBM3)"), delta and MLflow
-    ids."""
+    ids. `test_left_out`: the job left its test set out (`evaluate_test=false`): no test metrics, the dev
+    metrics required instead."""
     if not isinstance(result, Mapping):
         raise RegistryValidationError("result", f"expected a mapping, got {type(result).__name__}")
     unknown = sorted(set(result) - set(RESULT_FIELDS))
@@ -497,12 +498,23 @@ def check_result(result: Mapping[str, Any], metric: str) -> dict[str, Any]:
     if not isinstance(metrics, Mapping) or not all(isinstance(k, str) for k in metrics):
         raise RegistryValidationError("result.metrics", "must be a mapping of metric name to value")
     primary = result.get("primary_metric", metrics.get(metric))
-    if primary is None:
+    if test_left_out:
+        if metrics or primary is not None:
+            raise RegistryValidationError(
+                "result.metrics", "the job left its test set out (evaluate_test=false): no test metrics"
+            )
+        if result.get("dev_metrics") is None:
+            raise RegistryValidationError(
+                "result.dev_metrics",
+                "the job left its test set out (evaluate_test=false): its dev metrics are required",
+            )
+    elif primary is None:
         raise RegistryValidationError(
             f"result.metrics.{metric}",
             f"the task's primary metric {metric!r} is missing (have: {', '.join(metrics)})",
         )
-    primary = _number(primary, "result.primary_metric")
+    else:
+        primary = _number(primary, "result.primary_metric")
     dev_metrics, dev_primary = result.get("dev_metrics"), None
     if dev_metrics is not None:
         if not isinstance(dev_metrics, Mapping) or not all(isinstance(k, str) for k in dev_metrics):

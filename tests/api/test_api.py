@@ -759,3 +759,23 @@ def test_pelt_submit_and_sweep_say_before_the_wait_that_a_backbone_registers_on_
         "backbone not-registered-yet is not registered yet: registering it on first use (hashing its weights"
     )
     assert first_use.output.startswith(said)  # before the request that waits (here: refused, not packaged)
+
+
+def test_pelt_watch_gives_the_dev_score_of_a_job_that_left_its_test_set_out(api, toy_task, monkeypatch):
+    from click.testing import CliRunner
+
+    from services.commands import jobs
+
+    monkeypatch.setattr(jobs, "PeltClient", api.client)
+    settings = {"dev_rows": 2, "evaluate_test": False}
+    job = api.registry.submit_job(toy_task, "lora", BACKBONE, settings, k_shot=4)
+    api.registry.claim_job("w")
+    dev = {"accuracy": 0.75, "epoch": 1, "step": 1}
+    api.registry.complete_job(
+        job.id,
+        "w",
+        {"metrics": {}, "dev_metrics": dev, "trainable_params": 1, "total_params": 10, "train_seconds": 1.0},
+    )
+    watched = CliRunner().invoke(jobs.watch_command, [str(job.id)])
+    assert watched.exit_code == 0, watched.output
+    assert f"job {job.id} lora: succeeded, accuracy on dev 0.7500 (test set left out)" in watched.output

@@ -20,7 +20,8 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 
 def finish_rung(api: Api, search_id: int, dev: float = 0.8) -> None:
-    """Complete the search's queued jobs as a worker would, each with a test and a dev score."""
+    """Complete the search's queued jobs as a worker would, each with a dev score and, in the last rung
+    (the only one that evaluates its test set), a test score."""
     search = api.registry.get_search(search_id)
     queued = {t.job_id: t for t in search.trials if t.status == "queued"}
     for number in range(len(queued)):
@@ -29,7 +30,7 @@ def finish_rung(api: Api, search_id: int, dev: float = 0.8) -> None:
         trial = queued[claimed.id]
         score = dev + 0.01 * ((trial.configuration + number) % 3)
         result = {
-            "metrics": {"accuracy": score - 0.05},
+            "metrics": {"accuracy": score - 0.05} if claimed.train_config["evaluate_test"] else {},
             "dev_metrics": {"accuracy": score},
             "trainable_params": 10,
             "total_params": 1000,

@@ -8,6 +8,7 @@ import datasets
 import pytest
 import torch
 
+import pelt_core.pack
 from pelt_core import TrainConfig, get_method
 from pelt_core.config import ConfigError
 from pelt_core.data import DataError, sample_study_split
@@ -103,3 +104,30 @@ def test_a_plain_job_keeps_its_last_evaluation_and_has_no_dev_metrics(make_backb
 def test_the_protocol_evaluates_its_dev_split_every_epoch():
     with pytest.raises(ConfigError, match="eval_every_epoch: the study protocol"):
         TrainConfig(dev_rows=10, eval_every_epoch=False).validate()
+
+
+def test_a_job_that_leaves_its_test_set_out_trains_the_same_and_reports_only_its_dev_metrics(
+    make_backbone, monkeypatch
+):
+    backbone = make_backbone("bert")
+    _, test_set = sample_study_split(table(), 24, 16, seed=0)
+    tested, _ = protocol_job(backbone, test_set, epochs=2)
+    encoded = {}  # the splits each job encoded: one that leaves its test set out never reads it
+    original = pelt_core.pack.encode_split
+    monkeypatch.setattr(
+        pelt_core.pack, "encode_split", lambda *a: encoded.update({a[-1]: a[-2]}) or original(*a)
+    )
+    untested, _ = protocol_job(backbone, test_set, epochs=2, evaluate_test=False)
+    assert encoded["test data"] is None and untested.metrics == {}
+    assert untested.dev_metrics == tested.dev_metrics and untested.history == tested.history
+    assert tested.metrics  # the same job with its test set evaluated it
+    kept, other = untested.delta.state_dict(), tested.delta.state_dict()
+    assert all(torch.equal(kept[name], other[name]) for name in kept)
+
+
+def test_only_the_protocol_can_leave_a_test_set_out_and_the_switch_is_a_boolean():
+    with pytest.raises(ConfigError, match="evaluate_test: only the study protocol has a test set"):
+        TrainConfig(evaluate_test=False).validate()
+    with pytest.raises(ConfigError, match="evaluate_test: must be true or false"):
+        TrainConfig(dev_rows=10, evaluate_test="no").validate()
+    assert TrainConfig.from_dict({"dev_rows": 10, "evaluate_test": "false"}).evaluate_test is False

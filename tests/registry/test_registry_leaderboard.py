@@ -339,3 +339,36 @@ def test_a_ranking_is_kept_while_no_result_is_written_and_the_next_result_is_ran
     assert [row.method for row in ready.leaderboard("sst2")] == ["bitfit", "lora"]
     assert [row.best_job_id for row in ready.leaderboard("sst2")] == [second, first] and len(computed) == 5
     assert next(iter(ready.leaderboard_by_k("sst2").values()))[0].best_job_id == second
+
+
+def test_a_job_that_left_its_test_set_out_ranks_on_dev_only_and_its_result_must_say_so(
+    ready: Registry,
+) -> None:
+    protocol = {"dev_rows": 8, "learning_rate": 1e-3}
+    untested = ready.submit_job(
+        "sst2", "lora", "tiny-bert", protocol | {"evaluate_test": False}, seed=0, k_shot=16
+    )
+    assert ready.claim_job("worker").id == untested.id
+    base = {"trainable_params": 10, "total_params": 1000, "train_seconds": 1.0}
+    dev = {"accuracy": 0.7, "epoch": 1, "step": 2}
+    for wrong, field in (
+        ({"metrics": {"accuracy": 0.9}, "dev_metrics": dev}, "result.metrics"),
+        ({"metrics": {}}, "result.dev_metrics"),
+    ):
+        with pytest.raises(RegistryValidationError) as refused:
+            ready.complete_job(untested.id, "worker", base | wrong)
+        assert refused.value.field == field and ready.get_job(untested.id).status == "running"
+    result = ready.complete_job(untested.id, "worker", base | {"metrics": {}, "dev_metrics": dev})
+    assert (result.primary_metric, result.dev_primary_metric) == (None, 0.7)
+
+    tested = ready.submit_job("sst2", "lora", "tiny-bert", protocol, seed=1, k_shot=16)
+    assert ready.claim_job("worker").id == tested.id
+    ready.complete_job(
+        tested.id, "worker", base | {"metrics": {"accuracy": 0.8}, "dev_metrics": dev | {"accuracy": 0.75}}
+    )
+    (on_test,) = ready.leaderboard("sst2")  # the job without a test metric is not ranked on test
+    assert (on_test.best_job_id, on_test.seeds) == (tested.id, 1)
+    (on_dev,) = ready.leaderboard(
+        "sst2", split="dev"
+    )  # one configuration: leaving the test out is no setting
+    assert (on_dev.seeds, on_dev.mean, on_dev.config_id) == (2, pytest.approx(0.725), on_test.config_id)

@@ -457,3 +457,26 @@ def _token(connection: Connection, name: str, scope: str) -> None:
             name=name, scope=scope, token_hash=name * 8, prefix=name[:8], created_at=datetime.now(UTC)
         )
     )
+
+
+def test_0017_lets_a_result_leave_its_test_metric_out_and_its_downgrade_refuses_while_one_does(
+    ready: Registry, migrated_url: str
+) -> None:
+    job = ready.submit_job(
+        "sst2", "lora", "tiny-bert", {"dev_rows": 8, "evaluate_test": False}, seed=0, k_shot=16
+    )
+    ready.claim_job("worker")
+    result = {"metrics": {}, "dev_metrics": {"accuracy": 0.7}, "trainable_params": 1, "train_seconds": 1.0}
+    ready.complete_job(job.id, "worker", result | {"total_params": 10})
+    ready.close()
+    with pytest.raises(RuntimeError, match=r"1 result\(s\) have no test metric .*evaluate_test=false"):
+        db.downgrade(migrated_url, "0016")
+    with db.connect(migrated_url) as engine:
+        assert db.current_revision(engine) == db.head_revision()  # refused before anything changed
+    with db.connect(migrated_url) as engine, engine.begin() as connection:
+        connection.execute(text("DELETE FROM results WHERE primary_metric IS NULL"))
+    db.downgrade(migrated_url, "0016")
+    with db.connect(migrated_url) as engine:
+        (column,) = [c for c in inspect(engine).get_columns("results") if c["name"] == "primary_metric"]
+    assert column["nullable"] is False
+    db.upgrade(migrated_url, "head")

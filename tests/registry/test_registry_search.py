@@ -100,9 +100,10 @@ def test_survivors_are_the_best_by_the_metrics_direction_and_a_failed_job_ranks_
 # --- a search through the registry ---------------------------------------------------------------
 
 
-def result(test: float, dev: float) -> dict:
+def result(test: float, dev: float, tested: bool = True) -> dict:
+    """A worker's result; `tested`: the job evaluated its test set (an early rung's job leaves it out)."""
     return {
-        "metrics": {"accuracy": test},
+        "metrics": {"accuracy": test} if tested else {},
         "dev_metrics": {"accuracy": dev, "loss": 0.5, "epoch": 1, "step": 3},
         "trainable_params": 10,
         "total_params": 1000,
@@ -123,7 +124,8 @@ def run_rung(registry: Registry, search_id: int, score, fail: set[int] = frozens
             registry.fail_job(trial.job_id, "w", "RuntimeError: diverged", retryable=False)
         else:
             dev = score(trial)
-            registry.complete_job(trial.job_id, "w", result(test=dev - 0.05, dev=dev))
+            tested = claimed.train_config["evaluate_test"]
+            registry.complete_job(trial.job_id, "w", result(test=dev - 0.05, dev=dev, tested=tested))
     return trials
 
 
@@ -153,6 +155,7 @@ def test_a_search_queues_its_first_rung_with_the_protocols_dev_split_and_shorter
         ({"k_shot": 36}, "k_shot"),
         ({"k_shot": 30, "dev_rows": 10}, "dev_rows"),
         ({"hyperparameters": {"max_steps": 5}}, "max_steps"),
+        ({"hyperparameters": {"evaluate_test": True}}, "evaluate_test"),
         ({"methods": ["bitfit"], "hyperparameters": {"lr": 1e-3}}, "hyperparameters"),
         ({"seeds": 1}, "seeds"),
     ],
@@ -179,6 +182,12 @@ def test_a_search_promotes_the_best_and_chooses_by_the_mean_over_its_last_rungs_
     best = max(first, key=by_rate)
     final = ready.get_search(search.id)
     assert final.rung == 1
+    # the first rung was ranked on dev and left its test set out; the last rung evaluates it
+    assert all(ready.get_job(t.job_id).train_config["evaluate_test"] is False for t in first)
+    assert all(t.test is None and t.dev is not None for t in final.trials if t.rung == 0)
+    assert all(ready.get_job(t.job_id).train_config["evaluate_test"] for t in final.trials if t.rung == 1)
+    assert ready.leaderboard("sst2") == []  # no test metric yet: nothing to rank on the test split
+    assert len(ready.leaderboard("sst2", split="dev")) == 4  # the first rung's four configurations
     assert [(t.configuration, t.seed) for t in final.trials if t.rung == 1] == [
         (best.configuration, 3),
         (best.configuration, 4),
@@ -201,8 +210,12 @@ def test_a_search_promotes_the_best_and_chooses_by_the_mean_over_its_last_rungs_
     assert chosen["ci_low"] < chosen["test_mean"] < chosen["ci_high"]
     assert done.spent == pytest.approx(done.planned_cost)
     assert [point["spent"] for point in done.best_so_far] == sorted(p["spent"] for p in done.best_so_far)
-    (row,) = [row for row in ready.leaderboard("sst2") if row.config_id == chosen["config_id"]]
-    assert (row.seeds, row.mean) == (3, pytest.approx(chosen["test_mean"]))
+    (row,) = ready.leaderboard("sst2")  # only the last rung evaluated the test set
+    assert (row.config_id, row.seeds, row.mean) == (
+        chosen["config_id"],
+        3,
+        pytest.approx(chosen["test_mean"]),
+    )
 
 
 def test_a_restarted_service_resumes_a_search_from_the_registry(ready: Registry):
