@@ -62,7 +62,8 @@ def markdown(search: SearchOut) -> str:
         "",
         f"- status: {search.status}" + (f" ({_text(search.last_error)})" if search.last_error else ""),
         f"- backbone {_text(search.backbone)}, K={search.k_shot} training rows, a dev split of {search.dev_rows} rows",
-        f"- metric: {search.metric} ({better} is better); rungs rank by the dev split, the answer reports the test split",
+        f"- metric: {search.metric} ({better} is better); rungs rank by the dev split, the answer reports the test split "
+        "(only the last rung's jobs evaluate it)",
         f"- methods: {', '.join(search.methods)}; fixed: {_text(settings_text(search.hyperparameters)) or 'nothing'}",
         f"- budget: {search.spent:.2f} of {search.budget:g} full-job equivalents spent "
         f"({search.planned_cost:.2f} planned), {search.configurations} configurations drawn",

@@ -7,7 +7,9 @@ in dev leaderboards and in its search, never in the test leaderboard, the `best`
 name.
 
 Downgrade makes the column required again; it refuses while results without a test metric exist (it would
-have to invent their value), naming how many.
+have to invent their value), naming their jobs. It also takes `evaluate_test` out of the jobs' settings
+(`train_config`, `hyperparameters`), where every job since this revision has it: code of revision 0016
+knows no such setting, and would refuse those jobs.
 
 Revision ID: 0017
 Revises: 0016
@@ -33,11 +35,35 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    untested = op.get_bind().scalar(sa.text("SELECT count(*) FROM results WHERE primary_metric IS NULL"))
+    untested = op.get_bind().scalars(sa.text("SELECT job_id FROM results WHERE primary_metric IS NULL")).all()
     if untested:
-        raise RuntimeError(
-            f"{untested} result(s) have no test metric (jobs run with evaluate_test=false, e.g. a method "
-            "search's early rungs): revision 0016 requires one; delete those jobs' results first"
+        shown = ", ".join(str(job_id) for job_id in sorted(untested)[:20]) + (
+            ", ..." if len(untested) > 20 else ""
         )
+        raise RuntimeError(
+            f"{len(untested)} result(s) have no test metric: jobs {shown} ran with evaluate_test=false (a "
+            "method search's early rungs), and revision 0016 requires a test metric. Nothing was changed. "
+            "To go back all the same, delete those results by hand (DELETE FROM results WHERE primary_metric "
+            "IS NULL): their jobs then stay succeeded without a result, on no leaderboard"
+        )
+    jobs = sa.table(
+        "jobs",
+        sa.column("id", sa.Integer),
+        sa.column("train_config", sa.JSON),
+        sa.column("hyperparameters", sa.JSON),
+    )
+    bind = op.get_bind()
+    for job_id, config, given in bind.execute(
+        sa.select(jobs.c.id, jobs.c.train_config, jobs.c.hyperparameters)
+    ):
+        if "evaluate_test" in (config or {}) or "evaluate_test" in (given or {}):
+            bind.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id)
+                .values(
+                    train_config={k: v for k, v in config.items() if k != "evaluate_test"},
+                    hyperparameters={k: v for k, v in (given or {}).items() if k != "evaluate_test"},
+                )
+            )
     with op.batch_alter_table("results") as batch:
         batch.alter_column("primary_metric", existing_type=sa.Float(), nullable=False)

@@ -205,7 +205,10 @@ class SearchTrialOut(Response):
     job_id: int
     status: str
     dev: float | None = Field(description="the dev split's primary metric: what the rungs rank by")
-    test: float | None = Field(description="the evaluation split's primary metric")
+    test: float | None = Field(
+        description="the evaluation split's primary metric; null for the rungs before the last (their jobs "
+        "leave the test set out)"
+    )
     cost: float = Field(description="full-job equivalents")
     finished_at: datetime | None
 

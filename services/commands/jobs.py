@@ -316,6 +316,8 @@ def result_command(job_id: int, as_json: bool) -> None:
         click.echo(result.model_dump_json(indent=2))
         return
     metrics = ", ".join(f"{name} {value:.4f}" for name, value in result.metrics.items() if _number(value))
+    if result.primary_metric is None:
+        metrics = "no test metrics: the job left its test set out (evaluate_test=false)"
     click.echo(f"job {result.job_id} (attempt {result.attempt}): {metrics}")
     if result.dev_metrics:
         dev = ", ".join(f"{name} {value:.4f}" for name, value in result.dev_metrics.items() if _number(value))

@@ -97,6 +97,11 @@ def study_command(
         if folder:
             folders[name.strip()] = folder
     training = parse_set_options(settings)
+    if "evaluate_test" in training:
+        raise click.BadParameter(
+            "a study reports every run's test score: its jobs always evaluate the test set",
+            param_hint="--set",
+        )
     epochs_by_k: dict[int, float] = {}
     k_list = tuple(parse_ints(k_values, "--k"))
     if epochs is not None:

@@ -23,6 +23,7 @@ from services.delta_store.values import (
     TAG_ARTIFACT_PATH,
     TAG_KIND,
     TAG_METHOD,
+    TAG_METRIC_VALUE,
     TAG_SHA256,
     DeltaRef,
     VersionInfo,
@@ -90,9 +91,14 @@ class ReadMixin(AliasMixin):
                 latest = None if ref.alias is not None else self._latest_composition(model)
                 if latest is not None:
                     return self._info(latest, self._aliases_by_version(registered))
-                versions = [str(v.version) for v in self._versions(model)]
+                found = self._versions(model)
+                versions = [str(v.version) for v in found]
+                # a search's early rungs store versions with no test metric: none of them is ranked yet
+                unranked = bool(found) and not any(TAG_METRIC_VALUE in (v.tags or {}) for v in found)
                 hint = (
-                    f" (its versions: {', '.join(versions)}; pick one with version=...)"
+                    f" (its versions: {', '.join(versions)}"
+                    + ("; none has a test metric to be ranked by yet" if unranked else "")
+                    + "; pick one with version=...)"
                     if versions
                     else " (it has no versions yet)"
                 )

@@ -155,8 +155,8 @@ class JobResults(RegistryCore):
         seeds pooled: mean, std and 95% interval over seeds, whether it is separable from the top row,
         the best run and its delta, trainable percentage and median train time (how: the module
         services.registry.leaderboard). Ranked by the mean over seeds (`order_by="best"`: by the best
-        run) in the metric's direction; ties go to fewer trainable parameters. `split`: rank by the metric on the task's evaluation split ("test") or on
-        the study protocol's dev split ("dev": only jobs that had one). `exclude_job_ids`: jobs left out
+        run) in the metric's direction; ties go to fewer trainable parameters. `split`: rank by the metric on the task's evaluation split ("test": not the jobs that left it
+        out, `evaluate_test=false`) or on the study protocol's dev split ("dev": only jobs that had one). `exclude_job_ids`: jobs left out
         (the delta store's archived versions, for its aliases)."""
         if k_shot is not None and k_shot != FULL_SET:
             check_int(k_shot, "k_shot", minimum=1)
@@ -177,7 +177,7 @@ class JobResults(RegistryCore):
         self, task: str, *, backbone: str | None = None, order_by: OrderBy = "mean", split: Split = "test"
     ) -> dict[int | None, list[LeaderboardRow]]:
         """The task's leaderboard for each K its succeeded jobs used, in one read: K ascending, None (the
-        full training set) last; {} while no job has succeeded."""
+        full training set) last; {} while no job has succeeded with a score on `split`."""
         _check_order(order_by)
         return self._ranked(
             ("by_k", task, backbone, order_by, split),

@@ -501,7 +501,9 @@ def check_result(result: Mapping[str, Any], metric: str, test_left_out: bool = F
     if test_left_out:
         if metrics or primary is not None:
             raise RegistryValidationError(
-                "result.metrics", "the job left its test set out (evaluate_test=false): no test metrics"
+                "result.primary_metric" if "primary_metric" in result else "result.metrics",
+                "the job left its test set out (evaluate_test=false): it has no test metrics "
+                f"(got: {', '.join(metrics) or 'primary_metric'})",
             )
         if result.get("dev_metrics") is None:
             raise RegistryValidationError(

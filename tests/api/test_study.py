@@ -192,6 +192,17 @@ def test_study_refuses_epochs_it_cannot_read_before_it_calls_the_service(epochs:
     assert answer.exit_code == 2 and message in answer.output
 
 
+def test_study_refuses_to_leave_the_test_set_out_before_it_calls_the_service():
+    from click.testing import CliRunner
+
+    from services.commands.study import study_command
+
+    answer = CliRunner().invoke(
+        study_command, ["--task", "sst2", "--k", "100", "--set", "evaluate_test=false", "--out", "unused"]
+    )
+    assert answer.exit_code == 2 and "a study reports every run's test score" in answer.output
+
+
 def test_a_study_extended_by_a_method_queues_only_that_methods_jobs(
     api: Api, client: PeltClient, sst2_folder: Path
 ):

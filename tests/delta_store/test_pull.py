@@ -11,7 +11,7 @@ from pelt_core.testing import tiny_bert
 from services.delta_store import DeltaIntegrityError, DeltaNotFoundError, MlflowDeltaStore
 from services.delta_store.values import TAG_SHA256
 
-from .conftest import SST2_TEXTS, logits_of, run_job
+from .conftest import BACKBONE, SST2_TEXTS, TRAINING, WORKER, job_spec, logits_of, run_job
 
 
 def test_pull_by_task_name_returns_the_trained_models_logits(store, registry, trained, backbone):
@@ -128,3 +128,22 @@ def test_a_delta_is_refused_by_another_backbone(store, registry, trained, tmp_pa
     other = tiny_bert(str(tmp_path), seed=1)  # same shapes, other weights: another content hash
     with pytest.raises(DeltaError, match="trained on backbone"):
         store.pull("sst2", backbone=other)
+
+
+def test_versions_without_a_test_metric_are_never_the_best_and_pulling_best_says_why(
+    store, registry, trained
+):
+    delta = trained["lora-0"]
+    settings = {**TRAINING, "dev_rows": 4, "evaluate_test": False}  # as a search's early rung
+    job_id = registry.submit_job(delta.task, delta.method, BACKBONE, settings, seed=delta.seed).id
+    assert registry.claim_job(WORKER).id == job_id
+    dev_only = {**delta.result, "metrics": {}, "dev_metrics": {"accuracy": 0.9}}
+    store.complete_job(job_spec(registry, job_id), WORKER, delta.folder, dev_only, delta.history)
+    assert registry.get_job(job_id).status == "succeeded"
+    with pytest.raises(
+        DeltaNotFoundError, match="its versions: 1; none has a test metric to be ranked by yet"
+    ):
+        store.pull("sst2")
+    assert store.get_version("sst2/1").version == "1"  # still pulled by its number
+    run_job(store, registry, trained["lora-1"], accuracy=0.6)  # a worse dev score, but a test metric
+    assert store.get_version("sst2").version == "2"

@@ -372,3 +372,22 @@ def test_a_job_that_left_its_test_set_out_ranks_on_dev_only_and_its_result_must_
         "sst2", split="dev"
     )  # one configuration: leaving the test out is no setting
     assert (on_dev.seeds, on_dev.mean, on_dev.config_id) == (2, pytest.approx(0.725), on_test.config_id)
+
+
+def test_a_job_from_before_evaluate_test_existed_must_still_report_its_test_metric(
+    ready: Registry, migrated_url: str
+) -> None:
+    import sqlalchemy as sa
+
+    from services.registry import db
+
+    job = ready.submit_job("sst2", "lora", "tiny-bert", {"dev_rows": 8}, k_shot=16)
+    jobs = sa.table("jobs", sa.column("id", sa.Integer), sa.column("train_config", sa.JSON))
+    config = {k: v for k, v in ready.get_job(job.id).train_config.items() if k != "evaluate_test"}
+    with db.connect(migrated_url) as engine, engine.begin() as connection:  # as a job queued before 0017
+        connection.execute(jobs.update().where(jobs.c.id == job.id).values(train_config=config))
+    assert "evaluate_test" not in ready.get_job(job.id).train_config
+    ready.claim_job("worker")
+    dev_only = {"metrics": {}, "dev_metrics": {"accuracy": 0.7}, "trainable_params": 1, "total_params": 10}
+    with pytest.raises(RegistryValidationError, match="primary metric 'accuracy' is missing"):
+        ready.complete_job(job.id, "worker", dev_only | {"train_seconds": 1.0})

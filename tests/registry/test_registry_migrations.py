@@ -462,14 +462,23 @@ def _token(connection: Connection, name: str, scope: str) -> None:
 def test_0017_lets_a_result_leave_its_test_metric_out_and_its_downgrade_refuses_while_one_does(
     ready: Registry, migrated_url: str
 ) -> None:
-    job = ready.submit_job(
-        "sst2", "lora", "tiny-bert", {"dev_rows": 8, "evaluate_test": False}, seed=0, k_shot=16
-    )
+    settings = {"dev_rows": 8}
+    untested = ready.submit_job("sst2", "lora", "tiny-bert", settings | {"evaluate_test": False}, k_shot=16)
+    tested = ready.submit_job("sst2", "lora", "tiny-bert", settings, seed=1, k_shot=16)
+    result = {
+        "dev_metrics": {"accuracy": 0.7},
+        "trainable_params": 1,
+        "total_params": 10,
+        "train_seconds": 1.0,
+    }
     ready.claim_job("worker")
-    result = {"metrics": {}, "dev_metrics": {"accuracy": 0.7}, "trainable_params": 1, "train_seconds": 1.0}
-    ready.complete_job(job.id, "worker", result | {"total_params": 10})
+    ready.complete_job(untested.id, "worker", result | {"metrics": {}})
+    ready.claim_job("worker")
+    ready.complete_job(tested.id, "worker", result | {"metrics": {"accuracy": 0.8}})
     ready.close()
-    with pytest.raises(RuntimeError, match=r"1 result\(s\) have no test metric .*evaluate_test=false"):
+    with pytest.raises(
+        RuntimeError, match=rf"1 result\(s\) have no test metric: jobs {untested.id} ran with"
+    ):
         db.downgrade(migrated_url, "0016")
     with db.connect(migrated_url) as engine:
         assert db.current_revision(engine) == db.head_revision()  # refused before anything changed
@@ -479,4 +488,9 @@ def test_0017_lets_a_result_leave_its_test_metric_out_and_its_downgrade_refuses_
     with db.connect(migrated_url) as engine:
         (column,) = [c for c in inspect(engine).get_columns("results") if c["name"] == "primary_metric"]
     assert column["nullable"] is False
+    assert _rows(migrated_url, "results", "job_id", "primary_metric") == {(tested.id, 0.8)}  # kept
+    # revision 0016's code knows no `evaluate_test` setting: it is gone from every job
+    with db.connect(migrated_url) as engine, engine.begin() as connection:
+        settings_rows = connection.execute(text("SELECT train_config, hyperparameters FROM jobs")).all()
+    assert all("evaluate_test" not in str(row) for row in settings_rows) and len(settings_rows) == 2
     db.upgrade(migrated_url, "head")

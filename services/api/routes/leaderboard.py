@@ -58,7 +58,8 @@ def leaderboard_by_k(
     order_by: RankOrder = "mean",
 ) -> Any:
     """The leaderboard of each K the task's succeeded jobs used, K ascending; `k_shot` null here is the
-    runs on the full training set (last). An empty list while no job has succeeded."""
+    runs on the full training set (last). An empty list while no job has succeeded with a score on `split`
+    (on the test split: jobs that left their test set out, a search's early rungs, are not ranked)."""
     return boards_by_k(operations, name, backbone, split, order_by)
 
 
