@@ -761,7 +761,9 @@ def test_pelt_submit_and_sweep_say_before_the_wait_that_a_backbone_registers_on_
     assert first_use.output.startswith(said)  # before the request that waits (here: refused, not packaged)
 
 
-def test_pelt_watch_gives_the_dev_score_of_a_job_that_left_its_test_set_out(api, toy_task, monkeypatch):
+def test_pelt_watch_and_result_give_the_dev_score_of_a_job_that_left_its_test_set_out(
+    api, toy_task, monkeypatch
+):
     from click.testing import CliRunner
 
     from services.commands import jobs
@@ -779,3 +781,7 @@ def test_pelt_watch_gives_the_dev_score_of_a_job_that_left_its_test_set_out(api,
     watched = CliRunner().invoke(jobs.watch_command, [str(job.id)])
     assert watched.exit_code == 0, watched.output
     assert f"job {job.id} lora: succeeded, accuracy on dev 0.7500 (test set left out)" in watched.output
+    shown = CliRunner().invoke(jobs.result_command, [str(job.id)])
+    assert shown.exit_code == 0, shown.output
+    assert "no test metrics: the job left its test set out (evaluate_test=false)" in shown.output
+    assert "dev (the kept checkpoint): accuracy 0.7500" in shown.output
