@@ -263,9 +263,10 @@ def finished_result(
     dev evaluation's; none when `test_left_out`), the delta's sizes and gates, speed, memory."""
     last = selection.best if selection is not None and selection.best is not None else None
     last = last or (history[-1] if history else {})
-    metrics = test_metrics or {k: v for k, v in last.items() if k not in ("epoch", "step")}
     if test_left_out:
         metrics = {}
+    else:
+        metrics = test_metrics or {k: v for k, v in last.items() if k not in ("epoch", "step")}
     dev_metrics = dict(selection.best) if selection is not None and selection.best is not None else {}
     counts = delta.parameter_counts()
     device = next(delta.parameters()).device
